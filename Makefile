@@ -1,0 +1,61 @@
+# Two commands do all the set-up on a fresh machine: `make app` and `make test`.
+# GPU users: make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126' ...
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PORT ?= 8501
+
+.PHONY: install dev app lab test test-fast lessons lessons-check bench chromium clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, from TORCH_SPEC: a bare `torch` would resolve to a multi-GB CUDA build
+	$(PIP) install -q $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base pyproject.toml
+	$(PIP) install -q -e '.[app,lab]'
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.installed
+	$(PIP) install -q -e '.[app,lab,dev]'
+	touch $@
+
+install: $(VENV)/.installed
+dev: $(VENV)/.dev
+
+app: $(VENV)/.installed
+	$(VENV)/bin/streamlit run app/streamlit_app.py --server.address 127.0.0.1 \
+		--server.port $(PORT) --server.headless true --browser.gatherUsageStats false
+
+lab: $(VENV)/.installed
+	$(VENV)/bin/jupyter lab lessons/
+
+# Debian's chromium for the browser tests. Installed when missing and we may (root + apt);
+# otherwise the browser tests say why and skip. CI (CI=true) requires it.
+chromium:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) \
+		|| echo "chromium could not be installed: browser tests will skip"; \
+	else echo "chromium not installed and cannot install it here: browser tests will skip"; fi
+	@if [ "$$CI" = true ] && ! command -v chromium >/dev/null 2>&1; then echo "CI needs chromium"; exit 1; fi
+
+test: $(VENV)/.dev chromium
+	$(PY) tools/make_lessons.py --check
+	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.dev
+	$(PY) -m pytest -q -m "not browser and not notebooks"
+
+lessons: $(VENV)/.dev
+	$(PY) tools/make_lessons.py
+
+bench: $(VENV)/.installed
+	$(PY) -m parallel_mini.bench dp
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,100 @@
+"""Command line: `python -m parallel_mini run --dp 4 --reference --json -` (see DESIGN.md's run contract).
+
+Every RunConfig field is a flag (`--d-model`, `--bucket-mb`, ...). A bad value prints one line naming
+the field and the fix and exits 2 before any rank starts; a failed run prints the failing rank's
+error and exits 1. Under torchrun every rank runs this and rank 0 prints the report.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from .config import ConfigError, RunConfig
+
+_HELP = {
+    "dp": "data-parallel degree", "tp": "tensor-parallel degree", "pp": "pipeline stages",
+    "cp": "context-parallel degree", "ep": "expert-parallel degree",
+    "dp_mode": "naive: all-reduce each gradient after backward; bucketed: overlap with backward",
+    "bucket_mb": "bucket size in MB for --dp-mode bucketed", "grad_accum": "micro-steps per step",
+    "batch": "global batch (sequences per step)", "steps": "optimizer steps",
+    "timeout_s": "seconds before a hung run is killed",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="parallel-mini", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train the tiny GPT on N ranks and report what was measured")
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            run.add_argument(flag, action="store_true", help="compare with the single-process reference"
+                             if f.name == "reference" else None)
+        else:
+            typ = {"int": int, "float": float, "str": str}[str(f.type)]
+            run.add_argument(flag, type=typ, default=f.default, help=_HELP.get(f.name))
+    run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
+    run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
+    return ap
+
+
+def _summary(report) -> str:
+    lines = [f"world size {report.world_size}  losses " + " ".join(f"{x:.4f}" for x in report.losses)]
+    if report.max_abs_diff is not None:
+        lines.append(f"max |ours - reference| = {report.max_abs_diff:.2e} "
+                     f"(losses {report.max_abs_diff_detail['losses']:.1e}, "
+                     f"params {report.max_abs_diff_detail['params']:.1e})")
+    measured, predicted = report.wire_bytes_per_step(), report.theory["wire_bytes_per_step"]
+    for group, pred in predicted.items():
+        lines.append(f"wire bytes/step on {group}: measured {measured.get(group, 0):,.0f}  "
+                     f"theory {pred:,.0f}")
+    m = report.ranks[0]["memory"]
+    lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    try:
+        cfg = RunConfig(**values, extra={"progress": args.progress}).validate()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .engine import run  # imported late: a bad flag answers without loading torch.distributed
+    from .launch import RankError
+    from .launch import under_torchrun
+    try:
+        report = run(cfg)
+    except RankError as e:
+        print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
+        return 1
+    if under_torchrun():
+        import torch.distributed as dist
+        if dist.get_rank() != 0:
+            return 0
+    if args.json == "-":
+        print(report.to_json())
+    elif args.json:
+        with open(args.json, "w") as fh:
+            fh.write(report.to_json(indent=1))
+        print(_summary(report))
+    else:
+        print(_summary(report))
+    return 0
+
+
+def _entry() -> None:
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # e.g. `... --json - | head`: the reader left, nothing to report
+        sys.stderr.close()
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    _entry()

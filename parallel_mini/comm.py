@@ -1,0 +1,212 @@
+"""Collectives that keep a record of themselves, and ring all-reduce written on send/recv.
+
+Every call through `Comm` appends one record: op, group (a mesh axis), count (elements), payload
+bytes S, wire bytes (what this rank sends under the ring algorithm, `theory.wire_bytes`), the step,
+and wall/CPU time. Lessons and the app read these records; tests compare them with theory.
+
+Asynchronous calls return a handle whose completion time is taken by a callback when the backend
+finishes, not when someone waits: that is what makes overlap with backward visible.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import theory
+from .mesh import Mesh
+
+
+class _Handle:
+    """Wraps a torch.distributed Work; records when the op really completed."""
+
+    def __init__(self, work, record: dict):
+        self.work, self.record = work, record
+        fut = work.get_future() if hasattr(work, "get_future") else None
+        if fut is not None:
+            fut.then(self._done)
+
+    def _done(self, fut):
+        self.record["end"] = time.perf_counter()
+        return None
+
+    def wait(self):
+        self.work.wait()
+        self.record.setdefault("end", time.perf_counter())
+        self.record["waited_until"] = time.perf_counter()
+
+
+class Comm:
+    """Recorded collectives over the axes of a Mesh. One per rank; pass it explicitly."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.records: list[dict] = []
+        self.step = 0  # set by the training loop; "setup" records use -1
+        self.p2p_log: list[dict] = []  # every send, in order, with the first element (see ring)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def size(self, axis: str) -> int:
+        return self.mesh.size(axis)
+
+    def rank(self, axis: str) -> int:
+        return self.mesh.local_rank(axis)
+
+    def _record(self, op, axis, tensor_or_bytes, count, wire, **extra) -> dict:
+        payload = tensor_or_bytes if isinstance(tensor_or_bytes, int) else \
+            tensor_or_bytes.numel() * tensor_or_bytes.element_size()
+        rec = {"op": op, "group": axis, "count": count, "payload_bytes": payload,
+               "wire_bytes": wire, "step": self.step, "start": time.perf_counter(), **extra}
+        self.records.append(rec)
+        return rec
+
+    def _finish(self, rec, work, async_op, cpu0):
+        rec["cpu"] = time.thread_time() - cpu0
+        if async_op:
+            return _Handle(work, rec)
+        rec["end"] = time.perf_counter()
+        return None
+
+    def _collective(self, op, axis, payload_tensor, count, call, async_op, rank_in_chain=0,
+                    tags=None):
+        n = self.size(axis)
+        nbytes = payload_tensor.numel() * payload_tensor.element_size()
+        rec = self._record(op, axis, payload_tensor, count,
+                           theory.wire_bytes(op, nbytes, n, rank_in_chain), async_op=async_op,
+                           **(tags or {}))
+        if n == 1:  # a group of one: nothing moves (the copies above did the work)
+            rec["end"], rec["cpu"] = time.perf_counter(), 0.0
+            return _Done() if async_op else None
+        cpu0 = time.thread_time()
+        work = call(self.mesh.groups[axis])
+        return self._finish(rec, work, async_op, cpu0)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, tensor, axis: str, op=dist.ReduceOp.SUM, async_op=False, **tags):
+        """In place: every rank ends with the sum. Payload S = the tensor."""
+        return self._collective("all_reduce", axis, tensor, tensor.numel(),
+                                lambda g: dist.all_reduce(tensor, op=op, group=g, async_op=async_op),
+                                async_op, tags=tags)
+
+    def all_gather(self, output, tensor, axis: str, async_op=False, **tags):
+        """output = concat of every rank's `tensor` along dim 0. Payload S = the output."""
+        if self.size(axis) == 1:
+            output.copy_(tensor)
+        return self._collective("all_gather", axis, output, output.numel(),
+                                lambda g: dist.all_gather_into_tensor(output, tensor, group=g,
+                                                                      async_op=async_op), async_op, tags=tags)
+
+    def reduce_scatter(self, output, tensor, axis: str, op=dist.ReduceOp.SUM, async_op=False, **tags):
+        """output = this rank's 1/N slice of the sum of every rank's `tensor`. Payload S = input."""
+        if self.size(axis) == 1:
+            output.copy_(tensor)
+        return self._collective("reduce_scatter", axis, tensor, tensor.numel(),
+                                lambda g: dist.reduce_scatter_tensor(output, tensor, op=op, group=g,
+                                                                     async_op=async_op), async_op, tags=tags)
+
+    def all_to_all(self, output, tensor, axis: str, out_splits=None, in_splits=None, async_op=False, **tags):
+        """Rank i's j-th slice goes to rank j's i-th slot. Payload S = this rank's input."""
+        if self.size(axis) == 1:
+            output.copy_(tensor)
+        return self._collective("all_to_all", axis, tensor, tensor.numel(),
+                                lambda g: dist.all_to_all_single(output, tensor, out_splits,
+                                                                 in_splits, group=g,
+                                                                 async_op=async_op), async_op, tags=tags)
+
+    def broadcast(self, tensor, axis: str, src: int = 0, async_op=False, **tags):
+        """Every rank gets `src`'s tensor (src is the axis-local rank). Payload S = the tensor."""
+        n = self.size(axis)
+        chain_pos = (self.rank(axis) - src) % n if n > 1 else 0
+        return self._collective("broadcast", axis, tensor, tensor.numel(),
+                                lambda g: dist.broadcast(tensor, self.mesh.global_rank(axis, src),
+                                                         group=g, async_op=async_op),
+                                async_op, rank_in_chain=chain_pos, tags=tags)
+
+    # -- point to point ------------------------------------------------------------------------
+    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, axis: str,
+                 **log):
+        """Send `send` to axis-rank `dst` while receiving `recv` from axis-rank `src`.
+
+        Posting both before waiting is what lets a ring of blocking ranks make progress. Any
+        keyword arguments (step, phase, chunk...) are kept in the send's log entry."""
+        rec = self._record("send", axis, send, send.numel(), theory.wire_bytes(
+            "send", send.numel() * send.element_size(), self.size(axis)), peer=dst)
+        self._record("recv", axis, recv, recv.numel(), 0, peer=src)
+        cpu0 = time.thread_time()
+        g = self.mesh.groups[axis]
+        ops = [dist.P2POp(dist.isend, send, self.mesh.global_rank(axis, dst), g),
+               dist.P2POp(dist.irecv, recv, self.mesh.global_rank(axis, src), g)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        self._finish(rec, None, False, cpu0)
+        self.records[-1]["end"] = rec["end"]
+        self.p2p_log.append({"seq": len(self.p2p_log), "src": self.rank(axis), "dst": dst,
+                             "numel": send.numel(), "bytes": rec["payload_bytes"],
+                             "start": rec["start"], "end": rec["end"],
+                             "peek": _peek(send), **log})
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+def _peek(t: torch.Tensor):
+    """The first element of an integer message: lets a probe run decode what was sent (ring)."""
+    if t.numel() and not t.is_floating_point() and not t.is_complex():
+        return int(t.reshape(-1)[0])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring all-reduce (Patarasuk & Yuan, 2009; popularised for deep learning by Baidu, 2017)
+# ---------------------------------------------------------------------------------------------
+def ring_all_reduce(x: torch.Tensor, comm: Comm, axis: str = "dp") -> torch.Tensor:
+    """Sum `x` in place over the ranks of `axis`, using only send/recv to ring neighbours.
+
+    The tensor is cut into N chunks (sizes differ by at most one element when N does not divide
+    it). Phase 1, reduce-scatter: at step s rank r sends chunk (r-s) to the right and adds the chunk
+    (r-s-1) that arrives from the left; after N-1 steps rank r holds the full sum of chunk (r+1).
+    Phase 2, all-gather: the finished chunks travel once more around the ring, N-1 steps.
+    Every step moves one chunk, X/N bytes: 2(N-1)/N * X per rank in all, whatever N."""
+    n, r = comm.size(axis), comm.rank(axis)
+    if n == 1:
+        return x
+    chunks = list(x.view(-1).tensor_split(n))  # views: writing a chunk writes x
+    right, left = (r + 1) % n, (r - 1) % n
+    incoming = torch.empty_like(chunks[0])  # chunk 0 is (one of) the largest
+    for step in range(n - 1):  # reduce-scatter
+        send_i, recv_i = (r - step) % n, (r - step - 1) % n
+        buf = incoming[: chunks[recv_i].numel()]
+        comm.sendrecv(chunks[send_i], right, buf, left, axis, step=step,
+                      phase="reduce-scatter", chunk=send_i)
+        chunks[recv_i] += buf
+    for step in range(n - 1):  # all-gather
+        send_i, recv_i = (r + 1 - step) % n, (r - step) % n
+        comm.sendrecv(chunks[send_i], right, chunks[recv_i], left, axis, step=n - 1 + step,
+                      phase="all-gather", chunk=send_i)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Probe: watch any ring implementation by what it actually sends
+# ---------------------------------------------------------------------------------------------
+def probe_input(numel: int, rank: int, n: int) -> torch.Tensor:
+    """x[p] = p * 2^n + 2^rank (int64). A sum over a set S of ranks at position p is
+    |S|*p*2^n + mask(S): the low n bits say *whose* data a message carries, the rest *where*."""
+    return torch.arange(numel, dtype=torch.int64) * (1 << n) + (1 << rank)
+
+
+def decode_probe(value: int, n: int) -> tuple[int, int]:
+    """(position, contributor mask) of a probe value."""
+    mask = value % (1 << n)
+    k = bin(mask).count("1")
+    return (value >> n) // max(k, 1), mask
+
+
+def chunk_of(position: int, numel: int, n: int) -> int:
+    """Which of torch.tensor_split's n chunks holds `position`."""
+    q, rem = divmod(numel, n)
+    big = rem * (q + 1)  # the first `rem` chunks hold one extra element
+    return position // (q + 1) if position < big else rem + (position - big) // max(q, 1)

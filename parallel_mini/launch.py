@@ -1,0 +1,240 @@
+"""Run a function on N ranks: locally (gloo on CPU, NCCL when GPUs are present) or under torchrun.
+
+Why a forkserver: a notebook or the Streamlit app is a multi-threaded parent, and forking it can
+deadlock; spawning re-imports torch in every rank (~1 s each). A forkserver is a clean,
+single-threaded process that imported torch once; every rank is a cheap fork of it. So a repeated
+4-rank run costs a fraction of a second, and the parent never forks itself.
+
+Functions defined in a notebook cannot be pickled by reference (they live in `__main__`), so the
+function and its arguments are shipped *by value* with cloudpickle.
+
+Failure contract: a rank that raises fails the whole run promptly with that rank's traceback; a rank
+that dies without a word (e.g. gloo aborts when ranks disagree on a tensor size) is reported with its
+exit signal; a run that exceeds `timeout` (a deadlock) is killed with a message naming the ranks that
+never finished. No rank outlives `run_ranks`.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+MAX_LOCAL_RANKS = 16  # beyond this a laptop only thrashes; torchrun has no such limit
+# Imported once by the forkserver so no rank pays for them. torch._dynamo is pulled in lazily by
+# the first TorchDispatchMode (the memory meter) and costs ~1 s per process otherwise.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "parallel_mini.engine"]
+
+
+class RankError(RuntimeError):
+    """One rank failed; `rank`, `details` (its traceback or exit status) and `outputs` (what every
+    rank printed) are kept for display."""
+
+    def __init__(self, rank: int, details: str, outputs: list[str] | None = None):
+        self.rank, self.details, self.outputs = rank, details, outputs or []
+        super().__init__(f"rank {rank} failed:\n{details}")
+
+
+class RunTimeout(RankError):
+    pass
+
+
+@dataclass
+class RankResult:
+    rank: int
+    value: object
+    output: str  # what the rank printed
+
+
+# ---------------------------------------------------------------------------------------------
+# inside a rank
+# ---------------------------------------------------------------------------------------------
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Tee(io.TextIOBase):
+    """Keeps what a rank prints (to return it) and optionally forwards it."""
+
+    def __init__(self, forward=None):
+        self.buf, self.forward = io.StringIO(), forward
+
+    def write(self, s):
+        self.buf.write(s)
+        if self.forward is not None:
+            self.forward.write(s)
+        return len(s)
+
+    def flush(self):
+        if self.forward is not None:
+            self.forward.flush()
+
+
+def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo):
+    torch.set_num_threads(1)  # ranks share the machine's cores; more threads only fight
+    out = _Tee(sys.__stderr__ if echo else None)
+    status, value = "ok", None
+    try:
+        with contextlib.redirect_stdout(out):
+            fn, args, kwargs = cloudpickle.loads(payload)
+            store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                                  timeout=timedelta(seconds=pg_timeout))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+            device_for(backend, rank)
+            value = fn(*args, **kwargs)
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        status, value = "error", traceback.format_exc()
+    try:
+        conn.send_bytes(cloudpickle.dumps((status, value, out.buf.getvalue())))
+    except BaseException:  # noqa: BLE001 - e.g. an unpicklable result
+        conn.send_bytes(cloudpickle.dumps(("error", traceback.format_exc(), out.buf.getvalue())))
+    conn.close()
+    # Skip interpreter teardown: gloo's destructor can block on peers that already failed.
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# in the parent
+# ---------------------------------------------------------------------------------------------
+def _context():
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        # Preload torch and this package once in the server; '__main__' is left out on purpose
+        # (a notebook or Streamlit has no importable main module).
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _signal_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _kill(procs):
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        if p.is_alive():
+            p.kill()
+    for p in started:
+        p.join(timeout=5)
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """multiprocessing re-imports the parent's `__main__` in every child (a script without an
+    `if __name__ == "__main__"` guard would run again on every rank). Ranks receive their function
+    by value, so they never need it: hide it while the ranks start."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0,
+              backend: str | None = None, echo: bool = False, **kwargs) -> list[RankResult]:
+    """Run `fn(*args, **kwargs)` on `world_size` fresh ranks with a process group initialised.
+
+    Returns one RankResult per rank (value, printed output). Raises RankError / RunTimeout."""
+    if not 1 <= world_size <= MAX_LOCAL_RANKS:
+        raise ValueError(f"world_size={world_size}: local runs take 1..{MAX_LOCAL_RANKS} ranks "
+                         f"(use torchrun for more)")
+    backend = backend or default_backend()
+    payload = cloudpickle.dumps((fn, args, kwargs))
+    # The parent hosts the rendezvous store on a free port: no port race, nothing to clean up.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=pg_timeout))
+    ctx = _context()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world_size, store.port, payload, pipes[r][1], backend,
+                               pg_timeout, echo))
+             for r in range(world_size)]
+    try:
+        with _main_module_hidden():
+            for p in procs:
+                p.start()
+        for _, w in pipes:
+            w.close()  # the parent keeps only the read ends
+        return _collect(procs, [r for r, _ in pipes], timeout)
+    finally:
+        _kill(procs)
+        del store
+
+
+def _collect(procs, conns, timeout) -> list[RankResult]:
+    n = len(procs)
+    results: list[RankResult | None] = [None] * n
+    outputs = [""] * n
+    deadline = time.monotonic() + timeout
+    while any(r is None for r in results):
+        pending = [r for r in range(n) if results[r] is None]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RunTimeout(pending[0], (
+                f"ranks {pending} did not finish within {timeout:.0f} s. Most likely a deadlock: "
+                f"a rank waits on a collective or recv that its peers never call (check that every "
+                f"rank calls the same collectives in the same order)."), outputs)
+        ready = mpc.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
+                         timeout=min(remaining, 1.0))
+        for r in pending:
+            if conns[r] in ready or conns[r].poll():
+                try:
+                    status, value, outputs[r] = cloudpickle.loads(conns[r].recv_bytes())
+                except EOFError:
+                    status, value = "died", None
+                if status == "ok":
+                    results[r] = RankResult(r, value, outputs[r])
+                    continue
+                if status == "error":
+                    raise RankError(r, value, outputs)
+            if procs[r].sentinel in ready and results[r] is None and not conns[r].poll():
+                procs[r].join(timeout=1)
+                raise RankError(r, (
+                    f"rank {r} died with {_signal_name(procs[r].exitcode)} before returning a "
+                    f"result. A C++ abort usually means ranks disagreed on a collective (different "
+                    f"tensor sizes, dtypes or op order)."), outputs)
+    return results  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# under torchrun
+# ---------------------------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def init_from_env(backend: str | None = None, pg_timeout: float = 60.0) -> torch.device:
+    """Initialise the default process group from torchrun's environment; returns this rank's device."""
+    torch.set_num_threads(1)
+    backend = backend or default_backend()
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
+    return device_for(backend, int(os.environ.get("LOCAL_RANK", 0)))

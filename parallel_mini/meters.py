@@ -1,0 +1,133 @@
+"""Meters: memory by category in exact bytes, and an op timeline with wall and CPU time.
+
+Memory is counted from tensor storages, not from the process's RSS (which carries ~90 MiB of
+allocator and library noise and cannot be split by category):
+- model states (`params`, `grads`, `optimizer`): bytes of the storages the model and optimizer own;
+- `activations_peak`: bytes saved for backward (autograd's saved-tensor hooks), the largest over
+  micro-batches; weights that autograd saves are model states, not activations, and are excluded;
+- `total_peak`: the peak of all live storages during a step (a TorchDispatchMode sees every
+  allocation an op makes and a finaliser sees every free), starting from the model states.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def tensors_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (a view or a shared weight counts once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    out = []
+    for state in optimizer.state.values():
+        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def model_state_bytes(params, optimizer=None) -> dict[str, int]:
+    params = list(params)
+    return {
+        "params": tensors_bytes(params),
+        "grads": tensors_bytes(p.grad for p in params),
+        "optimizer": tensors_bytes(optimizer_tensors(optimizer)) if optimizer is not None else 0,
+    }
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves for backward during forward passes (not weights)."""
+
+    def __init__(self, params=()):
+        self.weight_keys = {_storage_key(p) for p in params}
+        self.peak = 0
+        self._live: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key not in self.weight_keys and key not in self._live:
+            self._live[key] = t.untyped_storage().nbytes()
+        return t
+
+    @contextmanager
+    def forward(self):
+        """Wrap one micro-batch's forward; the saved bytes are final when it exits."""
+        self._live = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+        self.peak = max(self.peak, sum(self._live.values()))
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks the bytes of every storage an op allocates until it is freed; `peak` is the maximum.
+
+    Outputs that share a storage with an input (views, in-place ops) allocate nothing and are
+    skipped; storages that existed before (model states) are registered with `add_existing`."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def add_existing(self, tensors):
+        for t in tensors:
+            if t is not None:
+                self._track(t.untyped_storage(), finalize=False)
+
+    def _track(self, st, finalize=True):
+        key, n = st.data_ptr(), st.nbytes()
+        if n == 0 or key in self.live:
+            return
+        self.live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        if finalize:
+            weakref.finalize(st, self._free, key)
+
+    def _free(self, key):
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(a) for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:
+                self._track(t.untyped_storage())
+        return out
+
+
+class Timeline:
+    """Op events for one rank: kind, step, microbatch, stage, wall start/end, own CPU seconds.
+
+    Wall times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux, shared by all local ranks, so
+    ranks line up); `cpu` is this thread's CPU time, what the op would take on a device of its own."""
+
+    def __init__(self):
+        self.events: list[dict] = []
+
+    @contextmanager
+    def op(self, kind: str, step: int = 0, microbatch: int | None = None, stage: int = 0, **extra):
+        start, cpu0 = time.perf_counter(), time.thread_time()
+        yield
+        self.events.append({"kind": kind, "step": step, "microbatch": microbatch, "stage": stage,
+                            "start": start, "end": time.perf_counter(),
+                            "cpu": time.thread_time() - cpu0, **extra})

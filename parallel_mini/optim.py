@@ -1,0 +1,61 @@
+"""Adam and SGD written out, so every byte of optimizer state is visible.
+
+Same arithmetic as `torch.optim.Adam` (Kingma & Ba, 2015, with torch's bias-correction order), but
+the step count is a Python int rather than a 0-d tensor per parameter: optimizer memory is then
+exactly 8 bytes per fp32 parameter (two moments), the number the memory lesson derives.
+The optimizer steps whatever tensors it is given: full parameters for DP, a shard for ZeRO.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class Adam:
+    def __init__(self, params, lr=3e-3, betas=(0.9, 0.999), eps=1e-8):
+        self.params = list(params)
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.step_count = 0
+        self.state: dict[int, dict[str, torch.Tensor]] = {}  # index -> {exp_avg, exp_avg_sq}
+
+    @torch.no_grad()
+    def step(self):
+        self.step_count += 1
+        b1, b2 = self.betas
+        bias1, bias2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        for i, p in enumerate(self.params):
+            if p.grad is None:  # no gradient this step: leave the parameter and its moments alone
+                continue
+            st = self.state.get(i)
+            if st is None:
+                st = self.state[i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            m, v, g = st["exp_avg"], st["exp_avg_sq"], p.grad
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g.conj(), value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(bias2)).add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / bias1)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+class SGD:
+    def __init__(self, params, lr=3e-3):
+        self.params, self.lr = list(params), lr
+        self.state: dict = {}  # plain SGD keeps no state: 0 bytes per parameter
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.lr)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+def make_optimizer(name: str, params, lr: float):
+    return {"adam": Adam, "sgd": SGD}[name](params, lr=lr)

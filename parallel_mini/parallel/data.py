@@ -1,0 +1,174 @@
+"""Data parallelism: every rank holds the whole model, sees 1/N of the batch, averages gradients.
+
+Because the loss is a mean over the batch, the mean of N equal-sized shard gradients *is* the
+full-batch gradient: after averaging, every rank takes the same optimizer step as one process
+would on the whole batch. That equality is tested for every mode below.
+
+Two ways to average (read them in this order):
+- naive: after backward, one blocking all-reduce per parameter. Communication starts only when all
+  computation has ended.
+- bucketed (what PyTorch DDP does; Li et al., "PyTorch Distributed", VLDB 2020): parameters are
+  grouped, in reverse order (the order backward produces their gradients), into buckets of about
+  `bucket_mb`. A hook fires as each gradient is accumulated; when a bucket is complete its
+  all-reduce starts asynchronously while backward carries on with earlier layers: communication
+  overlaps computation. Buckets are launched strictly in order so that all ranks issue the same
+  collectives in the same sequence.
+
+DDP semantics kept: rank 0's parameters are broadcast at start (ranks initialised differently
+agree); frozen parameters (requires_grad=False) never communicate; with gradient accumulation
+only the last micro-step synchronises (`no_sync` on the others); a parameter that gets no gradient
+in a step is an error unless `find_unused_parameters=True`, which then averages it as zero where
+unused and leaves it untouched (grad None) if no rank used it.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from ..comm import Comm
+
+AXIS = "dp"
+
+
+def broadcast_parameters(model: torch.nn.Module, comm: Comm) -> None:
+    """Make every replica start from rank 0's weights (and buffers)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        comm.broadcast(t.data, AXIS, src=0)
+
+
+def average_gradients(params, comm: Comm) -> None:
+    """The naive step: sum each gradient over the dp ranks, then divide by N."""
+    n = comm.size(AXIS)
+    for p in params:
+        comm.all_reduce(p.grad, AXIS)  # [same shape as p], in place
+        p.grad /= n
+
+
+class Bucket:
+    def __init__(self, index: int, params: list[torch.nn.Parameter]):
+        self.index, self.params = index, params
+        numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)  # [numel]
+        self.offsets = {}
+        off = 0
+        for p in params:
+            self.offsets[p] = (off, off + p.numel())
+            off += p.numel()
+        self.ready: set = set()
+        self.handle = None
+
+
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+    """Greedy packing in reverse registration order (≈ the order gradients become ready)."""
+    groups, current, size = [], [], 0
+    for p in reversed(params):
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return [Bucket(i, g) for i, g in enumerate(groups)]
+
+
+class DataParallel:
+    """Wraps a model's backward with gradient averaging over the mesh's dp axis.
+
+    Use:  dp = DataParallel(model, comm, mode="bucketed", bucket_mb=0.25)
+          with dp.sync(is_last_microstep): loss.backward()
+          dp.finish_gradient_sync()   # before optimizer.step()
+    """
+
+    def __init__(self, model: torch.nn.Module, comm: Comm, mode: str = "bucketed",
+                 bucket_mb: float = 25.0, find_unused_parameters: bool = False,
+                 broadcast: bool = True):
+        if mode not in ("naive", "bucketed"):
+            raise ValueError(f"mode {mode!r}: choose 'naive' or 'bucketed'")
+        self.model, self.comm, self.mode = model, comm, mode
+        self.find_unused = find_unused_parameters
+        self.params = [p for p in model.parameters() if p.requires_grad]  # frozen: never synced
+        self.n = comm.size(AXIS)
+        self._syncing = True
+        self._grad_before: dict = {}
+        if broadcast and self.n > 1:
+            step, comm.step = comm.step, -1  # one-time setup, not part of any step's traffic
+            broadcast_parameters(model, comm)
+            comm.step = step
+        self.buckets = make_buckets(self.params, int(bucket_mb * 2 ** 20)) if mode == "bucketed" else []
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._next_bucket = 0
+        if mode == "bucketed" and self.n > 1:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    # -- micro-steps ---------------------------------------------------------------------------
+    @contextmanager
+    def sync(self, enabled: bool = True):
+        """Backward inside `sync(False)` only accumulates locally (DDP's `no_sync`)."""
+        self._syncing = enabled
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        bucket = self._bucket_of[p]
+        lo, hi = bucket.offsets[p]
+        bucket.flat[lo:hi].copy_(p.grad.view(-1))
+        bucket.ready.add(p)
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_bucket < len(self.buckets):
+            b = self.buckets[self._next_bucket]
+            if len(b.ready) < len(b.params):
+                return
+            b.handle = self.comm.all_reduce(b.flat, AXIS, async_op=True, bucket=b.index)
+            self._next_bucket += 1
+
+    # -- after the last backward ---------------------------------------------------------------
+    def finish_gradient_sync(self) -> None:
+        """Make every trainable parameter's .grad the average over the dp ranks."""
+        if self.n == 1:
+            return
+        unused = [p for p in self.params if p.grad is None]
+        if unused and not self.find_unused:
+            names = [n for n, p in self.model.named_parameters() if any(p is u for u in unused)]
+            raise RuntimeError(
+                f"parameters received no gradient this step: {names[:5]}. Like DDP, data parallel "
+                f"needs every rank to reduce the same gradients; pass find_unused_parameters=True "
+                f"or freeze them (requires_grad=False).")
+        used_anywhere = self._used_anywhere() if self.find_unused else None
+        for p in unused:
+            p.grad = torch.zeros_like(p)  # contributes zero where this rank did not use it
+            if self.mode == "bucketed":
+                self._on_grad_ready(p)
+        if self.mode == "naive":
+            average_gradients(self.params, self.comm)
+        else:
+            self._wait_and_unpack()
+        if used_anywhere is not None:
+            for p, used in zip(self.params, used_anywhere):
+                if not used:
+                    p.grad = None  # no rank used it: as if it were not trained this step
+
+    def _wait_and_unpack(self) -> None:
+        for b in self.buckets:
+            b.handle.wait()
+            b.flat /= self.n
+            for p in b.params:
+                lo, hi = b.offsets[p]
+                p.grad.copy_(b.flat[lo:hi].view_as(p))
+            b.ready.clear()
+            b.handle = None
+        self._next_bucket = 0
+
+    def _used_anywhere(self) -> list[bool]:
+        """One small all-reduce of a 0/1 map (as DDP's find_unused_parameters does)."""
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
+        self.comm.all_reduce(used, AXIS, kind="unused-map")
+        return [bool(u) for u in used]
