@@ -18,6 +18,11 @@ from . import theory
 from .mesh import Mesh
 
 
+# torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _Handle:
     """Wraps a torch.distributed Work; records when the op really completed."""
 
@@ -94,16 +99,15 @@ class Comm:
         if self.size(axis) == 1:
             output.copy_(tensor)
         return self._collective("all_gather", axis, output, output.numel(),
-                                lambda g: dist.all_gather_into_tensor(output, tensor, group=g,
-                                                                      async_op=async_op), async_op, tags=tags)
+                                lambda g: _all_gather(output, tensor, group=g, async_op=async_op), async_op, tags=tags)
 
     def reduce_scatter(self, output, tensor, axis: str, op=dist.ReduceOp.SUM, async_op=False, **tags):
         """output = this rank's 1/N slice of the sum of every rank's `tensor`. Payload S = input."""
         if self.size(axis) == 1:
             output.copy_(tensor)
         return self._collective("reduce_scatter", axis, tensor, tensor.numel(),
-                                lambda g: dist.reduce_scatter_tensor(output, tensor, op=op, group=g,
-                                                                     async_op=async_op), async_op, tags=tags)
+                                lambda g: _reduce_scatter(output, tensor, op=op, group=g,
+                                                          async_op=async_op), async_op, tags=tags)
 
     def all_to_all(self, output, tensor, axis: str, out_splits=None, in_splits=None, async_op=False, **tags):
         """Rank i's j-th slice goes to rank j's i-th slot. Payload S = this rank's input."""
