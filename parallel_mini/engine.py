@@ -56,14 +56,15 @@ def _train_step(cfg, step, model, dp, opt, act, timeline, mesh) -> float:
     return _mean_over_dp(step_loss, mesh)
 
 
-def train_rank(cfg_dict: dict, init_seed_offset: int = 0) -> dict:
+def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> dict:
     """Runs on every rank. `init_seed_offset` (tests) makes ranks initialise differently, to show
-    that DP's start-up broadcast makes them agree anyway."""
+    that DP's start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
+    naive mode's gradient averaging (a learner's exercise runs through here)."""
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)
     comm, timeline = Comm(mesh), Timeline()
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank)
-    dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb)
+    dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb, average_fn=average_fn)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     act = ActivationMeter(model.parameters())
 
@@ -101,19 +102,20 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0) -> dict:
     return out
 
 
-def run(cfg: RunConfig) -> RunReport:
+def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
     cfg.validate()
     t0 = time.perf_counter()
     if under_torchrun():
         init_from_env(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s)
-        mine = train_rank(cfg.to_dict())
+        mine = train_rank(cfg.to_dict(), average_fn=average_fn)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         per_rank = gathered
     else:
         backend = None if cfg.backend == "auto" else cfg.backend
         results = run_ranks(train_rank, cfg.world_size, cfg.to_dict(), timeout=cfg.timeout_s,
-                            pg_timeout=min(cfg.timeout_s, 60.0), backend=backend)
+                            pg_timeout=min(cfg.timeout_s, 60.0), backend=backend,
+                            average_fn=average_fn)
         per_rank = [r.value for r in results]
     return merge_rank_results(cfg, per_rank, wall_s=time.perf_counter() - t0)

@@ -83,11 +83,12 @@ class DataParallel:
 
     def __init__(self, model: torch.nn.Module, comm: Comm, mode: str = "bucketed",
                  bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                 broadcast: bool = True):
+                 broadcast: bool = True, average_fn=None):
         if mode not in ("naive", "bucketed"):
             raise ValueError(f"mode {mode!r}: choose 'naive' or 'bucketed'")
         self.model, self.comm, self.mode = model, comm, mode
         self.find_unused = find_unused_parameters
+        self.average_fn = average_fn or average_gradients  # naive mode; a learner's can replace it
         self.params = [p for p in model.parameters() if p.requires_grad]  # frozen: never synced
         self.n = comm.size(AXIS)
         self._syncing = True
@@ -148,7 +149,7 @@ class DataParallel:
             if self.mode == "bucketed":
                 self._on_grad_ready(p)
         if self.mode == "naive":
-            average_gradients(self.params, self.comm)
+            self.average_fn(self.params, self.comm)
         else:
             self._wait_and_unpack()
         if used_anywhere is not None:
