@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import theory
 from .comm import Comm, chunk_of, decode_probe, probe_input, ring_all_reduce
 from .config import RunConfig
-from .launch import run_ranks
+from .launch import rank_device, run_ranks
 from .mesh import build_mesh
 
 
@@ -38,17 +38,18 @@ def _primitives_rank(n: int) -> list[dict]:
         rows.append({"op": op, "rank": r, "before": before, "after": after, "note": note,
                      "wire_bytes": comm.records[-1]["wire_bytes"] if comm.records else 0})
 
-    x = torch.arange(n, dtype=torch.float32) + 10 * r  # [n]: rank r holds 10r, 10r+1, ...
+    dev = rank_device()
+    x = torch.arange(n, dtype=torch.float32, device=dev) + 10 * r  # [n]: rank r holds 10r, 10r+1, ...
     y = x.clone(); comm.all_reduce(y, "dp")
     show("all_reduce", x.tolist(), y.tolist(), "every rank gets the element-wise sum")
     y = x.clone(); comm.broadcast(y, "dp", src=0)
     show("broadcast", x.tolist(), y.tolist(), "every rank gets rank 0's tensor")
-    mine = torch.tensor([float(10 * r)])
-    out = torch.empty(n); comm.all_gather(out, mine, "dp")
+    mine = torch.tensor([float(10 * r)], device=dev)
+    out = torch.empty(n, device=dev); comm.all_gather(out, mine, "dp")
     show("all_gather", mine.tolist(), out.tolist(), "every rank gets every rank's piece, in rank order")
-    out = torch.empty(1); comm.reduce_scatter(out, x.clone(), "dp")
+    out = torch.empty(1, device=dev); comm.reduce_scatter(out, x.clone(), "dp")
     show("reduce_scatter", x.tolist(), out.tolist(), "rank i gets element i of the sum")
-    out = torch.empty(n); comm.all_to_all(out, x.clone(), "dp")
+    out = torch.empty(n, device=dev); comm.all_to_all(out, x.clone(), "dp")
     show("all_to_all", x.tolist(), out.tolist(), "rank i's j-th element goes to rank j's i-th slot")
     return rows
 
@@ -73,18 +74,18 @@ def _timed(fn, repeats: int) -> float:
 
 def _ring_rank(n: int, numel: int, impl, repeats: int, timed_numel: int | None) -> dict:
     torch.manual_seed(1234 + dist.get_rank())
-    r = dist.get_rank()
+    r, dev = dist.get_rank(), rank_device()
     out = {"rank": r}
     # (1) probe: what moved where, carrying whose data
     comm = _dp_comm(n)
-    probe = probe_input(numel, r, n)
+    probe = probe_input(numel, r, n).to(dev)
     impl(probe, comm)
     out["p2p_log"] = comm.p2p_log
-    expected = probe_input(numel, r, n).clone()
+    expected = probe_input(numel, r, n).to(dev)
     dist.all_reduce(expected)
     out["int_exact"] = bool(torch.equal(probe, expected))
     # (2) floats against the backend's all-reduce
-    x = torch.randn(numel)
+    x = torch.randn(numel, device=dev)
     ours, ref = x.clone(), x.clone()
     fcomm = _dp_comm(n)
     impl(ours, fcomm)
@@ -93,7 +94,7 @@ def _ring_rank(n: int, numel: int, impl, repeats: int, timed_numel: int | None) 
     out["float_max_abs_err"] = (ours - ref).abs().max().item() if numel else 0.0
     # (3) timing: ring vs the backend, same bytes
     m = timed_numel or numel
-    big = torch.randn(m)
+    big = torch.randn(m, device=dev)
     tcomm = _dp_comm(n)
     out["time_ring_s"] = _timed(lambda: impl(big.clone(), tcomm), repeats)
     out["time_backend_s"] = _timed(lambda: dist.all_reduce(big.clone()), repeats)

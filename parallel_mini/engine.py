@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .comm import Comm
 from .config import RunConfig
 from .data import global_batch, shard
-from .launch import init_from_env, run_ranks, under_torchrun
+from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import build_mesh
 from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes, optimizer_tensors
 from .model import build_model
@@ -42,7 +42,7 @@ def _train_step(cfg, step, model, dp, opt, act, timeline, mesh) -> float:
     local = shard(global_batch(cfg, step), dp_rank, dp_size)  # [b/dp, s] x 2
     step_loss = 0.0
     for micro in range(k):
-        x, y = shard(local, micro, k)  # [b/(dp*k), s]
+        x, y = (t.to(rank_device()) for t in shard(local, micro, k))  # [b/(dp*k), s]
         with dp.sync(micro == k - 1):
             with timeline.op("forward", step, micro), act.forward():
                 loss = model(x, y) / k  # mean over the micro-batch, scaled for accumulation
@@ -63,7 +63,8 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)
     comm, timeline = Comm(mesh), Timeline()
-    model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank)
+    device = rank_device()
+    model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)
     dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb, average_fn=average_fn)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     act = ActivationMeter(model.parameters())
@@ -95,7 +96,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in model.parameters())}
     if cfg.reference and mesh.rank == 0:
-        ref_losses, ref_params = train_reference(cfg)
+        ref_losses, ref_params = train_reference(cfg, device)
         params = {n: p.detach() for n, p in model.named_parameters()}
         out["reference_losses"] = ref_losses
         out["max_abs_diff"] = max_abs_diff(losses, params, ref_losses, ref_params)

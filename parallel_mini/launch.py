@@ -71,6 +71,13 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def rank_device() -> torch.device:
+    """Where this rank's tensors live: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class _Tee(io.TextIOBase):
     """Keeps what a rank prints (to return it) and optionally forwards it."""
 

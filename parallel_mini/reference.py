@@ -12,14 +12,14 @@ from .model import build_model
 from .optim import make_optimizer
 
 
-def train_reference(cfg) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_reference(cfg, device="cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
     """Returns (loss per step, final parameters by name)."""
-    model = build_model(cfg)
+    model = build_model(cfg).to(device)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     losses = []
     for step in range(cfg.steps):
         x, y = global_batch(cfg, step)
-        loss = model(x, y)
+        loss = model(x.to(device), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
