@@ -18,7 +18,7 @@ class ConfigError(ValueError):
 CHOICES = {
     "dp_mode": ("naive", "bucketed"),
     "optimizer": ("adam", "sgd"),
-    "precision": ("fp32",),
+    "precision": ("fp32", "bf16-mixed"),
     "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb"),
     "checkpointing": ("none",),
     "backend": ("auto", "gloo", "nccl"),
@@ -26,7 +26,7 @@ CHOICES = {
 # Knobs that the run contract already names but whose topic has not landed yet: refused with a
 # message saying so, instead of being silently ignored.
 NOT_YET = {"tp": "tensor parallel (issue #4)", "pp": "pipeline parallel (issue #5)",
-           "cp": "context parallel", "ep": "expert parallel", "zero": "ZeRO (issue #3)"}
+           "cp": "context parallel", "ep": "expert parallel"}
 
 
 @dataclass
@@ -94,9 +94,12 @@ class RunConfig:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: choose one of "
                                   f"{', '.join(allowed)}")
         if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero {self.zero!r}: choose 0, 1, 2 or 3")
+            raise ConfigError(f"--zero {self.zero!r}: choose 0 (plain data parallel), 1, 2 or 3")
+        if self.zero and self.dp_mode == "naive":
+            raise ConfigError("--dp-mode naive applies to --zero 0 only: ZeRO reduce-scatters its "
+                              "gradients itself; drop --dp-mode or use --zero 0")
         for name, topic in NOT_YET.items():
-            default = 0 if name == "zero" else 1
+            default = 1
             if getattr(self, name) != default:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)}: {topic} is not available "
                                   f"yet in this version; use {_flag(name)} {default}")

@@ -19,54 +19,93 @@ from .config import RunConfig
 from .data import global_batch, shard
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import build_mesh
-from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes, optimizer_tensors
+from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
-from .optim import make_optimizer
+from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.data import DataParallel
+from .parallel.zero import ZeroDataParallel
+from .parallel.zero3 import Zero3DataParallel
 from .reference import max_abs_diff, train_reference
 from .report import RunReport, merge_rank_results
+
+
+class PlainDataParallel:
+    """DataParallel plus its optimizer behind the same loop interface as the ZeRO strategies."""
+
+    def __init__(self, model, comm, cfg, average_fn=None):
+        self.model = model
+        self.dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
+                               average_fn=average_fn)
+        self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
+        self.sync = self.dp.sync
+        self.finish_gradient_sync = self.dp.finish_gradient_sync
+        self.zero_grad = self.optimizer.zero_grad
+        self.step = self.optimizer.step
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                "optimizer": self.optimizer.state_tensors()}
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Transient-but-allocated-once buffers (the gradient buckets)."""
+        return [b.flat for b in self.dp.buckets]
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+
+def parallelize(model, comm, cfg, average_fn=None):
+    """Apply the strategies for `cfg` (torchtitan's fixed order as topics land: TP/SP, PP, CP, EP,
+    then data parallel last). Today: data parallel, plain or ZeRO stage 1/2/3."""
+    dtype = PARAM_DTYPE[cfg.precision]
+    if cfg.zero == 0:
+        return PlainDataParallel(model, comm, cfg, average_fn)
+    if cfg.zero in (1, 2):
+        return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype)
+    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype)
 
 
 def _mean_over_dp(value: float, mesh) -> float:
     """Global loss for the log: a metric, not training traffic, so it bypasses the comm records."""
     if mesh.size("dp") == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=rank_device())
     dist.all_reduce(t, group=mesh.groups["dp"])
     return t.item() / mesh.size("dp")
 
 
-def _train_step(cfg, step, model, dp, opt, act, timeline, mesh) -> float:
+def _train_step(cfg, step, model, strategy, act, timeline, mesh) -> float:
     """Forward/backward over the grad-accumulation micro-batches, gradient sync, optimizer step."""
     dp_rank, dp_size, k = mesh.local_rank("dp"), mesh.size("dp"), cfg.grad_accum
     local = shard(global_batch(cfg, step), dp_rank, dp_size)  # [b/dp, s] x 2
     step_loss = 0.0
+    strategy.zero_grad()
     for micro in range(k):
         x, y = (t.to(rank_device()) for t in shard(local, micro, k))  # [b/(dp*k), s]
-        with dp.sync(micro == k - 1):
+        with strategy.sync(micro == k - 1):
             with timeline.op("forward", step, micro), act.forward():
                 loss = model(x, y) / k  # mean over the micro-batch, scaled for accumulation
             with timeline.op("backward", step, micro):
                 loss.backward()
         step_loss += loss.item()
     with timeline.op("grad_sync", step):
-        dp.finish_gradient_sync()
+        strategy.finish_gradient_sync()
     with timeline.op("optimizer", step):
-        opt.step()
+        strategy.step()
     return _mean_over_dp(step_loss, mesh)
 
 
 def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> dict:
     """Runs on every rank. `init_seed_offset` (tests) makes ranks initialise differently, to show
-    that DP's start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
+    that the start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
     naive mode's gradient averaging (a learner's exercise runs through here)."""
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)
     comm, timeline = Comm(mesh), Timeline()
     device = rank_device()
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)
-    dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb, average_fn=average_fn)
-    opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    strategy = parallelize(model, comm, cfg, average_fn)
     act = ActivationMeter(model.parameters())
 
     losses = []
@@ -75,32 +114,43 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     t_start = time.perf_counter()
     for step in range(cfg.steps):
         comm.step = step
-        opt.zero_grad()
         # The live-bytes meter slows every op ~4x, so it watches only the last step: by then every
         # state (optimizer moments included) exists, so that step holds the run's peak.
         metered = step == cfg.steps - 1
         if metered:
-            live.add_existing(list(model.parameters()) + optimizer_tensors(opt)
-                              + [b.flat for b in dp.buckets])
+            states = strategy.state_tensors()
+            live.add_existing(states["params"] + states["optimizer"] + _buffers(strategy))
         with live if metered else nullcontext():
-            losses.append(_train_step(cfg, step, model, dp, opt, act, timeline, mesh))
+            losses.append(_train_step(cfg, step, model, strategy, act, timeline, mesh))
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t_start
 
-    memory = model_state_bytes(model.parameters(), opt)
-    memory["transient"] = sum(b.flat.numel() * b.flat.element_size() for b in dp.buckets)
+    memory = model_state_bytes(strategy.state_tensors())
+    memory["transient"] = _transient_bytes(strategy)
     memory["activations_peak"] = act.peak
     memory["total_peak"] = live.peak
+    comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
+    full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
-           "n_params": sum(p.numel() for p in model.parameters())}
+           "n_params": sum(p.numel() for p in full.values())}
     if cfg.reference and mesh.rank == 0:
         ref_losses, ref_params = train_reference(cfg, device)
-        params = {n: p.detach() for n, p in model.named_parameters()}
         out["reference_losses"] = ref_losses
-        out["max_abs_diff"] = max_abs_diff(losses, params, ref_losses, ref_params)
+        out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses, ref_params)
     return out
+
+
+def _buffers(strategy) -> list[torch.Tensor]:
+    return strategy.buffers() if hasattr(strategy, "buffers") else []
+
+
+def _transient_bytes(strategy) -> int:
+    """Bytes a strategy holds only around communication: DP's buckets, ZeRO-3's gathered layers."""
+    if hasattr(strategy, "peak_gathered_bytes"):
+        return strategy.peak_gathered_bytes
+    return sum(t.numel() * t.element_size() for t in _buffers(strategy))
 
 
 def run(cfg: RunConfig, average_fn=None) -> RunReport:

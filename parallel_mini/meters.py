@@ -36,20 +36,10 @@ def tensors_bytes(tensors) -> int:
     return total
 
 
-def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    out = []
-    for state in optimizer.state.values():
-        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def model_state_bytes(params, optimizer=None) -> dict[str, int]:
-    params = list(params)
-    return {
-        "params": tensors_bytes(params),
-        "grads": tensors_bytes(p.grad for p in params),
-        "optimizer": tensors_bytes(optimizer_tensors(optimizer)) if optimizer is not None else 0,
-    }
+def model_state_bytes(states: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes by category from a strategy's `state_tensors()`: {"params": [...], "grads": [...],
+    "optimizer": [...]}, each storage counted once."""
+    return {category: tensors_bytes(tensors) for category, tensors in states.items()}
 
 
 class ActivationMeter:
@@ -79,7 +69,11 @@ class LiveBytes(TorchDispatchMode):
     """Tracks the bytes of every storage an op allocates until it is freed; `peak` is the maximum.
 
     Outputs that share a storage with an input (views, in-place ops) allocate nothing and are
-    skipped; storages that existed before (model states) are registered with `add_existing`."""
+    skipped; storages that existed before (model states) are registered with `add_existing`.
+    Storages are keyed by identity (torch keeps one Python object per live storage), so a storage
+    whose bytes are released with `resize_(0)` and refilled later (ZeRO-3 does this) stays one entry;
+    `UntypedStorage.resize_` is not an op the dispatcher sees, so it is watched directly while the
+    meter is active."""
 
     def __init__(self):
         super().__init__()
@@ -92,25 +86,45 @@ class LiveBytes(TorchDispatchMode):
             if t is not None:
                 self._track(t.untyped_storage(), finalize=False)
 
-    def _track(self, st, finalize=True):
-        key, n = st.data_ptr(), st.nbytes()
-        if n == 0 or key in self.live:
-            return
-        self.live[key] = n
-        self.current += n
+    def _set(self, key: int, nbytes: int) -> None:
+        self.current += nbytes - self.live.get(key, 0)
+        self.live[key] = nbytes
         self.peak = max(self.peak, self.current)
+
+    def _track(self, st, finalize=True):
+        key = id(st)
+        if key in self.live:
+            return
+        self._set(key, st.nbytes())
         if finalize:
             weakref.finalize(st, self._free, key)
 
     def _free(self, key):
         self.current -= self.live.pop(key, 0)
 
+    def __enter__(self):
+        original = self._original_resize = torch.UntypedStorage.resize_
+        meter = self
+
+        def resize_(storage, nbytes):
+            out = original(storage, nbytes)
+            if id(storage) in meter.live:
+                meter._set(id(storage), storage.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage_key(a) for a in tree_flatten((args, kwargs))[0]
+        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0]
                   if isinstance(a, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:
+            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
                 self._track(t.untyped_storage())
         return out
 

@@ -86,7 +86,8 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))  # [b, s, v]
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # mean over b*s tokens
+        # mean over b*s tokens, computed in fp32 even when the model runs in bf16
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _init_weights(m):
@@ -97,6 +98,8 @@ def _init_weights(m):
 
 
 def build_model(cfg, seed: int | None = None) -> GPT:
-    """The same weights on every rank that passes the same seed (default: the run's seed)."""
+    """The same weights on every rank that passes the same seed (default: the run's seed),
+    initialised in fp32 and then cast to the run's compute dtype (bf16 for bf16-mixed)."""
+    from .optim import PARAM_DTYPE
     torch.manual_seed(cfg.seed if seed is None else seed)
-    return GPT(GPTConfig.from_run(cfg))
+    return GPT(GPTConfig.from_run(cfg)).to(PARAM_DTYPE[getattr(cfg, "precision", "fp32")])

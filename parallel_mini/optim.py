@@ -48,6 +48,9 @@ class Adam:
         for p in self.params:
             p.grad = None
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for st in self.state.values() for t in st.values()]
+
 
 class SGD:
     def __init__(self, params, lr=3e-3):
@@ -64,6 +67,44 @@ class SGD:
         for p in self.params:
             p.grad = None
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return []
 
-def make_optimizer(name: str, params, lr: float):
+
+class MasterWeights:
+    """Mixed precision (Micikevicius et al., 2018): compute in bf16, update in fp32.
+
+    The model's parameters and gradients are bf16 (2 + 2 bytes each); the optimizer keeps an fp32
+    master copy of every parameter (4 bytes) and steps it, then rounds the result back into the bf16
+    parameter. Small updates would vanish if added to bf16 weights directly (8 bits of mantissa):
+    the master copy is what keeps them. With Adam: 2 + 2 + 4 + 4 + 4 = 16 bytes per parameter."""
+
+    def __init__(self, params, name: str, lr: float):
+        self.params = list(params)
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.inner = make_optimizer(name, self.masters, lr)
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()  # transient fp32 copy
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+            m.grad = None
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return self.masters + self.inner.state_tensors()
+
+
+PARAM_DTYPE = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16}
+
+
+def make_optimizer(name: str, params, lr: float, precision: str = "fp32"):
+    if precision == "bf16-mixed":
+        return MasterWeights(params, name, lr)
     return {"adam": Adam, "sgd": SGD}[name](params, lr=lr)

@@ -19,8 +19,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8}
 def wire_bytes(op: str, payload_bytes: int, n: int, rank_in_chain: int = 0) -> int:
     """Bytes one rank sends for `op` over a group of `n` ranks with payload S = `payload_bytes`.
 
-    Exact when S is a multiple of n; otherwise chunks differ by one element and the mean is given
-    (rounded down). A rank's own chunk sizes are measured by the ring implementation itself."""
+    The ring's model value: an int when n divides S, else the exact fraction as a float (real chunks
+    differ by one element; the ring implementation measures its own)."""
     if n <= 1:
         return 0
     s = Fraction(payload_bytes)
@@ -33,7 +33,8 @@ def wire_bytes(op: str, payload_bytes: int, n: int, rank_in_chain: int = 0) -> i
         "recv": Fraction(0),
         "broadcast": Fraction(1 if rank_in_chain < n - 1 else 0),
     }[op]
-    return int(s * factor)
+    value = s * factor
+    return int(value) if value.denominator == 1 else float(value)
 
 
 def ring_steps(n: int) -> int:
@@ -70,19 +71,81 @@ def dp_wire_bytes_per_step(grad_bytes: int, dp: int) -> int:
     return wire_bytes("all_reduce", grad_bytes, dp)
 
 
-def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "fp32") -> dict:
-    """Model-state bytes of one full replica (no sharding): the DP row of the memory table."""
-    if precision != "fp32":
-        raise ValueError(f"precision {precision!r} arrives with the memory topic")
-    per_param_opt = {"adam": 8, "sgd": 0}[optimizer]  # Adam: exp_avg + exp_avg_sq in fp32
-    return {"params": 4 * n_params, "grads": 4 * n_params, "optimizer": per_param_opt * n_params}
+def padded(numel: int, n: int) -> int:
+    """Elements after padding to a multiple of n (so that n equal shards exist)."""
+    return -(-numel // n) * n
+
+
+def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int) -> list[int]:
+    """Parameters per ZeRO-3 unit (each gathered as one flat buffer): token embedding, position
+    embedding, each block, final LayerNorm, LM head."""
+    h = d_model
+    return [vocab * h, seq * h] + [12 * h * h + 13 * h] * layers + [2 * h, h * vocab]
+
+
+BYTES_PER_PARAM = {"fp32": 4, "bf16-mixed": 2}  # parameters and gradients in compute precision
+
+
+def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
+    """Adam: two fp32 moments (8); mixed precision adds the fp32 master copy (4)."""
+    return {"adam": 8, "sgd": 0}[optimizer] + (4 if precision != "fp32" else 0)
+
+
+def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "fp32",
+                      zero: int = 0, n: int = 1, unit_sizes: list[int] | None = None) -> dict:
+    """Persistent bytes per rank after an optimizer step, by category (the memory table).
+
+    Unsharded: b*P + b*P + o*P (b = 4 fp32 / 2 bf16; o = 8 Adam fp32, 12 Adam bf16-mixed): 16P mixed.
+    ZeRO-1: b*P' + b*P' + o*P'/N      (4P + 12P/N mixed)      P' = P padded to a multiple of N
+    ZeRO-2: b*P' + (b + o)*P'/N       (2P + 14P/N mixed)
+    ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes"""
+    b, o = BYTES_PER_PARAM[precision], optimizer_bytes_per_param(optimizer, precision)
+    if zero == 0:
+        return {"params": b * n_params, "grads": b * n_params, "optimizer": o * n_params}
+    if zero in (1, 2):
+        pp = padded(n_params, n)
+        grads = b * pp if zero == 1 else b * pp // n
+        return {"params": b * pp, "grads": grads, "optimizer": o * pp // n}
+    q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
+    return {"params": b * q // n, "grads": b * q // n, "optimizer": o * q // n}
+
+
+def dp_wire_bytes_per_step(grad_bytes: int, dp: int) -> int:
+    """Data parallel moves every gradient once per optimizer step: 2(N-1)/N * gradient bytes,
+    whatever the bucketing (buckets only change *when* bytes move) and however many micro-steps
+    are accumulated (only the last one syncs)."""
+    return wire_bytes("all_reduce", grad_bytes, dp)
+
+
+def zero_wire_bytes_per_step(zero: int, n_params: int, precision: str, n: int,
+                             unit_sizes: list[int], grad_accum: int = 1) -> float:
+    """ZeRO-1/2: reduce-scatter + all-gather of the padded flat buffer = 2(N-1)/N * Psi, as DP.
+    ZeRO-3: per micro-step, every unit is all-gathered for forward and again for backward and its
+    gradient reduce-scattered: 3(N-1)/N * Psi (Psi over padded units)."""
+    b = BYTES_PER_PARAM[precision]
+    if zero in (1, 2):
+        s = b * padded(n_params, n)
+        return wire_bytes("reduce_scatter", s, n) + wire_bytes("all_gather", s, n)
+    per_micro = sum(2 * wire_bytes("all_gather", b * padded(u, n), n)
+                    + wire_bytes("reduce_scatter", b * padded(u, n), n) for u in unit_sizes)
+    return grad_accum * per_micro
 
 
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report."""
-    states = model_state_bytes(n_params, cfg.optimizer, cfg.precision)
+    units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers)
+    states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, cfg.dp, units)
+    if cfg.zero == 0:
+        wire = dp_wire_bytes_per_step(BYTES_PER_PARAM[cfg.precision] * n_params, cfg.dp)
+        padding = 0
+    else:
+        wire = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, cfg.dp, units,
+                                        cfg.grad_accum)
+        padding = (padded(n_params, cfg.dp) - n_params if cfg.zero < 3
+                   else sum(padded(u, cfg.dp) - u for u in units))
     return {
         "n_params": n_params,
+        "padding_elements": padding,
         "memory": states,
-        "wire_bytes_per_step": {"dp": dp_wire_bytes_per_step(states["grads"], cfg.dp)},
+        "wire_bytes_per_step": {"dp": wire if cfg.dp > 1 else 0},
     }
