@@ -20,7 +20,7 @@ CHOICES = {
     "optimizer": ("adam", "sgd"),
     "precision": ("fp32", "bf16-mixed"),
     "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb"),
-    "checkpointing": ("none",),
+    "checkpointing": ("none", "full", "selective"),
     "backend": ("auto", "gloo", "nccl"),
 }
 # Knobs that the run contract already names but whose topic has not landed yet: refused with a

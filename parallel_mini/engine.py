@@ -23,6 +23,7 @@ from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.data import DataParallel
+from .parallel.recompute import apply_checkpointing, backward
 from .parallel.zero import ZeroDataParallel
 from .parallel.zero3 import Zero3DataParallel
 from .reference import max_abs_diff, train_reference
@@ -75,7 +76,7 @@ def _mean_over_dp(value: float, mesh) -> float:
     return t.item() / mesh.size("dp")
 
 
-def _train_step(cfg, step, model, strategy, act, timeline, mesh) -> float:
+def _train_step(cfg, step, model, strategy, act, timeline, mesh, recompute) -> float:
     """Forward/backward over the grad-accumulation micro-batches, gradient sync, optimizer step."""
     dp_rank, dp_size, k = mesh.local_rank("dp"), mesh.size("dp"), cfg.grad_accum
     local = shard(global_batch(cfg, step), dp_rank, dp_size)  # [b/dp, s] x 2
@@ -87,7 +88,7 @@ def _train_step(cfg, step, model, strategy, act, timeline, mesh) -> float:
             with timeline.op("forward", step, micro), act.forward():
                 loss = model(x, y) / k  # mean over the micro-batch, scaled for accumulation
             with timeline.op("backward", step, micro):
-                loss.backward()
+                backward(loss, recompute)
         step_loss += loss.item()
     with timeline.op("grad_sync", step):
         strategy.finish_gradient_sync()
@@ -105,11 +106,12 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     comm, timeline = Comm(mesh), Timeline()
     device = rank_device()
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)
+    recompute = apply_checkpointing(model, cfg.checkpointing)
     strategy = parallelize(model, comm, cfg, average_fn)
-    act = ActivationMeter(model.parameters())
+    live = LiveBytes()
+    act = ActivationMeter(live)
 
     losses = []
-    live = LiveBytes()
     dist.barrier()  # line the ranks up so their timelines share a start
     t_start = time.perf_counter()
     for step in range(cfg.steps):
@@ -121,7 +123,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
             states = strategy.state_tensors()
             live.add_existing(states["params"] + states["optimizer"] + _buffers(strategy))
         with live if metered else nullcontext():
-            losses.append(_train_step(cfg, step, model, strategy, act, timeline, mesh))
+            losses.append(_train_step(cfg, step, model, strategy, act, timeline, mesh, recompute))
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t_start
@@ -134,7 +136,9 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
-           "n_params": sum(p.numel() for p in full.values())}
+           "n_params": sum(p.numel() for p in full.values()),
+           "recompute": {"segment_forwards": recompute.forward_calls,
+                         "recomputed_forwards": recompute.recomputed_calls}}
     if cfg.reference and mesh.rank == 0:
         ref_losses, ref_params = train_reference(cfg, device)
         out["reference_losses"] = ref_losses

@@ -3,8 +3,8 @@
 Memory is counted from tensor storages, not from the process's RSS (which carries ~90 MiB of
 allocator and library noise and cannot be split by category):
 - model states (`params`, `grads`, `optimizer`): bytes of the storages the model and optimizer own;
-- `activations_peak`: bytes saved for backward (autograd's saved-tensor hooks), the largest over
-  micro-batches; weights that autograd saves are model states, not activations, and are excluded;
+- `activations_peak`: bytes a forward pass leaves alive for backward (live bytes after minus
+  before), the largest over the micro-batches of the metered step;
 - `total_peak`: the peak of all live storages during a step (a TorchDispatchMode sees every
   allocation an op makes and a finaliser sees every free), starting from the model states.
 """
@@ -43,26 +43,26 @@ def model_state_bytes(states: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 
 
 class ActivationMeter:
-    """Counts the bytes autograd saves for backward during forward passes (not weights)."""
+    """Bytes a forward pass leaves alive for backward: live bytes after it minus before it.
 
-    def __init__(self, params=()):
-        self.weight_keys = {_storage_key(p) for p in params}
+    Counting what is still allocated (rather than what autograd's saved-tensor hooks see) also
+    catches what checkpointing keeps: a checkpointed segment's input is held by the checkpoint,
+    not by a saved-tensor hook. Needs the LiveBytes meter to be active; otherwise it records
+    nothing (the engine meters the last step, where every state exists)."""
+
+    def __init__(self, live: "LiveBytes"):
+        self.live = live
         self.peak = 0
-        self._live: dict[int, int] = {}
-
-    def _pack(self, t: torch.Tensor):
-        key = _storage_key(t)
-        if key not in self.weight_keys and key not in self._live:
-            self._live[key] = t.untyped_storage().nbytes()
-        return t
 
     @contextmanager
     def forward(self):
-        """Wrap one micro-batch's forward; the saved bytes are final when it exits."""
-        self._live = {}
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        """Wrap one micro-batch's forward."""
+        if not self.live.active:
             yield
-        self.peak = max(self.peak, sum(self._live.values()))
+            return
+        before = self.live.current
+        yield
+        self.peak = max(self.peak, self.live.current - before)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -80,6 +80,7 @@ class LiveBytes(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        self.active = False
 
     def add_existing(self, tensors):
         for t in tensors:
@@ -113,10 +114,12 @@ class LiveBytes(TorchDispatchMode):
             return out
 
         torch.UntypedStorage.resize_ = resize_
+        self.active = True
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._original_resize
+        self.active = False
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -28,21 +28,30 @@ class GPTConfig:
         return cls(cfg.vocab, cfg.seq, cfg.d_model, cfg.heads, cfg.layers)
 
 
+class AttentionCore(nn.Module):
+    """softmax(Q K^T / sqrt(d), causal) V. No parameters; its own module so that selective
+    checkpointing can recompute exactly this part (it holds the [b, a, s, s] tensors)."""
+
+    def forward(self, q, k, v):  # q, k, v: [b, a, s, d]
+        s = q.shape[-2]
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [b, a, s, s]
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v  # [b, a, s, d]
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.heads = c.heads
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.core = AttentionCore()
         self.proj = nn.Linear(c.d_model, c.d_model)
 
     def forward(self, x):  # x: [b, s, h]
         b, s, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=-1)  # 3 x [b, s, h]
         q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(h // self.heads)  # [b, a, s, s]
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, s, h)  # [b, s, h]
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, s, h)  # [b, s, h]
         return self.proj(y)
 
 
