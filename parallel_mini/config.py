@@ -23,6 +23,9 @@ CHOICES = {
     "checkpointing": ("none", "full", "selective"),
     "backend": ("auto", "gloo", "nccl"),
 }
+# FSDP's sharding strategies are ZeRO stages under other names (HYBRID_SHARD: ZeRO-3 inside
+# groups of --dp-shard ranks, replicated across groups).
+FSDP_STRATEGIES = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
 # Knobs that the run contract already names but whose topic has not landed yet: refused with a
 # message saying so, instead of being silently ignored.
 NOT_YET = {"tp": "tensor parallel (issue #4)", "pp": "pipeline parallel (issue #5)",
@@ -42,6 +45,8 @@ class RunConfig:
     bucket_mb: float = 0.25
     grad_accum: int = 1
     zero: int = 0
+    dp_shard: int = 0  # ZeRO shard group size; 0 = all of dp. 0 < s < dp: HYBRID_SHARD
+    fsdp: str = ""  # PyTorch FSDP's names for the same strategies (see FSDP_STRATEGIES)
     # pipeline (validated when the topic lands)
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -93,8 +98,25 @@ class RunConfig:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: choose one of "
                                   f"{', '.join(allowed)}")
+        if self.fsdp:
+            if self.fsdp not in FSDP_STRATEGIES:
+                raise ConfigError(f"--fsdp {self.fsdp!r}: choose one of {', '.join(FSDP_STRATEGIES)}")
+            stage = FSDP_STRATEGIES[self.fsdp]
+            if self.zero not in (0, stage):
+                raise ConfigError(f"--fsdp {self.fsdp} is ZeRO-{stage}; it contradicts --zero "
+                                  f"{self.zero}: give one of them")
+            if (self.fsdp == "HYBRID_SHARD") != (0 < self.dp_shard < self.dp):
+                raise ConfigError(f"--fsdp {self.fsdp}: HYBRID_SHARD (and only it) needs "
+                                  f"--dp-shard S with S < --dp {self.dp} dividing it")
+            self.zero = stage
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {self.zero!r}: choose 0 (plain data parallel), 1, 2 or 3")
+        if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
+            raise ConfigError(f"--dp-shard {self.dp_shard}: must divide --dp {self.dp} (shard "
+                              f"groups of equal size), or be 0 to shard over all of dp")
+        if 0 < self.dp_shard < self.dp and not self.zero:
+            raise ConfigError(f"--dp-shard {self.dp_shard}: hybrid sharding needs --zero 1, 2 or 3 "
+                              f"(with --zero 0 nothing is sharded)")
         if self.zero and self.dp_mode == "naive":
             raise ConfigError("--dp-mode naive applies to --zero 0 only: ZeRO reduce-scatters its "
                               "gradients itself; drop --dp-mode or use --zero 0")

@@ -62,9 +62,11 @@ def parallelize(model, comm, cfg, average_fn=None):
     dtype = PARAM_DTYPE[cfg.precision]
     if cfg.zero == 0:
         return PlainDataParallel(model, comm, cfg, average_fn)
+    hybrid = 0 < cfg.dp_shard < cfg.dp  # FSDP's HYBRID_SHARD: shard in groups, replicate across
+    axes = dict(shard_axis="dp_shard", replicate_axis="dp_rep") if hybrid else {}
     if cfg.zero in (1, 2):
-        return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype)
-    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype)
+        return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype, **axes)
+    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, **axes)
 
 
 def _mean_over_dp(value: float, mesh) -> float:

@@ -24,22 +24,25 @@ class Mesh:
     rank: int
     groups: dict[str, object] = field(default_factory=dict)  # axis -> ProcessGroup (None: size 1)
     members: dict[str, list[int]] = field(default_factory=dict)  # axis -> global ranks, in order
+    extra_coords: dict[str, int] = field(default_factory=dict)  # derived axes (dp_shard, dp_rep)
 
     @property
     def world_size(self) -> int:
-        n = 1
+        n = 1  # the product of the grid's axes (derived axes only re-slice dp)
         for a in AXES:
             n *= self.shape[a]
         return n
 
     @property
     def coords(self) -> dict[str, int]:
-        return coords_of(self.rank, self.shape)
+        return coords_of(self.rank, {a: self.shape[a] for a in AXES})
 
     def size(self, axis: str) -> int:
         return self.shape[axis]
 
     def local_rank(self, axis: str) -> int:
+        if axis in self.extra_coords:
+            return self.extra_coords[axis]
         return self.coords[axis]
 
     def global_rank(self, axis: str, local: int) -> int:
@@ -71,6 +74,25 @@ def lines(axis: str, shape: dict[str, int]) -> list[list[int]]:
     return out
 
 
+def split_dp(mesh: Mesh, shard: int) -> None:
+    """HYBRID_SHARD's 2-D data parallel: the dp axis seen as dp_rep x dp_shard (shard innermost).
+    ZeRO shards over `dp_shard` (ranks close together, fast links) and replicates over `dp_rep`.
+    Collective, like build_mesh: every rank calls it with the same `shard`."""
+    dp, world = mesh.size("dp"), mesh.world_size
+    reps = dp // shard
+    for line in lines("dp", mesh.shape):  # each dp group, as global ranks in dp order
+        shard_groups = [line[i * shard:(i + 1) * shard] for i in range(reps)]
+        rep_groups = [line[j::shard] for j in range(shard)]
+        for axis, groups in (("dp_shard", shard_groups), ("dp_rep", rep_groups)):
+            for ranks in groups:
+                size = len(ranks)
+                group = dist.group.WORLD if size == world else None if size == 1 else dist.new_group(ranks)
+                if mesh.rank in ranks:
+                    mesh.groups[axis], mesh.members[axis] = group, ranks
+    mesh.shape["dp_shard"], mesh.shape["dp_rep"] = shard, reps
+    mesh.extra_coords = {"dp_shard": mesh.coords["dp"] % shard, "dp_rep": mesh.coords["dp"] // shard}
+
+
 def build_mesh(cfg) -> Mesh:
     """Collective: every rank calls it with the same config. Uses the default process group."""
     shape = {a: getattr(cfg, a) for a in AXES}
@@ -78,7 +100,7 @@ def build_mesh(cfg) -> Mesh:
     if world != cfg.world_size:
         raise ValueError(f"the config's layout needs {cfg.world_size} ranks "
                          f"(dp*tp*pp*cp*ep) but {world} were launched")
-    mesh = Mesh(shape, rank)
+    mesh = Mesh(dict(shape), rank)
     for axis in AXES:
         for ranks in lines(axis, shape):
             if shape[axis] == world:
@@ -89,4 +111,6 @@ def build_mesh(cfg) -> Mesh:
                 group = dist.new_group(ranks)  # collective: all ranks create every group
             if rank in ranks:
                 mesh.groups[axis], mesh.members[axis] = group, ranks
+    if getattr(cfg, "dp_shard", 0) and cfg.dp_shard < cfg.dp:
+        split_dp(mesh, cfg.dp_shard)
     return mesh

@@ -131,21 +131,38 @@ def zero_wire_bytes_per_step(zero: int, n_params: int, precision: str, n: int,
     return grad_accum * per_micro
 
 
+def hybrid_replica_wire_bytes(zero: int, n_params: int, precision: str, shard: int, reps: int,
+                              unit_sizes: list[int], grad_accum: int = 1) -> float:
+    """HYBRID_SHARD's second dimension: each reduced gradient slice (1/shard of Psi) is all-reduced
+    across the `reps` replicas: 2(R-1)/R * Psi/S per reduction (per micro-step at ZeRO-3)."""
+    b = BYTES_PER_PARAM[precision]
+    if zero in (1, 2):
+        return wire_bytes("all_reduce", b * padded(n_params, shard) // shard, reps)
+    return grad_accum * sum(wire_bytes("all_reduce", b * padded(u, shard) // shard, reps)
+                            for u in unit_sizes)
+
+
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report."""
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers)
-    states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, cfg.dp, units)
+    shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp  # ZeRO's shard group size
+    states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units)
+    wire: dict[str, float] = {}
     if cfg.zero == 0:
-        wire = dp_wire_bytes_per_step(BYTES_PER_PARAM[cfg.precision] * n_params, cfg.dp)
+        wire["dp"] = dp_wire_bytes_per_step(BYTES_PER_PARAM[cfg.precision] * n_params, cfg.dp)
         padding = 0
     else:
-        wire = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, cfg.dp, units,
-                                        cfg.grad_accum)
-        padding = (padded(n_params, cfg.dp) - n_params if cfg.zero < 3
-                   else sum(padded(u, cfg.dp) - u for u in units))
+        group = "dp" if shard == cfg.dp else "dp_shard"
+        wire[group] = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, shard, units,
+                                               cfg.grad_accum)
+        if shard < cfg.dp:
+            wire["dp_rep"] = hybrid_replica_wire_bytes(cfg.zero, n_params, cfg.precision, shard,
+                                                       cfg.dp // shard, units, cfg.grad_accum)
+        padding = (padded(n_params, shard) - n_params if cfg.zero < 3
+                   else sum(padded(u, shard) - u for u in units))
     return {
         "n_params": n_params,
         "padding_elements": padding,
         "memory": states,
-        "wire_bytes_per_step": {"dp": wire if cfg.dp > 1 else 0},
+        "wire_bytes_per_step": {g: (b if cfg.dp > 1 else 0) for g, b in wire.items()},
     }

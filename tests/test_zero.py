@@ -92,3 +92,27 @@ def test_checkpointing_equal_less_memory_and_recomputes(zero, mode):
     rec = ck.ranks[0]["recompute"]
     assert rec["segment_forwards"] == rec["recomputed_forwards"] == 2 * 2 * segments_per_micro
     assert ck.wire_bytes_per_step() == base.wire_bytes_per_step()
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hybrid_shard_2d(zero):
+    """HYBRID_SHARD: dp=4 as 2 replicas x 2 shards. Sharded by 2 (not 4), slices all-reduced across
+    replicas; each group's bytes equal its formula; still equal to the reference."""
+    report = run(RunConfig(dp=4, dp_shard=2, zero=zero, steps=2, reference=True))
+    assert report.max_abs_diff <= 1e-5
+    assert set(report.theory["wire_bytes_per_step"]) == {"dp_shard", "dp_rep"}
+    for r in range(4):
+        assert report.wire_bytes_per_step(r) == report.theory["wire_bytes_per_step"]
+        m = report.ranks[r]["memory"]
+        assert {k: m[k] for k in ("params", "grads", "optimizer")} == report.theory["memory"]
+
+
+def test_fsdp_names_map_to_zero_stages():
+    assert RunConfig(dp=2, fsdp="FULL_SHARD").validate().zero == 3
+    assert RunConfig(dp=2, fsdp="SHARD_GRAD_OP").validate().zero == 2
+    assert RunConfig(dp=2, fsdp="NO_SHARD").validate().zero == 0
+    assert RunConfig(dp=4, dp_shard=2, fsdp="HYBRID_SHARD").validate().zero == 3
+    with pytest.raises(ValueError, match="--dp-shard"):
+        RunConfig(dp=4, fsdp="HYBRID_SHARD").validate()
+    with pytest.raises(ValueError, match="contradicts"):
+        RunConfig(dp=2, fsdp="FULL_SHARD", zero=1).validate()

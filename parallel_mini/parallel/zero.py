@@ -60,13 +60,18 @@ class ZeroDataParallel:
     """
 
     def __init__(self, model: torch.nn.Module, comm: Comm, stage: int, optimizer: str = "adam",
-                 lr: float = 3e-3, param_dtype: torch.dtype = torch.float32):
+                 lr: float = 3e-3, param_dtype: torch.dtype = torch.float32,
+                 shard_axis: str = AXIS, replicate_axis: str | None = None):
+        """`shard_axis`/`replicate_axis`: HYBRID_SHARD shards over dp_shard and all-reduces the
+        reduced slices over dp_rep; the default shards over the whole dp axis."""
         if stage not in (1, 2):
             raise ValueError(f"stage {stage}: ZeroDataParallel does stages 1 and 2")
         self.model, self.comm, self.stage = model, comm, stage
-        self.n, self.r = comm.size(AXIS), comm.rank(AXIS)
+        self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
+        self.n, self.r = comm.size(shard_axis), comm.rank(shard_axis)
+        self.dp = comm.size(AXIS)  # all replicas x shards: what the gradient is averaged over
         self.mixed = param_dtype != torch.float32
-        if self.n > 1:
+        if self.dp > 1:
             step, comm.step = comm.step, -1  # one-time setup traffic
             broadcast_parameters(model, comm)
             comm.step = step
@@ -100,8 +105,10 @@ class ZeroDataParallel:
         """Reduce-scatter: rank r receives the dp-average of gradient slice r."""
         grad_shard = torch.empty(self.layout.shard_numel, dtype=self.flat_grads.dtype,
                                  device=self.flat_grads.device)  # [k]
-        self.comm.reduce_scatter(grad_shard, self.flat_grads, AXIS)  # [padded] -> [k], summed
-        grad_shard /= self.n
+        self.comm.reduce_scatter(grad_shard, self.flat_grads, self.shard_axis)  # [padded] -> [k]
+        if self.replicate_axis:  # HYBRID_SHARD: the same slice on every replica, summed across
+            self.comm.all_reduce(grad_shard, self.replicate_axis)
+        grad_shard /= self.dp
         if self.stage == 2:  # stage 2 keeps only its slice: the full gradient buffer is released
             for p in self.params:
                 p.grad = None
@@ -119,7 +126,7 @@ class ZeroDataParallel:
             self.grad_shard = None  # stage 1 keeps full gradients, not a reduced slice
         # All-gather into the flat buffer; my own slice is passed as a copy because an input that
         # aliases the output is not allowed by every backend.
-        self.comm.all_gather(self.flat_params, self.param_shard.clone(), AXIS)
+        self.comm.all_gather(self.flat_params, self.param_shard.clone(), self.shard_axis)
 
     # -- measurement ----------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:

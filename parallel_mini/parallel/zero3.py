@@ -58,11 +58,11 @@ class Unit:
             self.full.untyped_storage().resize_(0)  # bytes released; views stay attached
             self.gathered = False
 
-    def gather(self, comm: Comm) -> None:
+    def gather(self, comm: Comm, axis: str) -> None:
         if self.gathered:
             return
         self.full.untyped_storage().resize_(self.layout.padded * self.full.element_size())
-        comm.all_gather(self.full, self.shard, AXIS)  # n x [k] -> [padded]
+        comm.all_gather(self.full, self.shard, axis)  # n x [k] -> [padded]
         self.gathered = True
 
 
@@ -70,12 +70,17 @@ class Zero3DataParallel:
     """ZeRO-3 over the dp axis; owns the optimizer. Same loop interface as ZeroDataParallel."""
 
     def __init__(self, model: torch.nn.Module, comm: Comm, optimizer: str = "adam",
-                 lr: float = 3e-3, param_dtype: torch.dtype = torch.float32):
+                 lr: float = 3e-3, param_dtype: torch.dtype = torch.float32,
+                 shard_axis: str = AXIS, replicate_axis: str | None = None):
+        """HYBRID_SHARD: shard over `shard_axis`, all-reduce the reduced slices over
+        `replicate_axis` (see ZeroDataParallel)."""
         self.model, self.comm = model, comm
-        self.n, self.r = comm.size(AXIS), comm.rank(AXIS)
+        self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
+        self.n, self.r = comm.size(shard_axis), comm.rank(shard_axis)
+        self.dp = comm.size(AXIS)
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full layers alive at once, and the max
         self.mixed = param_dtype != torch.float32
-        if self.n > 1:  # every rank starts from rank 0's weights, as in data parallel
+        if self.dp > 1:  # every rank starts from rank 0's weights, as in data parallel
             step, comm.step = comm.step, -1
             for p in model.parameters():
                 comm.broadcast(p.data, AXIS, src=0)
@@ -96,7 +101,7 @@ class Zero3DataParallel:
     # -- hooks ------------------------------------------------------------------------------------
     def _gather(self, unit: Unit) -> None:
         if not unit.gathered:
-            unit.gather(self.comm)
+            unit.gather(self.comm, self.shard_axis)
             self.gathered_bytes += unit.full.untyped_storage().nbytes()
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
@@ -120,8 +125,10 @@ class Zero3DataParallel:
             view.copy_(q.grad)
             q.grad = None  # the full gradient is not kept: only my reduced slice is
         piece = torch.empty(unit.layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device)
-        self.comm.reduce_scatter(piece, flat_grad, AXIS)  # [padded] -> [k], summed over ranks
-        piece /= self.n
+        self.comm.reduce_scatter(piece, flat_grad, self.shard_axis)  # [padded] -> [k], summed
+        if self.replicate_axis:  # HYBRID_SHARD: sum the same slice across replicas
+            self.comm.all_reduce(piece, self.replicate_axis)
+        piece /= self.dp
         unit.grad_shard = piece if unit.grad_shard is None else unit.grad_shard.add_(piece)
         unit.ready.clear()
         self._free(unit)
@@ -163,7 +170,7 @@ class Zero3DataParallel:
         """Every parameter in full (collective: all ranks call it), e.g. to compare with the reference."""
         out = {}
         for u in self.units:
-            u.gather(self.comm)
+            u.gather(self.comm, self.shard_axis)
             for p in u.params:
                 out[id(p)] = p.detach().clone()
             u.free()
