@@ -127,6 +127,15 @@ class Comm:
                                                          group=g, async_op=async_op),
                                 async_op, rank_in_chain=chain_pos, tags=tags)
 
+    def transfer(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+        """Copy between device and host memory ("d2h" / "h2d"), recorded on the "pcie" link:
+        offload's traffic is not collective, but it is bytes that cost time on a real bus."""
+        nbytes = src.numel() * src.element_size()
+        rec = self._record(direction, "pcie", nbytes, src.numel(), nbytes)
+        cpu0 = time.thread_time()
+        dst.copy_(src)
+        rec["end"], rec["cpu"] = time.perf_counter(), time.thread_time() - cpu0
+
     # -- point to point ------------------------------------------------------------------------
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, axis: str,
                  **log):

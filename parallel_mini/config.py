@@ -47,6 +47,7 @@ class RunConfig:
     zero: int = 0
     dp_shard: int = 0  # ZeRO shard group size; 0 = all of dp. 0 < s < dp: HYBRID_SHARD
     fsdp: str = ""  # PyTorch FSDP's names for the same strategies (see FSDP_STRATEGIES)
+    offload: bool = False  # ZeRO-Offload: optimizer states and master weights in host memory
     # pipeline (validated when the topic lands)
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -117,6 +118,9 @@ class RunConfig:
         if 0 < self.dp_shard < self.dp and not self.zero:
             raise ConfigError(f"--dp-shard {self.dp_shard}: hybrid sharding needs --zero 1, 2 or 3 "
                               f"(with --zero 0 nothing is sharded)")
+        if self.offload and self.zero not in (1, 2):
+            raise ConfigError(f"--offload: ZeRO-Offload steps the sharded optimizer on the host; "
+                              f"it needs --zero 1 or 2 (got --zero {self.zero})")
         if self.zero and self.dp_mode == "naive":
             raise ConfigError("--dp-mode naive applies to --zero 0 only: ZeRO reduce-scatters its "
                               "gradients itself; drop --dp-mode or use --zero 0")

@@ -65,7 +65,8 @@ def parallelize(model, comm, cfg, average_fn=None):
     hybrid = 0 < cfg.dp_shard < cfg.dp  # FSDP's HYBRID_SHARD: shard in groups, replicate across
     axes = dict(shard_axis="dp_shard", replicate_axis="dp_rep") if hybrid else {}
     if cfg.zero in (1, 2):
-        return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype, **axes)
+        return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,
+                                offload=cfg.offload, **axes)
     return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, **axes)
 
 

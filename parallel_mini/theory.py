@@ -37,6 +37,24 @@ def wire_bytes(op: str, payload_bytes: int, n: int, rank_in_chain: int = 0) -> i
     return int(value) if value.denominator == 1 else float(value)
 
 
+# Link bandwidths in bytes/s, one direction, as the seeds quote them. Predictions turn measured
+# bytes into time with these; the lessons say which link each parallelism crosses and why.
+INTERCONNECTS = {
+    "PCIe Gen4 x16": 32e9,       # GPU <-> CPU (offload); ~25 GB/s achieved in practice
+    "PCIe Gen5 x16": 64e9,
+    "NVLink 4 (H100)": 450e9,    # 900 GB/s bidirectional: 18 links x 25 GB/s each way
+    "NVLink 5 (B200)": 900e9,    # 1.8 TB/s bidirectional
+    "InfiniBand NDR": 50e9,      # 400 Gb/s per port
+    "InfiniBand XDR": 100e9,     # 800 Gb/s per port
+    "Ethernet 100G": 12.5e9,
+}
+
+
+def transfer_time(nbytes: float, link: str) -> float:
+    """Seconds to move `nbytes` over `link` at its full bandwidth (a lower bound)."""
+    return nbytes / INTERCONNECTS[link]
+
+
 def ring_steps(n: int) -> int:
     """A ring all-reduce takes 2(N-1) steps: N-1 to reduce-scatter, N-1 to all-gather."""
     return 2 * (n - 1)
@@ -92,7 +110,8 @@ def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
 
 
 def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "fp32",
-                      zero: int = 0, n: int = 1, unit_sizes: list[int] | None = None) -> dict:
+                      zero: int = 0, n: int = 1, unit_sizes: list[int] | None = None,
+                      offload: bool = False) -> dict:
     """Persistent bytes per rank after an optimizer step, by category (the memory table).
 
     Unsharded: b*P + b*P + o*P (b = 4 fp32 / 2 bf16; o = 8 Adam fp32, 12 Adam bf16-mixed): 16P mixed.
@@ -105,6 +124,9 @@ def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "
     if zero in (1, 2):
         pp = padded(n_params, n)
         grads = b * pp if zero == 1 else b * pp // n
+        if offload:  # host: an fp32 master slice + the moments, whatever the compute precision
+            host = (optimizer_bytes_per_param(optimizer, "fp32") + 4) * pp // n
+            return {"params": b * pp, "grads": grads, "optimizer": 0, "host": host}
         return {"params": b * pp, "grads": grads, "optimizer": o * pp // n}
     q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
     return {"params": b * q // n, "grads": b * q // n, "optimizer": o * q // n}
@@ -146,7 +168,8 @@ def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report."""
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers)
     shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp  # ZeRO's shard group size
-    states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units)
+    states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
+                               cfg.offload)
     wire: dict[str, float] = {}
     if cfg.zero == 0:
         wire["dp"] = dp_wire_bytes_per_step(BYTES_PER_PARAM[cfg.precision] * n_params, cfg.dp)
@@ -160,9 +183,12 @@ def run_theory(cfg, n_params: int) -> dict:
                                                        cfg.dp // shard, units, cfg.grad_accum)
         padding = (padded(n_params, shard) - n_params if cfg.zero < 3
                    else sum(padded(u, shard) - u for u in units))
+        if cfg.offload:  # gradient slice to the host, updated parameter slice back, every step
+            slice_bytes = BYTES_PER_PARAM[cfg.precision] * padded(n_params, shard) // shard
+            wire["pcie"] = 2 * slice_bytes
     return {
         "n_params": n_params,
         "padding_elements": padding,
         "memory": states,
-        "wire_bytes_per_step": {g: (b if cfg.dp > 1 else 0) for g, b in wire.items()},
+        "wire_bytes_per_step": {g: (b if cfg.dp > 1 or g == "pcie" else 0) for g, b in wire.items()},
     }

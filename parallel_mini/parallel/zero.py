@@ -61,9 +61,14 @@ class ZeroDataParallel:
 
     def __init__(self, model: torch.nn.Module, comm: Comm, stage: int, optimizer: str = "adam",
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32,
-                 shard_axis: str = AXIS, replicate_axis: str | None = None):
+                 shard_axis: str = AXIS, replicate_axis: str | None = None, offload: bool = False):
         """`shard_axis`/`replicate_axis`: HYBRID_SHARD shards over dp_shard and all-reduces the
-        reduced slices over dp_rep; the default shards over the whole dp axis."""
+        reduced slices over dp_rep; the default shards over the whole dp axis.
+        `offload` (ZeRO-Offload, Ren et al., 2021): the fp32 master slice and Adam's moments live
+        in host memory and the optimizer steps there; per step the gradient slice crosses to the
+        host and the updated parameter slice comes back (PCIe). On a CPU-only machine host and
+        device are the same memory: the copies still happen and are counted, the split of bytes
+        into device and host is by category."""
         if stage not in (1, 2):
             raise ValueError(f"stage {stage}: ZeroDataParallel does stages 1 and 2")
         self.model, self.comm, self.stage = model, comm, stage
@@ -84,7 +89,12 @@ class ZeroDataParallel:
             p.data = view  # the parameter now lives inside the flat buffer
         self.param_shard = self.layout.shard(self.flat_params, self.r)  # [k] view
         # fp32: the optimizer steps the slice in place; bf16: it steps an fp32 master copy
-        self.master = self.param_shard.float().clone() if self.mixed else self.param_shard
+        self.offload = offload
+        self.host = torch.device("cpu")
+        if offload:  # an fp32 copy of my slice in host memory, whatever the compute precision
+            self.master = self.param_shard.detach().to(self.host, torch.float32, copy=True)
+        else:  # fp32: step the slice in place; bf16: step an fp32 master copy
+            self.master = self.param_shard.float().clone() if self.mixed else self.param_shard
         self.optimizer = make_optimizer(optimizer, [self.master], lr)
         self.flat_grads: torch.Tensor | None = None  # [padded], during backward (stage 2) / always (1)
         self.grad_shard: torch.Tensor | None = None  # [k], kept by stage 2 after the step
@@ -117,10 +127,18 @@ class ZeroDataParallel:
 
     def step(self) -> None:
         """Step my slice, then all-gather every rank's updated slice into the full parameters."""
-        self.master.grad = self.grad_shard.float() if self.mixed else self.grad_shard
+        if self.offload:
+            host_grad = torch.empty(self.grad_shard.shape, dtype=self.grad_shard.dtype,
+                                    device=self.host)
+            self.comm.transfer(host_grad, self.grad_shard, "d2h")  # gradient slice to the host
+            self.master.grad = host_grad.float()
+        else:
+            self.master.grad = self.grad_shard.float() if self.mixed else self.grad_shard
         self.optimizer.step()
         self.master.grad = None
-        if self.mixed:
+        if self.offload:  # updated slice back to the device, in compute precision
+            self.comm.transfer(self.param_shard, self.master.to(self.param_shard.dtype), "h2d")
+        elif self.mixed:
             self.param_shard.copy_(self.master)  # fp32 master -> bf16 compute copy
         if self.stage == 1:
             self.grad_shard = None  # stage 1 keeps full gradients, not a reduced slice
@@ -135,8 +153,10 @@ class ZeroDataParallel:
         if self.grad_shard is not None:
             grads.append(self.grad_shard)
         opt = [t for st in self.optimizer.state.values() for t in st.values()]
-        if self.mixed:
+        if self.mixed or self.offload:
             opt.append(self.master)
+        if self.offload:
+            return {"params": [self.flat_params], "grads": grads, "optimizer": [], "host": opt}
         return {"params": [self.flat_params], "grads": grads, "optimizer": opt}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
