@@ -158,6 +158,7 @@ def ring_experiment(n: int = 4, numel: int = 16, impl=None, repeats: int = 3,
         # bus bandwidth: the bytes each rank must move, 2(N-1)/N * X, per second (NCCL's busbw)
         "busbw_ring": theory.wire_bytes("all_reduce", tbytes, n) / t_ring if t_ring else 0.0,
         "busbw_backend": theory.wire_bytes("all_reduce", tbytes, n) / t_backend if t_backend else 0.0,
-        "step_times": [{"step": e["seq"] + 1, "start": e["start"] - t_first,
-                        "end": e["end"] - t_first, "bytes": e["bytes"]} for e in rank0_steps],
+        "step_times": [{"step": i + 1, "start": e["start"] - t_first,
+                        "end": e["end"] - t_first, "bytes": e["bytes"]}
+                       for i, e in enumerate(rank0_steps)],  # the last timed repeat's 2(N-1) steps
     }

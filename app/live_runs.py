@@ -1,0 +1,96 @@
+"""What every page needs to run ranks live: cached runs, a status box, errors without tracebacks.
+
+Results are cached per configuration (st.cache_data, shared by everyone watching the app) and the
+last result of each page is kept in the session, so moving a slider never starts ranks by itself:
+only "Run live" does. "Fresh measurement" bypasses the cache for timings that should be re-taken.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import streamlit as st
+
+from parallel_mini import collectives, engine
+from parallel_mini.config import ConfigError, RunConfig
+from parallel_mini.launch import RankError
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def ring_experiment(n: int, numel: int, timed_mb: float, attempt: int = 0) -> dict:
+    """collectives.ring_experiment, cached per (n, numel, timed_mb, attempt)."""
+    t0 = time.perf_counter()
+    exp = collectives.ring_experiment(n, numel, timed_mb=timed_mb)
+    return {**exp, "run_wall_s": time.perf_counter() - t0}
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def training_run(cfg_json: str, attempt: int = 0) -> dict:
+    """engine.run on the RunConfig given as JSON; the report as a dict (cached per config)."""
+    report = engine.run(RunConfig.from_dict(json.loads(cfg_json)))
+    return report.to_dict()
+
+
+def rank_error_summary(err: RankError) -> str:
+    """The failing rank and the last line of its traceback (the exception itself)."""
+    lines = [ln for ln in str(err.details).strip().splitlines() if ln.strip()]
+    return f"Rank {err.rank} failed: {lines[-1].strip() if lines else 'no details'}"
+
+
+def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False):
+    """Run `fn(*args, attempt)` under a status box and keep the result as this page's last one.
+    Shows st.error (no traceback wall) for a bad config or a failed rank; returns None then."""
+    attempts = st.session_state.setdefault(f"{page}_attempts", {})
+    tag = json.dumps(key, sort_keys=True)
+    if fresh:
+        attempts[tag] = attempts.get(tag, 0) + 1
+    error, details = None, None
+    with st.status(label, expanded=False) as status:
+        t0 = time.perf_counter()
+        try:
+            result = fn(*args, attempts.get(tag, 0))
+        except ConfigError as err:
+            error = f"Invalid settings: {err}"
+        except RankError as err:
+            error, details = rank_error_summary(err), err.details
+        if error:
+            status.update(label="The run did not complete", state="error")
+        else:
+            status.update(label=f"{label.rstrip('…. ')}: done in {time.perf_counter() - t0:.1f} s "
+                                f"(a cached result returns at once)", state="complete")
+    if error:
+        st.error(error)
+        if details:
+            with st.expander("Full output of the failed rank"):
+                st.code(details)
+        return None
+    st.session_state[f"{page}_last"] = {"key": key, "result": result}
+    return result
+
+
+def last_result(page: str, key: dict):
+    """(result, is_for_current_settings) of this page's last run, or (None, False)."""
+    last = st.session_state.get(f"{page}_last")
+    if last is None:
+        return None, False
+    return last["result"], last["key"] == key
+
+
+def fmt_count(b: float) -> str:
+    """A byte count as the page shows it: whole numbers with separators, fractions with 2 decimals
+    (theory's 2(N-1)/N * X is a fraction when N does not divide X)."""
+    return f"{b:,.0f}" if float(b).is_integer() else f"{b:,.2f}"
+
+
+def fmt_bytes(b: float) -> str:
+    for div, unit in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if abs(b) >= div:
+            return f"{b / div:.3f} {unit}"
+    return f"{b:,.0f} B"
+
+
+def fmt_rate(b: float) -> str:
+    for div, unit in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s")):
+        if b >= div:
+            return f"{b / div:.3g} {unit}"
+    return f"{b:.3g} B/s"

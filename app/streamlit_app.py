@@ -1,0 +1,32 @@
+"""parallel_mini classroom app: `make app` (streamlit run app/streamlit_app.py).
+
+Every page runs real ranks (gloo on CPU) when "Run live" is pressed, and draws what they measured
+beside the formula from `parallel_mini.theory`. The charts come from `parallel_mini.viz`, the same
+functions the lessons use.
+"""
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+# Pages import the app's helpers (live_runs.py) by name; `streamlit run` puts this folder on
+# sys.path, AppTest does not.
+APP_DIR = str(Path(__file__).resolve().parent)
+if APP_DIR not in sys.path:
+    sys.path.insert(0, APP_DIR)
+
+# The pages live in app_pages/, not pages/: a folder named pages/ next to this script switches
+# Streamlit to its old file-based navigation for any session that opens a page URL (e.g. /ring)
+# before anyone has opened the home page: this script would not run, and the sidebar would list
+# file names.
+st.set_page_config(page_title="parallel_mini", layout="wide")
+
+pages = {
+    "parallel_mini": [st.Page("app_pages/home.py", title="Home", icon="🏠", default=True)],
+    "Topics": [
+        st.Page("app_pages/ring.py", title="Ring all-reduce", icon="🔁", url_path="ring"),
+        st.Page("app_pages/data_parallel.py", title="Data parallel", icon="🧮",
+                url_path="data_parallel"),
+    ],
+}
+st.navigation(pages).run()

@@ -1,0 +1,499 @@
+"""Altair chart builders: written once, used by the lessons and by the app.
+
+Every function takes plain data (a `collectives.ring_experiment` dict, `collectives.primitives_demo`
+rows, or a `RunReport.to_dict()`) and returns an Altair chart. Nothing here launches ranks or
+touches torch.distributed: what is drawn is exactly what the run measured, with the prediction of
+`theory` (as carried in the data) beside it.
+
+    ring_animation(exp)    the ring all-reduce step by step, decoded from the probe run's messages
+    ring_step_times(exp)   wall time of each of the 2(N-1) ring steps (rank 0, timed run)
+    bandwidth_bars(exp)    bus bandwidth: our ring vs the backend's all-reduce
+    ring_time_bars(exp)    all-reduce time: measured ring, measured backend, 2(N-1)/N * X / B
+    primitives_frame(rows) / primitives_table(rows)   each collective, before and after, per rank
+    loss_curves(report)    loss per step: live run vs the single-process reference
+    comm_bytes(report)     wire bytes per step per rank: measured vs theory
+    memory_bars(report)    memory per rank by category: measured vs theory, with the live peak
+    timeline(report)       Gantt of compute and comm per rank (wall clock)
+"""
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+PHASE_COLORS = {"reduce-scatter": "#4c78a8", "all-gather": "#f58518"}
+KIND_ORDER = ["forward", "backward", "grad_sync", "optimizer",
+              "all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "send", "recv"]
+KIND_COLORS = ["#4c78a8", "#f58518", "#b279a2", "#54a24b",
+               "#e45756", "#9d755d", "#72b7b2", "#eeca3b", "#ff9da6", "#bab0ac", "#79706e"]
+MEMORY_ORDER = ["params", "grads", "optimizer", "transient", "activations_peak"]
+MEMORY_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756"]
+# Every chart keeps the size it asks for, axes and legends added around it (Vega-Lite's default).
+# Streamlit otherwise applies "fit", which squeezes charts whose content lies outside the plot.
+PAD = alt.AutoSizeParams(type="pad", contains="padding")
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------
+def bytes_unit(max_bytes: float) -> tuple[float, str]:
+    """(divisor, name) of the binary unit that keeps `max_bytes` readable: B, KiB or MiB."""
+    for div, name in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if max_bytes >= div:
+            return div, name
+    return 1, "B"
+
+
+def rate_unit(max_bytes_s: float) -> tuple[float, str]:
+    """(divisor, name) for a bandwidth, decimal like NCCL's busbw: GB/s, MB/s or KB/s."""
+    for div, name in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s")):
+        if max_bytes_s >= div:
+            return div, name
+    return 1, "B/s"
+
+
+def ranks_label(mask: int, n: int) -> str:
+    """'0+1+3' for the ranks in a bitmask; 'all N' once every rank's data is in."""
+    ranks = [r for r in range(n) if mask >> r & 1]
+    return f"all {n}" if len(ranks) == n and n > 3 else "+".join(map(str, ranks))
+
+
+def _ranks_set(mask: int, n: int) -> str:
+    return "{" + ", ".join(str(r) for r in range(n) if mask >> r & 1) + "}"
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}–{last}"
+
+
+def _phase_of_step(step: int, n: int) -> str:
+    return "reduce-scatter" if step <= n - 1 else "all-gather"
+
+
+# ---------------------------------------------------------------------------------------------
+# the ring
+# ---------------------------------------------------------------------------------------------
+def ring_frames_frame(exp: dict) -> pd.DataFrame:
+    """One row per (frame, rank, chunk) of the decoded probe run: whose data the chunk holds, and
+    whether it was sent or received in that frame's step."""
+    n = exp["world_size"]
+    rows = []
+    for i, fr in enumerate(exp["frames"]):
+        sent = {(m["src"], m["chunk"]): m for m in fr["moves"]}
+        got = {(m["dst"], m["chunk"]): m for m in fr["moves"]}
+        for r, row in enumerate(fr["state"]):
+            for c, mask in enumerate(row):
+                mv = got.get((r, c))
+                rows.append({"frame": i, "step": fr["step"], "phase": fr["phase"], "rank": r,
+                             "chunk": c, "mask": mask, "contributors": bin(mask).count("1"),
+                             "label": ranks_label(mask, n)
+                             + (f"\n← from r{mv['src']}" if mv else "")
+                             + (f"\n→ to r{sent[(r, c)]['dst']}" if (r, c) in sent else ""),
+                             "holds": _ranks_set(mask, n),
+                             "received_from": mv["src"] if mv else None,
+                             "sent_to": sent[(r, c)]["dst"] if (r, c) in sent else None})
+    return pd.DataFrame(rows)
+
+
+def ring_moves_text(exp: dict) -> list[str]:
+    """Per frame, the caption: the step, its phase and every message, as decoded from the run."""
+    n, total = exp["world_size"], len(exp["frames"]) - 1
+    out = []
+    for fr in exp["frames"]:
+        if fr["phase"] == "start":
+            out.append(f"step 0 of {total} · start: every rank holds only its own data")
+            continue
+        verb = "summed into" if fr["phase"] == "reduce-scatter" else "copied over"
+        lines = [f"step {fr['step']} of {total} · {fr['phase']}",
+                 f"(each received chunk is {verb} the local one)"]
+        lines += [f"rank {m['src']} → rank {m['dst']}: chunk {m['chunk']} carrying "
+                  f"{_ranks_set(m['mask'], n)}" for m in sorted(fr["moves"], key=lambda m: m["src"])]
+        out.append("\n".join(lines))
+    return out
+
+
+def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 40) -> alt.LayerChart:
+    """The ring all-reduce, one frame per step, as decoded from the messages of the live probe run.
+
+    Grid: rank (rows) x chunk (columns). Colour: how many ranks' data the chunk holds (1..N); label:
+    which ranks ("0+1+3"). Black outline: the chunk this rank received in the step (and from whom);
+    orange dashed: the chunk it sent (and to whom). Below the grid, every message of the step. A
+    slider ("step") moves through the frames in the browser; frame 0 is the start, frames 1..N-1
+    reduce-scatter, N..2(N-1) all-gather."""
+    n, frames = exp["world_size"], exp["frames"]
+    cells = ring_frames_frame(exp)
+    marks = pd.concat([
+        cells.dropna(subset=["received_from"]).assign(role="received"),
+        cells.dropna(subset=["sent_to"]).assign(role="sent"),
+    ])[["frame", "rank", "chunk", "role"]]
+    captions = pd.DataFrame({"frame": range(len(frames)), "caption": ring_moves_text(exp)})
+    font = 11 if n <= 5 else 10
+    cell_width = cell_width or max(78, int(0.62 * font * (2 * n - 1)) + 12)  # fits "0+1+...+6"
+    width, height = max(cell_width * n, 330), cell_height * n  # room for the caption below
+
+    step = alt.param(name="step", value=0,
+                     bind=alt.binding_range(min=0, max=len(frames) - 1, step=1, name="step "))
+    in_frame = alt.datum.frame == step
+    x = alt.X("chunk:O", title=f"chunk (1/{n} of the tensor; sizes {exp['chunk_sizes']} elements)",
+              axis=alt.Axis(orient="top", labelAngle=0))
+    y = alt.Y("rank:O", title="rank (process)")
+
+    fill = alt.Chart(cells).mark_rect(stroke="white", strokeWidth=1).encode(
+        x=x, y=y,
+        color=alt.Color("contributors:O", title="ranks summed in",
+                        scale=alt.Scale(scheme="blues", domain=list(range(1, n + 1)))),
+        tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("phase:N"), alt.Tooltip("rank:O"),
+                 alt.Tooltip("chunk:O"), alt.Tooltip("holds:N", title="holds data of ranks"),
+                 alt.Tooltip("received_from:Q", title="received from rank"),
+                 alt.Tooltip("sent_to:Q", title="sent to rank")],
+    ).transform_filter(in_frame)
+    text = alt.Chart(cells).mark_text(fontSize=font, lineBreak="\n").encode(
+        x=x, y=y, text="label:N",
+        color=alt.condition(alt.datum.contributors > n / 2, alt.value("white"), alt.value("black")),
+    ).transform_filter(in_frame)
+    role_stroke = alt.Stroke("role:N", title="this step", scale=alt.Scale(
+        domain=["received", "sent"], range=["black", "#f58518"]))
+    received = alt.Chart(marks).mark_rect(fill=None, strokeWidth=3).encode(
+        x=x, y=y, stroke=role_stroke,
+    ).transform_filter(in_frame & (alt.datum.role == "received"))
+    sent = alt.Chart(marks).mark_rect(fill=None, strokeWidth=3, strokeDash=[6, 3]).encode(
+        x=x, y=y, stroke=role_stroke,
+    ).transform_filter(in_frame & (alt.datum.role == "sent"))
+    caption = alt.Chart(captions).mark_text(align="left", baseline="top", lineBreak="\n",
+                                            fontSize=12, dy=0).encode(
+        x=alt.value(0), y=alt.value(height + 10), text="caption:N",
+    ).transform_filter(in_frame)
+
+    # autosize "pad": the caption lies below the plot; "fit" would shrink the grid to make room
+    return alt.layer(fill, received, sent, text, caption).add_params(step).properties(
+        width=width, height=height, autosize=PAD,
+        title=alt.TitleParams(
+            f"Ring all-reduce on {n} ranks, {exp['numel']} elements: what really moved (live run)",
+            subtitle=[f"{_steps(1, n - 1)}: reduce-scatter · {_steps(n, 2 * (n - 1))}: all-gather "
+                      f"(move the 'step' slider)",
+                      "colour/label: whose data each rank's chunk holds, decoded from the messages"],
+            anchor="start"),
+    )
+
+
+def ring_step_times(exp: dict) -> alt.Chart:
+    """Wall time of each ring step on rank 0 in the last timed repeat (ms from the first send),
+    coloured by phase. A step is one send + one receive of a 1/N chunk."""
+    n = exp["world_size"]
+    df = pd.DataFrame([{"step": i, "phase": _phase_of_step(i, n),
+                        "start_ms": 1e3 * e["start"], "end_ms": 1e3 * e["end"],
+                        "duration_ms": 1e3 * (e["end"] - e["start"]), "bytes": e["bytes"]}
+                       for i, e in enumerate(exp["step_times"], start=1)])
+    return alt.Chart(df).mark_bar(height=14).encode(
+        x=alt.X("start_ms:Q", title="time from the first send (ms)"),
+        x2="end_ms:Q",
+        y=alt.Y("step:O", title="ring step"),
+        color=alt.Color("phase:N", title="phase", scale=alt.Scale(
+            domain=list(PHASE_COLORS), range=list(PHASE_COLORS.values()))),
+        tooltip=["step:O", "phase:N", alt.Tooltip("duration_ms:Q", format=".3f", title="ms"),
+                 alt.Tooltip("bytes:Q", title="bytes sent")],
+    ).properties(autosize=PAD, width=480, height=max(80, 22 * len(df)), title=alt.TitleParams(
+        f"Rank 0's {len(df)} ring steps (2(N−1) = {2 * (n - 1)}) on a "
+        f"{exp['timed_bytes'] / 2 ** 20:.3g} MiB tensor", anchor="start"))
+
+
+def bandwidth_bars(exp: dict, link_bandwidth: float | None = None) -> alt.LayerChart:
+    """Bus bandwidth (2(N-1)/N * X / time, NCCL's busbw) of our send/recv ring and of the backend's
+    own all-reduce on the same tensor. `link_bandwidth` (bytes/s), if given, is drawn as a rule."""
+    div, unit = rate_unit(max(exp["busbw_ring"], exp["busbw_backend"], link_bandwidth or 0))
+    df = pd.DataFrame([
+        {"impl": "our ring (send/recv)", "busbw": exp["busbw_ring"] / div,
+         "time_ms": 1e3 * exp["time_ring_s"]},
+        {"impl": "backend all_reduce", "busbw": exp["busbw_backend"] / div,
+         "time_ms": 1e3 * exp["time_backend_s"]},
+    ])
+    top = 1.2 * max(df["busbw"].max(), (link_bandwidth or 0) / div)  # room for the labels
+    base = alt.Chart(df).encode(
+        y=alt.Y("impl:N", title=None, sort=None, axis=alt.Axis(labelLimit=260)),
+        x=alt.X("busbw:Q", title=f"bus bandwidth ({unit})", scale=alt.Scale(domain=[0, top])),
+        tooltip=["impl:N", alt.Tooltip("busbw:Q", format=".3g", title=unit),
+                 alt.Tooltip("time_ms:Q", format=".3f", title="median time (ms)")])
+    layers = [base.mark_bar(color="#4c78a8"),
+              base.mark_text(align="left", dx=4).encode(text=alt.Text("busbw:Q", format=".3g"))]
+    if link_bandwidth:
+        rule = pd.DataFrame({"B": [link_bandwidth / div], "label": ["B (link)"]})
+        layers.append(alt.Chart(rule).mark_rule(color="#e45756", strokeDash=[4, 3]).encode(
+            x="B:Q", tooltip=[alt.Tooltip("B:Q", format=".3g", title=f"B ({unit})")]))
+    return alt.layer(*layers).properties(autosize=PAD, width=300, height=90, title=alt.TitleParams(
+        f"Bus bandwidth on {exp['world_size']} ranks, {exp['timed_bytes'] / 2 ** 20:.3g} MiB tensor",
+        subtitle="busbw = 2(N−1)/N · X / measured time", anchor="start"))
+
+
+def ring_time_bars(exp: dict, bandwidth: float | None = None) -> alt.LayerChart:
+    """All-reduce time: measured (our ring, backend) beside the theory T = 2(N-1)/N * X / B.
+
+    B defaults to the backend's measured bus bandwidth, so that theory bar equals the backend's time
+    by construction; the gap to the ring bar is what our Python ring loses against it."""
+    from . import theory  # pure formulas, no torch.distributed
+
+    n, x_bytes = exp["world_size"], exp["timed_bytes"]
+    b = bandwidth or exp["busbw_backend"]
+    t_theory = theory.ring_all_reduce_time(x_bytes, n, b) if b else 0.0
+    bdiv, bunit = rate_unit(b)
+    df = pd.DataFrame([
+        {"what": "our ring (measured)", "ms": 1e3 * exp["time_ring_s"], "kind": "measured"},
+        {"what": "backend all_reduce (measured)", "ms": 1e3 * exp["time_backend_s"], "kind": "measured"},
+        {"what": f"theory 2(N−1)/N·X/B, B={b / bdiv:.3g} {bunit}", "ms": 1e3 * t_theory,
+         "kind": "theory"},
+    ])
+    base = alt.Chart(df).encode(
+        y=alt.Y("what:N", title=None, sort=None, axis=alt.Axis(labelLimit=260)),
+        x=alt.X("ms:Q", title="all-reduce time (ms, median of repeats)",
+                scale=alt.Scale(domain=[0, 1.2 * df["ms"].max()])),
+        tooltip=["what:N", alt.Tooltip("ms:Q", format=".3f")])
+    return alt.layer(
+        base.mark_bar().encode(color=alt.Color("kind:N", title=None, legend=None, scale=alt.Scale(
+            domain=["measured", "theory"], range=["#4c78a8", "#bab0ac"]))),
+        base.mark_text(align="left", dx=4).encode(text=alt.Text("ms:Q", format=".3g")),
+    ).properties(autosize=PAD, width=300, height=110, title=alt.TitleParams(
+        f"All-reduce of {x_bytes / 2 ** 20:.3g} MiB on {n} ranks", anchor="start"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the primitives
+# ---------------------------------------------------------------------------------------------
+def _fmt_values(values: list, per_line: int = 4) -> str:
+    """'[0, 1, 2, 3]'; longer lists wrap every `per_line` values so 8 ranks still fit a screen."""
+    parts = [f"{v:g}" for v in values]
+    lines = [", ".join(parts[i:i + per_line]) for i in range(0, len(parts), per_line)] or [""]
+    return "[" + ",\n ".join(lines) + "]"
+
+
+def primitives_frame(rows: list[dict], per_line: int | None = None) -> pd.DataFrame:
+    """The primitives demo as a table: one row per (op, rank), before/after as short strings
+    (wrapped every `per_line` values when given)."""
+    def fmt(values):
+        return _fmt_values(values, per_line or max(1, len(values)))
+
+    return pd.DataFrame([{"op": r["op"], "rank": r["rank"], "before": fmt(r["before"]),
+                          "after": fmt(r["after"]), "wire_bytes": r["wire_bytes"],
+                          "note": r["note"]} for r in rows])
+
+
+def primitives_table(rows: list[dict]) -> alt.LayerChart:
+    """Each collective as two rows (before, after) x one column per rank: the tensor every rank
+    held before the call and after it, from the live run; hover for the op's wire bytes."""
+    df = primitives_frame(rows, per_line=4)
+    ops = list(dict.fromkeys(df["op"]))
+    long = df.melt(id_vars=["op", "rank", "wire_bytes", "note"], value_vars=["before", "after"],
+                   var_name="when", value_name="tensor")
+    long["row"] = long["op"] + " · " + long["when"]
+    order = [f"{op} · {w}" for op in ops for w in ("before", "after")]
+    n = df["rank"].nunique()
+    longest_line = max(len(line) for t in long["tensor"] for line in t.split("\n"))
+    lines = max(t.count("\n") + 1 for t in long["tensor"])
+    col_w = max(70, 7 * longest_line)
+    base = alt.Chart(long).encode(
+        x=alt.X("rank:O", title="rank", axis=alt.Axis(orient="top", labelAngle=0)),
+        y=alt.Y("row:N", title="collective · before/after the call", sort=order,
+                axis=alt.Axis(labelLimit=220)),
+        tooltip=["op:N", "rank:O", "when:N", "tensor:N", "note:N",
+                 alt.Tooltip("wire_bytes:Q", title="wire bytes (this rank)")])
+    return alt.layer(
+        base.mark_rect(stroke="white").encode(color=alt.Color(
+            "when:N", title=None, scale=alt.Scale(domain=["before", "after"],
+                                                  range=["#f2f2f2", "#d6e6f5"]))),
+        base.mark_text(fontSize=11, lineBreak="\n").encode(text="tensor:N"),
+    ).properties(autosize=PAD, width=col_w * n, height=(8 + 14 * lines) * len(order), title=alt.TitleParams(
+        f"Collectives on {n} ranks: each rank's tensor before and after (live run)", anchor="start"))
+
+
+# ---------------------------------------------------------------------------------------------
+# a training run (RunReport.to_dict())
+# ---------------------------------------------------------------------------------------------
+def _run_label(report: dict) -> str:
+    c = report["config"]
+    label = f"dp={c['dp']}"
+    if c["dp"] > 1:
+        label += f" {c['dp_mode']}"
+    if c.get("grad_accum", 1) > 1:
+        label += f", grad-accum {c['grad_accum']}"
+    return label
+
+
+def loss_curves(report: dict) -> alt.LayerChart:
+    """Global loss per step of the live run, and of the single-process reference on the same data
+    when the run had `reference=True` (dashed). Equal within fp32 rounding if the strategy is right."""
+    rows = [{"step": i, "loss": v, "run": f"{_run_label(report)} (measured, "
+                                           f"{report['world_size']} ranks)"}
+            for i, v in enumerate(report["losses"])]
+    ref = report.get("reference_losses")
+    if ref:
+        rows += [{"step": i, "loss": v, "run": "single process (reference)"}
+                 for i, v in enumerate(ref)]
+    df = pd.DataFrame(rows)
+    runs = list(dict.fromkeys(df["run"]))
+    base = alt.Chart(df).encode(
+        x=alt.X("step:O", title="training step", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("loss:Q", title="loss (cross-entropy, nats)", scale=alt.Scale(zero=False)),
+        color=alt.Color("run:N", title=None, sort=runs,
+                        scale=alt.Scale(domain=runs, range=["#4c78a8", "#e45756"][:len(runs)]),
+                        legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=420)),
+        tooltip=["run:N", "step:O", alt.Tooltip("loss:Q", format=".6f")])
+    # measured underneath, thick; the reference on top, thin and dashed: where they agree (as they
+    # must), both stay visible
+    measured = base.mark_line(strokeWidth=5, opacity=0.6, point=alt.OverlayMarkDef(size=90)
+                              ).transform_filter(alt.datum.run == runs[0])
+    reference = base.mark_line(strokeWidth=1.5, strokeDash=[6, 4], point=alt.OverlayMarkDef(size=20)
+                               ).transform_filter(alt.datum.run != runs[0])
+    diff = report.get("max_abs_diff")
+    subtitle = (f"max |measured − reference| over losses and final parameters: {diff:.2e}"
+                if diff is not None else "no reference run (run with reference=True to compare)")
+    return alt.layer(measured, reference).properties(autosize=PAD, width=460, height=260, title=alt.TitleParams(
+        "Loss per step: live run vs single-process reference", subtitle=subtitle, anchor="start"))
+
+
+def comm_bytes_frame(report: dict) -> pd.DataFrame:
+    """Wire bytes per training step, per rank and group: measured (the rank's comm records of the
+    steps, summed and divided by the step count) and theory (report['theory'])."""
+    steps = max(1, report["config"]["steps"])
+    theory_b = report["theory"].get("wire_bytes_per_step", {})
+    rows = []
+    for r in report["ranks"]:
+        measured: dict[str, float] = {g: 0.0 for g in theory_b}
+        for rec in r["comm"]:
+            if rec["step"] >= 0:
+                measured[rec["group"]] = measured.get(rec["group"], 0.0) + rec["wire_bytes"]
+        for g, b in measured.items():
+            rows.append({"rank": r["rank"], "group": g, "source": "measured", "bytes": b / steps})
+            if g in theory_b:
+                rows.append({"rank": r["rank"], "group": g, "source": "theory",
+                             "bytes": float(theory_b[g])})
+    return pd.DataFrame(rows, columns=["rank", "group", "source", "bytes"])
+
+
+def comm_bytes(report: dict) -> alt.LayerChart:
+    """Grouped bars per rank (and process group): bytes this rank put on the wire per training step,
+    measured from its comm records beside theory's 2(N-1)/N * gradient bytes."""
+    df = comm_bytes_frame(report)
+    div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
+    df["value"] = df["bytes"] / div
+    multi = df["group"].nunique() > 1
+    df["who"] = ("rank " + df["rank"].astype(str)
+                 + (" · " + df["group"] if multi else ""))
+    base = alt.Chart(df).encode(
+        x=alt.X("who:N", title="rank" + (" · group" if multi else ""),
+                axis=alt.Axis(labelAngle=0)),
+        xOffset=alt.XOffset("source:N", sort=["measured", "theory"]),
+        y=alt.Y("value:Q", title=f"wire bytes per step ({unit})",
+                scale=alt.Scale(domainMin=0) if df["value"].max() > 0 else alt.Scale(domain=[0, 1])),
+        tooltip=["who:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
+    return alt.layer(
+        base.mark_bar().encode(color=alt.Color(
+            "source:N", title=None, scale=alt.Scale(domain=["measured", "theory"],
+                                                    range=["#4c78a8", "#bab0ac"]))),
+        base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
+    ).properties(autosize=PAD, width=max(240, 90 * df["who"].nunique()), height=240, title=alt.TitleParams(
+        "Bytes each rank sends per step: measured vs theory",
+        subtitle="theory: all-reduce of every gradient once per step, 2(N−1)/N · gradient bytes",
+        anchor="start"))
+
+
+def memory_frame(report: dict) -> pd.DataFrame:
+    """Bytes per rank by category (measured), plus theory's model states for one replica."""
+    rows = []
+    for r in report["ranks"]:
+        for cat in MEMORY_ORDER:
+            if cat in r["memory"]:
+                rows.append({"who": f"rank {r['rank']}", "category": cat, "source": "measured",
+                             "bytes": r["memory"][cat], "total_peak": r["memory"].get("total_peak")})
+    for cat, b in report["theory"].get("memory", {}).items():
+        rows.append({"who": "theory (each rank)", "category": cat, "source": "theory",
+                     "bytes": b, "total_peak": None})
+    return pd.DataFrame(rows)
+
+
+def memory_bars(report: dict) -> alt.LayerChart:
+    """Stacked bars per rank of the memory it measured by category (params, grads, optimizer state,
+    transient bucket buffers, peak saved activations), a tick at the measured peak of all live
+    bytes, and theory's params/grads/optimizer beside them."""
+    df = memory_frame(report)
+    peaks = df.dropna(subset=["total_peak"]).drop_duplicates("who")[["who", "total_peak"]]
+    div, unit = bytes_unit(max(df.groupby("who")["bytes"].sum().max(),
+                               peaks["total_peak"].max() if len(peaks) else 0))
+    df["value"] = df["bytes"] / div
+    peaks = peaks.assign(value=peaks["total_peak"] / div, label="live peak")
+    whos = list(dict.fromkeys(df["who"]))
+    x = alt.X("who:N", title=None, sort=whos, axis=alt.Axis(labelAngle=0, labelLimit=160))
+    bars = alt.Chart(df).mark_bar().encode(
+        x=x, y=alt.Y("value:Q", title=f"memory ({unit})", stack="zero"),
+        color=alt.Color("category:N", title="category", sort=MEMORY_ORDER,
+                        scale=alt.Scale(domain=MEMORY_ORDER, range=MEMORY_COLORS)),
+        order=alt.Order("cat_index:Q"),
+        tooltip=["who:N", "category:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")],
+    ).transform_calculate(cat_index=f"indexof({MEMORY_ORDER}, datum.category)")
+    tick = alt.Chart(peaks).mark_tick(color="black", thickness=3, size=60).encode(
+        x=x, y="value:Q",
+        tooltip=["who:N", alt.Tooltip("total_peak:Q", format=",.0f", title="live peak (bytes)")])
+    tick_text = alt.Chart(peaks).mark_text(dy=-8, fontSize=10).encode(x=x, y="value:Q", text="label:N")
+    return alt.layer(bars, tick, tick_text).properties(
+        autosize=PAD,
+        width=max(260, 100 * len(whos)), height=280, title=alt.TitleParams(
+            "Memory per rank: measured by category vs theory",
+            subtitle=["theory: fp32 params 4Ψ, grads 4Ψ, Adam moments 8Ψ bytes (Ψ = parameters)",
+                      "tick: measured peak of all live bytes during the last step"],
+            anchor="start"))
+
+
+def timeline_frame(report: dict, steps=None) -> pd.DataFrame:
+    """One row per op: compute events (forward/backward/grad_sync/optimizer) and comm records, with
+    a lane per rank and kind of work, times in ms from the run's start."""
+    if steps is not None and isinstance(steps, int):
+        steps = [steps]
+    keep = None if steps is None else set(steps)
+    rows = []
+    for r in report["ranks"]:
+        rk = r["rank"]
+        for e in r["events"]:
+            if keep is not None and e.get("step") not in keep:
+                continue
+            rows.append({"rank": rk, "lane": f"rank {rk} · compute", "kind": e["kind"],
+                         "step": e.get("step"), "microbatch": e.get("microbatch"), "bucket": None,
+                         "async_op": None, "bytes": None, "start_ms": 1e3 * e["start"],
+                         "end_ms": 1e3 * e["end"], "cpu_ms": 1e3 * e.get("cpu", 0.0),
+                         "waited_until_ms": None})
+        for c in r["comm"]:
+            if "end" not in c or (keep is not None and c.get("step") not in keep):
+                continue
+            rows.append({"rank": rk, "lane": f"rank {rk} · comm", "kind": c["op"],
+                         "step": c.get("step"), "microbatch": None, "bucket": c.get("bucket"),
+                         "async_op": c.get("async_op"), "bytes": c.get("wire_bytes"),
+                         "start_ms": 1e3 * c["start"], "end_ms": 1e3 * c["end"],
+                         "cpu_ms": 1e3 * c.get("cpu", 0.0),
+                         "waited_until_ms": 1e3 * c["waited_until"] if "waited_until" in c else None})
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["duration_ms"] = df["end_ms"] - df["start_ms"]
+    return df
+
+
+def timeline(report: dict, steps=None) -> alt.Chart:
+    """Gantt chart of what every rank did, as measured (wall clock, ms from the run's start). Two
+    lanes per rank: compute (forward, backward, grad_sync = waiting for the gradient all-reduces,
+    optimizer) and comm (each collective; bucketed all-reduces start during backward, which is the
+    overlap DP buckets buy). `steps`: an int or a list of steps to show (default: all, plus setup)."""
+    df = timeline_frame(report, steps)
+    lanes = [f"rank {r['rank']} · {k}" for r in report["ranks"] for k in ("compute", "comm")]
+    present = set(df["kind"]) if len(df) else set()
+    domain = [k for k in KIND_ORDER if k in present] + sorted(present - set(KIND_ORDER))
+    palette = dict(zip(KIND_ORDER, KIND_COLORS))
+    colors = [palette.get(k, "#999999") for k in domain]
+    return alt.Chart(df).mark_bar(height=16).encode(
+        x=alt.X("start_ms:Q", title="wall time from the run's start (ms)"),
+        x2="end_ms:Q",
+        y=alt.Y("lane:N", title=None, sort=lanes, axis=alt.Axis(labelLimit=200)),
+        color=alt.Color("kind:N", title="op", scale=alt.Scale(domain=domain, range=colors)),
+        tooltip=["lane:N", "kind:N", "step:Q", "microbatch:Q", "bucket:Q", "async_op:N",
+                 alt.Tooltip("bytes:Q", format=",.0f", title="wire bytes"),
+                 alt.Tooltip("start_ms:Q", format=".2f"), alt.Tooltip("end_ms:Q", format=".2f"),
+                 alt.Tooltip("duration_ms:Q", format=".2f", title="wall ms"),
+                 alt.Tooltip("cpu_ms:Q", format=".2f", title="cpu ms"),
+                 alt.Tooltip("waited_until_ms:Q", format=".2f", title="waited until (ms)")],
+    ).properties(autosize=PAD, width=640, height=24 * len(lanes), title=alt.TitleParams(
+        f"Timeline of {_run_label(report)} on {report['world_size']} ranks (wall clock)",
+        subtitle="ranks share the CPU cores, so the OS scheduler stretches wall times; "
+                 "hover for each op's own CPU time", anchor="start"))
