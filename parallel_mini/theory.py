@@ -192,3 +192,51 @@ def run_theory(cfg, n_params: int) -> dict:
         "memory": states,
         "wire_bytes_per_step": {g: (b if cfg.dp > 1 or g == "pcie" else 0) for g, b in wire.items()},
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# activations (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large Transformer
+# Models"): bytes per transformer layer for a micro-batch of b sequences of s tokens, hidden h,
+# a heads, 16-bit activations with dropout, as the paper counts them
+# ---------------------------------------------------------------------------------------------
+def activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing: str = "none",
+                               tp: int = 1, sp: bool = False) -> float:
+    """none:      s*b*h*(34 + 5*a*s/h)                 (tp=1)
+                  s*b*h*(10 + 24/t + 5*a*s/(h*t))      (tensor parallel t, no SP)
+                  s*b*h/t*(34 + 5*a*s/h)               (tensor + sequence parallel)
+    selective:    the 5as/h attention-core term is recomputed, not kept: 34*s*b*h (/t with SP)
+    full:         only the layer input is kept: 2*s*b*h (/t with SP)"""
+    sbh = s * b * h
+    if checkpointing == "full":
+        return 2 * sbh / (tp if sp else 1)
+    attention_core = 0 if checkpointing == "selective" else 5 * a * s / h
+    if tp == 1 or sp:
+        return sbh / tp * (34 + attention_core)
+    return sbh * (10 + 24 / tp + attention_core / tp)
+
+
+# Model presets for theory-only rows (too big to run here). Shapes after the public Llama configs;
+# n_params is the headline size the memory table uses.
+PRESETS = {
+    "1B": {"n_params": 1_000_000_000, "layers": 16, "d_model": 2048, "heads": 32, "vocab": 128256},
+    "7B": {"n_params": 7_000_000_000, "layers": 32, "d_model": 4096, "heads": 32, "vocab": 32000},
+    "70B": {"n_params": 70_000_000_000, "layers": 80, "d_model": 8192, "heads": 64, "vocab": 32000},
+    "405B": {"n_params": 405_000_000_000, "layers": 126, "d_model": 16384, "heads": 128,
+             "vocab": 128256},
+}
+
+GPU_MEMORY_GB = {"24 GB (RTX 4090)": 24, "40 GB (A100 40G)": 40, "80 GB (A100/H100 80G)": 80,
+                 "141 GB (H200)": 141}
+
+
+def memory_per_gpu(n_params: int, gpus: int, zero: int, precision: str = "bf16-mixed",
+                   optimizer: str = "adam", layers: int = 0, d_model: int = 0, heads: int = 1,
+                   seq: int = 0, micro_batch: int = 0, checkpointing: str = "none",
+                   offload: bool = False) -> dict:
+    """Bytes per GPU by category for a big model (theory only): model states per ZeRO stage plus
+    activations (Korthikanti's count, all layers on this GPU, no TP/PP yet)."""
+    states = model_state_bytes(n_params, optimizer, precision, zero, gpus, offload=offload and zero in (1, 2))
+    states.pop("host", None)
+    acts = layers * activation_bytes_per_layer(seq, micro_batch, d_model, heads, checkpointing) \
+        if layers and seq and micro_batch else 0
+    return {**states, "activations": acts}
