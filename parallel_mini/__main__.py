@@ -22,8 +22,16 @@ _HELP = {
 }
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse prints a usage block before its error; the run contract is one line naming the
+    field (sub-commands inherit this class)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="parallel-mini", description=__doc__.splitlines()[0])
+    ap = _OneLineParser(prog="parallel-mini", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train the tiny GPT on N ranks and report what was measured")
     for f in dataclasses.fields(RunConfig):

@@ -95,6 +95,12 @@ class RunConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{_flag(name)} {v!r}: must be a whole number >= 1")
+        for name in ("bucket_mb", "lr", "timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"{_flag(name)} {v!r}: must be a number")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"--seed {self.seed!r}: must be a whole number")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: choose one of "

@@ -196,6 +196,33 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
         del store
 
 
+def _died(r, procs, outputs) -> RankError:
+    procs[r].join(timeout=1)
+    return RankError(r, (
+        f"rank {r} died with {_signal_name(procs[r].exitcode)} before returning a "
+        f"result. A C++ abort usually means ranks disagreed on a collective (different "
+        f"tensor sizes, dtypes or op order)."), outputs)
+
+
+def _root_cause(first: RankError, procs, pending, outputs, grace: float = 0.5) -> RankError:
+    """A rank that dies silently (a C++ abort) makes its peers fail too, with gloo's "Connection
+    reset by peer", often before the parent sees the death. Give the other ranks a moment; if one of
+    them died without reporting (a rank that reports exits 0), that death is the cause."""
+    others = [r for r in pending if r != first.rank]
+    deadline = time.monotonic() + grace
+    while others:
+        dead = [r for r in others if procs[r].exitcode not in (None, 0)]
+        if dead:
+            cause = _died(dead[0], procs, outputs)
+            cause.details += f"\n\nThen rank {first.rank} failed:\n{first.details}"
+            cause.args = (f"rank {cause.rank} failed:\n{cause.details}",)
+            return cause
+        if time.monotonic() > deadline or all(not procs[r].is_alive() for r in others):
+            break
+        time.sleep(0.02)
+    return first
+
+
 def _collect(procs, conns, timeout) -> list[RankResult]:
     n = len(procs)
     results: list[RankResult | None] = [None] * n
@@ -212,22 +239,17 @@ def _collect(procs, conns, timeout) -> list[RankResult]:
         ready = mpc.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
                          timeout=min(remaining, 1.0))
         for r in pending:
-            if conns[r] in ready or conns[r].poll():
+            if conns[r] in ready or conns[r].poll():  # poll() is also true at EOF
                 try:
                     status, value, outputs[r] = cloudpickle.loads(conns[r].recv_bytes())
-                except EOFError:
-                    status, value = "died", None
+                except EOFError:  # the rank closed its pipe without a word: it died
+                    raise _died(r, procs, outputs) from None
                 if status == "ok":
                     results[r] = RankResult(r, value, outputs[r])
                     continue
-                if status == "error":
-                    raise RankError(r, value, outputs)
+                raise _root_cause(RankError(r, value, outputs), procs, pending, outputs)
             if procs[r].sentinel in ready and results[r] is None and not conns[r].poll():
-                procs[r].join(timeout=1)
-                raise RankError(r, (
-                    f"rank {r} died with {_signal_name(procs[r].exitcode)} before returning a "
-                    f"result. A C++ abort usually means ranks disagreed on a collective (different "
-                    f"tensor sizes, dtypes or op order)."), outputs)
+                raise _died(r, procs, outputs)  # gone, though its pipe is not at EOF
     return results  # type: ignore[return-value]
 
 

@@ -1,7 +1,7 @@
 """Adam and SGD written out, so every byte of optimizer state is visible.
 
 Same arithmetic as `torch.optim.Adam` (Kingma & Ba, 2015, with torch's bias-correction order), but
-the step count is a Python int rather than a 0-d tensor per parameter: optimizer memory is then
+the step counts are Python ints rather than a 0-d tensor per parameter: optimizer memory is then
 exactly 8 bytes per fp32 parameter (two moments), the number the memory lesson derives.
 The optimizer steps whatever tensors it is given: full parameters for DP, a shard for ZeRO.
 
@@ -24,17 +24,18 @@ class Adam:
     def __init__(self, params, lr=3e-3, betas=(0.9, 0.999), eps=1e-5):
         self.params = list(params)
         self.lr, self.betas, self.eps = lr, betas, eps
-        self.step_count = 0
+        self.param_steps: dict[int, int] = {}  # Python ints, not tensors: no state bytes
         self.state: dict[int, dict[str, torch.Tensor]] = {}  # index -> {exp_avg, exp_avg_sq}
 
     @torch.no_grad()
     def step(self):
-        self.step_count += 1
         b1, b2 = self.betas
-        bias1, bias2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
         for i, p in enumerate(self.params):
             if p.grad is None:  # no gradient this step: leave the parameter and its moments alone
                 continue
+            # torch counts steps per parameter: one that sat out a step keeps its bias correction
+            t = self.param_steps[i] = self.param_steps.get(i, 0) + 1
+            bias1, bias2 = 1 - b1 ** t, 1 - b2 ** t
             st = self.state.get(i)
             if st is None:
                 st = self.state[i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}

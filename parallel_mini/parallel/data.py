@@ -143,11 +143,15 @@ class DataParallel:
                 f"parameters received no gradient this step: {names[:5]}. Like DDP, data parallel "
                 f"needs every rank to reduce the same gradients; pass find_unused_parameters=True "
                 f"or freeze them (requires_grad=False).")
-        used_anywhere = self._used_anywhere() if self.find_unused else None
+        used_here = [p.grad is not None for p in self.params]
         for p in unused:
             p.grad = torch.zeros_like(p)  # contributes zero where this rank did not use it
             if self.mode == "bucketed":
                 self._on_grad_ready(p)
+        # Only now has every rank launched every bucket (some during backward, some just above):
+        # the used-map all-reduce must come after all of them on every rank, or ranks that used
+        # different parameters would pair different collectives.
+        used_anywhere = self._used_anywhere(used_here) if self.find_unused else None
         if self.mode == "naive":
             self.average_fn(self.params, self.comm)
         else:
@@ -168,8 +172,8 @@ class DataParallel:
             b.handle = None
         self._next_bucket = 0
 
-    def _used_anywhere(self) -> list[bool]:
+    def _used_anywhere(self, used_here) -> list[bool]:
         """One small all-reduce of a 0/1 map (as DDP's find_unused_parameters does)."""
-        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
+        used = torch.tensor(used_here, dtype=torch.int32)
         self.comm.all_reduce(used, AXIS, kind="unused-map")
         return [bool(u) for u in used]
