@@ -1,0 +1,272 @@
+"""Benchmarks: how our code compares with PyTorch's own, measured on real ranks.
+
+    python -m parallel_mini.bench dp      # (a) DP step time vs DDP, (b) ring vs gloo all-reduce
+    python -m parallel_mini.bench ring    # (b) only
+    python -m parallel_mini.bench warm    # p50/p90 of a repeated 4-rank, 2-step engine.run
+    ... --json -                          # the numbers as one JSON object (or --json PATH)
+
+(a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
+    GPT on the same data with the same optimizer (ours, torch.optim.Adam's arithmetic) and the same
+    bucket size, in the same launch. Their steps are interleaved (the order rotates every step), so
+    a noisy neighbour slows all of them alike. A step's time is the slowest rank's; we report the
+    median over the measured steps and the ratio ours / DDP (1.0 = as fast as DDP).
+(b) Our ring all-reduce (send/recv only) against gloo's all-reduce on the same tensor, interleaved
+    too. Bus bandwidth = the bytes each rank must send, 2(N-1)/N * S, per second (NCCL's busbw);
+    ratio = ours / gloo (1.0 = as fast as gloo).
+
+(a) and (b) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+On a shared CPU machine every number depends on the load: the load average is printed with them.
+This is a benchmark, not a test: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import theory
+from .comm import Comm, ring_all_reduce
+from .config import RunConfig
+from .data import global_batch, shard
+from .launch import run_ranks
+from .mesh import build_mesh
+from .model import build_model
+from .optim import Adam
+from .parallel.data import DataParallel
+
+MB = 2 ** 20
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    i = q * (len(xs) - 1)
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def _slowest_rank(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) data parallel: ours vs DDP
+# ---------------------------------------------------------------------------------------------
+def _dp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    n, r = dist.get_world_size(), dist.get_rank()
+    mesh = build_mesh(cfg)
+    runners = {}
+    model = build_model(cfg)
+    runners["ddp"] = (DDP(model, bucket_cap_mb=cfg.bucket_mb), lambda: None,
+                      Adam(model.parameters(), lr=cfg.lr))
+    for mode in ("bucketed", "naive"):
+        model = build_model(cfg)
+        dp = DataParallel(model, Comm(mesh), mode=mode, bucket_mb=cfg.bucket_mb)
+        runners[mode] = (model, dp.finish_gradient_sync, Adam(model.parameters(), lr=cfg.lr))
+    names = list(runners)
+    batches = [shard(global_batch(cfg, i), r, n) for i in range(warmup + steps)]
+    times = {k: [] for k in names}
+    for i, (x, y) in enumerate(batches):
+        order = names[i % len(names):] + names[:i % len(names)]  # no mode always goes first
+        for name in order:
+            forward, sync, opt = runners[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = forward(x, y)
+            loss.backward()
+            sync()
+            opt.step()
+            opt.zero_grad()
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(dt)
+    # the three replicas trained on the same data from the same init: a cheap sanity check
+    params = {k: torch.cat([p.detach().reshape(-1) for p in
+                            (runners[k][0].module if k == "ddp" else runners[k][0]).parameters()])
+              for k in names}
+    agree = max((params[k] - params["ddp"]).abs().max().item() for k in names)
+    return {"times": times, "max_param_diff_vs_ddp": agree}
+
+
+def bench_dp(dps=(2, 4), warmup: int = 5, steps: int = 20, bucket_mb: float = 0.25,
+             batch: int = 16, **model) -> list[dict]:
+    rows = []
+    for n in dps:
+        cfg = RunConfig(dp=n, batch=batch, bucket_mb=bucket_mb, steps=warmup + steps,
+                        **model).validate()
+        out = run_ranks(_dp_rank, n, cfg.to_dict(), warmup, steps, timeout=600,
+                        backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in out["times"].items()}
+        rows.append({
+            "dp": n, "batch": batch, "bucket_mb": bucket_mb, "steps_measured": steps,
+            "n_params": theory.gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers),
+            "ddp_ms": 1e3 * med["ddp"], "bucketed_ms": 1e3 * med["bucketed"],
+            "naive_ms": 1e3 * med["naive"],
+            "bucketed_over_ddp": med["bucketed"] / med["ddp"],
+            "naive_over_ddp": med["naive"] / med["ddp"],
+            "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()},
+            "max_param_diff_vs_ddp": out["max_param_diff_vs_ddp"],
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) ring all-reduce vs gloo
+# ---------------------------------------------------------------------------------------------
+def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
+    n, r = dist.get_world_size(), dist.get_rank()
+    comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))
+    rows = []
+    for mb in sizes_mb:
+        numel = int(mb * MB / 4)
+        base = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+        t_ring, t_gloo = [], []
+        for i in range(repeats + 1):  # the first round warms the connections
+            for impl in (("ring", "gloo") if i % 2 == 0 else ("gloo", "ring")):
+                x = base.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                if impl == "ring":
+                    ring_all_reduce(x, comm)
+                    ours = x
+                else:
+                    dist.all_reduce(x)
+                    ref = x
+                dt = _slowest_rank(time.perf_counter() - t0)
+                if i:
+                    (t_ring if impl == "ring" else t_gloo).append(dt)
+            comm.records.clear(); comm.p2p_log.clear()
+        rows.append({"mb": mb, "ring_s": statistics.median(t_ring),
+                     "gloo_s": statistics.median(t_gloo),
+                     "max_abs_err": (ours - ref).abs().max().item()})
+    return rows
+
+
+def bench_ring(n: int = 4, sizes_mb=(1, 16, 64), repeats: int = 5) -> list[dict]:
+    rows = run_ranks(_ring_rank, n, list(sizes_mb), repeats, timeout=600, backend="gloo")[0].value
+    for row in rows:
+        wire = theory.wire_bytes("all_reduce", int(row["mb"] * MB), n)
+        row.update(world_size=n, repeats=repeats,
+                   ring_busbw_GBps=wire / row["ring_s"] / 1e9,
+                   gloo_busbw_GBps=wire / row["gloo_s"] / 1e9,
+                   ring_over_gloo_bw=row["gloo_s"] / row["ring_s"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# warm path: a repeated small run, as the app's "run live" button does it
+# ---------------------------------------------------------------------------------------------
+def bench_warm(repeats: int = 10, dp: int = 4, steps: int = 2) -> dict:
+    from .engine import run
+
+    cfg = RunConfig(dp=dp, steps=steps).validate()
+    t0 = time.perf_counter()
+    run(cfg)  # the first call starts the forkserver
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(cfg)
+        times.append(time.perf_counter() - t0)
+    return {"dp": dp, "steps": steps, "repeats": repeats, "first_s": first,
+            "p50_s": _quantile(times, 0.5), "p90_s": _quantile(times, 0.9), "times_s": times}
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+def _table(headers, rows) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _print_dp(rows):
+    print(f"(a) data parallel step time, median of {rows[0]['steps_measured']} steps "
+          f"(slowest rank), {rows[0]['n_params']:,} params, global batch {rows[0]['batch']}, "
+          f"buckets {rows[0]['bucket_mb']} MB")
+    print(_table(["dp", "DDP ms", "ours bucketed ms", "ours naive ms", "bucketed/DDP",
+                  "naive/DDP", "max |param diff|"],
+                 [[r["dp"], f"{r['ddp_ms']:.1f}", f"{r['bucketed_ms']:.1f}",
+                   f"{r['naive_ms']:.1f}", f"{r['bucketed_over_ddp']:.2f}",
+                   f"{r['naive_over_ddp']:.2f}", f"{r['max_param_diff_vs_ddp']:.1e}"]
+                  for r in rows]))
+
+
+def _print_ring(rows):
+    print(f"(b) all-reduce on {rows[0]['world_size']} ranks, median of {rows[0]['repeats']} "
+          f"(slowest rank); bus bandwidth = 2(N-1)/N * S / time")
+    print(_table(["size MB", "ring ms", "gloo ms", "ring GB/s", "gloo GB/s", "ring/gloo bw",
+                  "max |ring - gloo|"],
+                 [[r["mb"], f"{1e3 * r['ring_s']:.1f}", f"{1e3 * r['gloo_s']:.1f}",
+                   f"{r['ring_busbw_GBps']:.2f}", f"{r['gloo_busbw_GBps']:.2f}",
+                   f"{r['ring_over_gloo_bw']:.2f}", f"{r['max_abs_err']:.1e}"] for r in rows]))
+
+
+def _print_warm(w):
+    print(f"warm path: engine.run(dp={w['dp']}, steps={w['steps']}) x {w['repeats']}: "
+          f"p50 {w['p50_s']:.2f} s  p90 {w['p90_s']:.2f} s  (first call {w['first_s']:.2f} s)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["dp", "ring", "warm", "all"])
+    ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
+    ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
+    ap.add_argument("--bucket-mb", type=float, default=0.25, help="ours and DDP's bucket size")
+    ap.add_argument("--batch", type=int, default=16, help="global batch for (a)")
+    ap.add_argument("--ring-ranks", type=int, default=4, help="world size for (b)")
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64], help="for (b)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats for (b)")
+    ap.add_argument("--warm-repeats", type=int, default=10, help="repeated runs for warm")
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    out = {"load_average_before": list(os.getloadavg()), "cpus": os.cpu_count(),
+           "torch": torch.__version__}
+    to_stdout = args.json == "-"
+    show = (lambda *a: None) if to_stdout else (lambda f, x: (f(x), print()))
+    t0 = time.perf_counter()
+    if args.what in ("dp", "all"):
+        out["dp"] = bench_dp(tuple(args.dp), args.warmup, args.steps, args.bucket_mb, args.batch)
+        show(_print_dp, out["dp"])
+    if args.what in ("dp", "ring", "all"):
+        out["ring"] = bench_ring(args.ring_ranks, tuple(args.sizes_mb), args.repeats)
+        show(_print_ring, out["ring"])
+    if args.what in ("warm", "all"):
+        out["warm"] = bench_warm(args.warm_repeats)
+        show(_print_warm, out["warm"])
+    out["load_average_after"] = list(os.getloadavg())
+    out["wall_s"] = time.perf_counter() - t0
+    if to_stdout:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"load average before {out['load_average_before'][0]:.2f}, after "
+              f"{out['load_average_after'][0]:.2f} on {out['cpus']} CPUs; {out['wall_s']:.0f} s")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Recorded collectives and the ring all-reduce (comm.py, collectives.py) against torch.distributed
+and against the byte formulas of theory.py (written out again here, not re-imported, so a wrong
+formula in theory.py cannot agree with itself)."""
+from __future__ import annotations
+
+import sys
+from fractions import Fraction
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel_mini import collectives, launch, theory
+from parallel_mini.comm import Comm, ring_all_reduce
+from parallel_mini.config import RunConfig
+from parallel_mini.mesh import build_mesh
+
+
+def run_ranks(fn, world_size, *args, **kwargs):
+    """These ranks compute on CPU tensors: pin gloo (the default would be NCCL on a GPU machine)."""
+    return launch.run_ranks(fn, world_size, *args, backend="gloo", **kwargs)
+
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks need not import this file
+
+SIZES = lambda n: sorted({1, n - 1, n, 17, 1000, 4 * n})  # noqa: E731 - includes n∤size cases
+
+
+def _comm(n: int) -> Comm:
+    return Comm(build_mesh(RunConfig(dp=n, batch=n)))
+
+
+# ---------------------------------------------------------------------------------------------
+# ring all-reduce vs dist.all_reduce
+# ---------------------------------------------------------------------------------------------
+def _ring_vs_backend(sizes):
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(100 + r)
+    out = []
+    for numel in sizes:
+        if numel == 0:
+            continue
+        # int64: exact whatever the order of the additions
+        xi = torch.randint(-2 ** 40, 2 ** 40, (numel,), generator=g, dtype=torch.int64)
+        ours, ref = xi.clone(), xi.clone()
+        comm = _comm(n)
+        ring_all_reduce(ours, comm)
+        dist.all_reduce(ref)
+        sends = [rec for rec in comm.records if rec["op"] == "send"]
+        # floats: equal to fp32 rounding; a magnitude of 1e3 makes an absolute error visible
+        xf = torch.randn(numel, generator=g) * 1e3
+        ours_f, ref_f = xf.clone(), xf.clone()
+        ring_all_reduce(ours_f, _comm(n))
+        dist.all_reduce(ref_f)
+        out.append({
+            "numel": numel, "int_equal": torch.equal(ours, ref),
+            "float_err": (ours_f - ref_f).abs().max().item(),
+            "float_scale": ref_f.abs().max().item(),
+            "sendrecv_steps": len(sends), "p2p_log": len(comm.p2p_log),
+            "sent_bytes": sum(rec["wire_bytes"] for rec in sends),
+            "sent_per_step": [rec["payload_bytes"] for rec in sends],
+            "recv_wire": sum(rec["wire_bytes"] for rec in comm.records if rec["op"] == "recv"),
+        })
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_all_reduce_equals_backend(n):
+    sizes = SIZES(n)
+    per_rank = [res.value for res in run_ranks(_ring_vs_backend, n, sizes)]
+    for i, numel in enumerate(sizes):
+        rows = [rows[i] for rows in per_rank]
+        S = 8 * numel  # int64 bytes
+        for rank, row in enumerate(rows):
+            assert row["int_equal"], f"n={n} numel={numel} rank {rank}: int64 sum differs"
+            assert row["float_err"] <= 1e-5 * max(1.0, row["float_scale"]), row
+            assert row["sendrecv_steps"] == row["p2p_log"] == 2 * (n - 1), row
+            assert row["recv_wire"] == 0
+            # every message is one chunk: floor or ceil of numel/n elements
+            assert all(b // 8 in (numel // n, -(-numel // n)) for b in row["sent_per_step"]), row
+            expected = Fraction(2 * (n - 1), n) * S
+            if numel % n == 0:
+                assert row["sent_bytes"] == expected == theory.wire_bytes("all_reduce", S, n)
+            else:  # at most one element more or less per step
+                assert abs(row["sent_bytes"] - expected) <= 2 * (n - 1) * 8
+                assert abs(row["sent_bytes"] - theory.wire_bytes("all_reduce", S, n)) <= 2 * (n - 1) * 8
+        # across the ring every chunk moves once per step: exactly 2(N-1) * S in all
+        assert sum(row["sent_bytes"] for row in rows) == 2 * (n - 1) * S
+
+
+# ---------------------------------------------------------------------------------------------
+# every recorded collective: result and wire bytes by the ring formulas
+# ---------------------------------------------------------------------------------------------
+def _every_collective(k):
+    r, n = dist.get_rank(), dist.get_world_size()
+    comm = _comm(n)
+    comm.step = 5
+    results = {}
+    x = torch.arange(n * k, dtype=torch.float32) + 100 * r  # [n*k]
+
+    t = x.clone(); comm.all_reduce(t, "dp")
+    results["all_reduce"] = t
+    out = torch.empty(n * k); comm.all_gather(out, x[:k].clone(), "dp")
+    results["all_gather"] = out
+    out = torch.empty(k); comm.reduce_scatter(out, x.clone(), "dp")
+    results["reduce_scatter"] = out
+    out = torch.empty(n * k); comm.all_to_all(out, x.clone(), "dp")
+    results["all_to_all"] = out
+    t = x.clone(); comm.broadcast(t, "dp", src=1)
+    results["broadcast"] = t
+    send, recv = x[:k].clone(), torch.empty(k)
+    comm.sendrecv(send, (r + 1) % n, recv, (r - 1) % n, "dp")
+    results["sendrecv"] = recv
+    t = x.clone(); h = comm.all_reduce(t, "dp", async_op=True, bucket=7)
+    h.wait()
+    results["async"] = t
+    return {"results": results, "records": comm.records}
+
+
+@pytest.mark.parametrize("n,k", [(4, 3), (3, 5)])
+def test_recorded_collectives_results_and_wire_bytes(n, k):
+    per_rank = [res.value for res in run_ranks(_every_collective, n, k)]
+    xs = [torch.arange(n * k, dtype=torch.float32) + 100 * r for r in range(n)]
+    total = sum(xs)
+    S_full = 4 * n * k  # bytes of an [n*k] fp32 tensor
+    S_piece = 4 * k
+    for r, out in enumerate(per_rank):
+        res = out["results"]
+        torch.testing.assert_close(res["all_reduce"], total, rtol=0, atol=0)
+        torch.testing.assert_close(res["async"], total, rtol=0, atol=0)
+        torch.testing.assert_close(res["all_gather"], torch.cat([x[:k] for x in xs]))
+        torch.testing.assert_close(res["reduce_scatter"], total[r * k:(r + 1) * k])
+        torch.testing.assert_close(res["all_to_all"], torch.cat([x[r * k:(r + 1) * k] for x in xs]))
+        torch.testing.assert_close(res["broadcast"], xs[1])
+        torch.testing.assert_close(res["sendrecv"], xs[(r - 1) % n][:k])
+
+        recs = out["records"]
+        assert [rec["op"] for rec in recs] == ["all_reduce", "all_gather", "reduce_scatter",
+                                               "all_to_all", "broadcast", "send", "recv",
+                                               "all_reduce"]
+        for rec in recs:
+            assert rec["group"] == "dp" and rec["step"] == 5
+            assert rec["end"] >= rec["start"]
+            for key in ("count", "payload_bytes", "wire_bytes"):
+                assert isinstance(rec[key], int)
+        ar, ag, rs, a2a, bc, send, recv, ar_async = recs
+        chain_pos = (r - 1) % n  # broadcast from axis rank 1: the chain is 1, 2, ..., 0
+        expect = {  # (count, payload S, wire bytes): DESIGN.md's table, written out
+            "all_reduce": (n * k, S_full, 2 * (n - 1) * S_full // n),
+            "all_gather": (n * k, S_full, (n - 1) * S_full // n),
+            "reduce_scatter": (n * k, S_full, (n - 1) * S_full // n),
+            "all_to_all": (n * k, S_full, (n - 1) * S_full // n),
+            "broadcast": (n * k, S_full, S_full if chain_pos < n - 1 else 0),
+        }
+        for rec in (ar, ag, rs, a2a, bc):
+            assert (rec["count"], rec["payload_bytes"], rec["wire_bytes"]) == expect[rec["op"]], rec
+        assert (send["payload_bytes"], send["wire_bytes"], send["peer"]) == (S_piece, S_piece, (r + 1) % n)
+        assert (recv["payload_bytes"], recv["wire_bytes"], recv["peer"]) == (S_piece, 0, (r - 1) % n)
+        assert ar_async["async_op"] is True and ar_async["bucket"] == 7
+        assert ar["async_op"] is False
+        assert ar_async["wire_bytes"] == ar["wire_bytes"]
+    # over the chain, all ranks but the last send the tensor once: (n-1) * S in all
+    assert sum(out["records"][4]["wire_bytes"] for out in per_rank) == (n - 1) * S_full
+
+
+def test_theory_wire_bytes_table():
+    S = 1200
+    assert theory.wire_bytes("all_reduce", S, 4) == 1800
+    assert theory.wire_bytes("all_gather", S, 4) == 900
+    assert theory.wire_bytes("reduce_scatter", S, 3) == 800
+    assert theory.wire_bytes("all_to_all", S, 2) == 600
+    assert theory.wire_bytes("send", S, 8) == S and theory.wire_bytes("recv", S, 8) == 0
+    assert theory.wire_bytes("broadcast", S, 4, 0) == S and theory.wire_bytes("broadcast", S, 4, 3) == 0
+    assert all(theory.wire_bytes(op, S, 1) == 0 for op in ("all_reduce", "all_gather", "send"))
+    assert theory.ring_steps(8) == 14
+    # n does not divide S: the model's exact value (a fraction of a byte), not rounded
+    assert theory.wire_bytes("all_reduce", 10, 3) == pytest.approx(40 / 3)
+
+
+def _group_of_one():
+    comm = _comm(1)
+    x = torch.arange(6.0)
+    out = torch.empty(6)
+    comm.all_gather(out, x, "dp")
+    comm.all_reduce(x, "dp")
+    ring_all_reduce(x, comm)
+    return out, x, comm.records
+
+
+def test_a_group_of_one_copies_and_sends_nothing():
+    out, x, records = run_ranks(_group_of_one, 1)[0].value
+    assert torch.equal(out, torch.arange(6.0)) and torch.equal(x, torch.arange(6.0))
+    assert [r["wire_bytes"] for r in records] == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# the probe experiment: frames show who holds what, and catch a broken ring
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n,numel", [(4, 16), (3, 10)])
+def test_ring_experiment_frames_end_full(n, numel):
+    exp = collectives.ring_experiment(n, numel=numel, repeats=1)
+    full = (1 << n) - 1
+    frames = exp["frames"]
+    assert frames[0]["state"] == [[1 << r] * n for r in range(n)]  # each rank holds only its own
+    assert len(frames) == 1 + 2 * (n - 1)
+    assert [f["phase"] for f in frames[1:]] == ["reduce-scatter"] * (n - 1) + ["all-gather"] * (n - 1)
+    # after the reduce-scatter each rank owns exactly one complete chunk ...
+    rs_end = frames[n - 1]["state"]
+    assert all(sum(c == full for c in row) == 1 for row in rs_end), rs_end
+    # ... and at the end everyone holds everything
+    assert frames[-1]["state"] == [[full] * n for _ in range(n)]
+    assert exp["int_exact"] and exp["float_max_abs_err"] < 1e-4
+    assert exp["steps_measured"] == exp["steps_theory"] == 2 * (n - 1)
+    assert sum(exp["sent_bytes_per_rank"]) == 2 * (n - 1) * 4 * numel
+    if numel % n == 0:
+        assert exp["sent_bytes_per_rank"] == [exp["theory_bytes_per_rank"]] * n
+
+
+def _ring_without_all_gather(x, comm, axis="dp"):
+    """A learner's bug: the reduce-scatter phase only."""
+    n, r = comm.size(axis), comm.rank(axis)
+    chunks = list(x.view(-1).tensor_split(n))
+    incoming = torch.empty_like(chunks[0])
+    for step in range(n - 1):
+        send_i, recv_i = (r - step) % n, (r - step - 1) % n
+        buf = incoming[: chunks[recv_i].numel()]
+        comm.sendrecv(chunks[send_i], (r + 1) % n, buf, (r - 1) % n, axis)
+        chunks[recv_i] += buf
+    return x
+
+
+def _ring_off_by_one(x, comm, axis="dp"):
+    """Another: adds what arrives into the chunk it just sent."""
+    n, r = comm.size(axis), comm.rank(axis)
+    chunks = list(x.view(-1).tensor_split(n))
+    for step in range(n - 1):
+        send_i = (r - step) % n
+        buf = torch.empty_like(chunks[send_i])
+        comm.sendrecv(chunks[send_i], (r + 1) % n, buf, (r - 1) % n, axis)
+        chunks[send_i] += buf
+    for step in range(n - 1):
+        send_i, recv_i = (r + 1 - step) % n, (r - step) % n
+        comm.sendrecv(chunks[send_i], (r + 1) % n, chunks[recv_i], (r - 1) % n, axis)
+    return x
+
+
+def test_ring_experiment_shows_a_broken_ring():
+    n, numel = 4, 16
+    full = (1 << n) - 1
+    exp = collectives.ring_experiment(n, numel=numel, impl=_ring_without_all_gather, repeats=1)
+    assert not exp["int_exact"]
+    assert exp["steps_measured"] == n - 1 < exp["steps_theory"]
+    last = exp["frames"][-1]["state"]
+    assert last != [[full] * n for _ in range(n)]
+    assert all(sum(c == full for c in row) == 1 for row in last)  # one finished chunk each
+
+    exp = collectives.ring_experiment(n, numel=numel, impl=_ring_off_by_one, repeats=1)
+    assert not exp["int_exact"] and exp["float_max_abs_err"] > 1e-3
