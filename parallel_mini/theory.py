@@ -186,10 +186,18 @@ def run_theory(cfg, n_params: int) -> dict:
         if cfg.offload:  # gradient slice to the host, updated parameter slice back, every step
             slice_bytes = BYTES_PER_PARAM[cfg.precision] * padded(n_params, shard) // shard
             wire["pcie"] = 2 * slice_bytes
+    micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
+    elem = BYTES_PER_PARAM[cfg.precision]  # activations are kept in the compute precision
     return {
         "n_params": n_params,
         "padding_elements": padding,
         "memory": states,
+        "activations_per_layer": {
+            "ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
+                                                   cfg.checkpointing, elem),
+            "korthikanti": activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
+                                                      cfg.checkpointing),
+        },
         "wire_bytes_per_step": {g: (b if cfg.dp > 1 or g == "pcie" else 0) for g, b in wire.items()},
     }
 
@@ -213,6 +221,29 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing: st
     if tp == 1 or sp:
         return sbh / tp * (34 + attention_core)
     return sbh * (10 + 24 / tp + attention_core / tp)
+
+
+def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing: str = "none",
+                                   elem_bytes: int = 4) -> int:
+    """What parallel_mini's own block keeps for backward, exactly (derived op by op, tested to the
+    byte against the meter). With e = bytes per activation element (4 fp32, 2 bf16):
+        none:       e*(16*s*b*h + a*s*s*b + 4*s*b) + s*s
+        selective:  e*(16*s*b*h + 4*s*b)
+        full:       e*s*b*h
+    16 sbh: LN1 input, QKV input, QKV output (3: q, k, v), attention output (input of the out
+    projection), LN2 input, fc input, fc output (4: GELU's input), GELU output (4: proj's input).
+    a*s*s*b: the softmax output (its backward needs only that). 4*s*b: mean and 1/std of the two
+    LayerNorms. s*s: the boolean causal mask (1 byte each).
+    Against Korthikanti's 34 sbh + 5 a s^2 b (2-byte activations): their count adds dropout masks
+    (2 sbh + a s^2 b bytes) and keeps the pre-softmax scores (2 a s^2 b); ours has no dropout and
+    PyTorch's softmax backward needs only its output."""
+    sbh = s * b * h
+    if checkpointing == "full":
+        return elem_bytes * sbh  # only the block's input
+    kept = elem_bytes * (16 * sbh + 4 * s * b)
+    if checkpointing == "selective":
+        return kept
+    return kept + elem_bytes * a * s * s * b + s * s
 
 
 # Model presets for theory-only rows (too big to run here). Shapes after the public Llama configs;

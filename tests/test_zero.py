@@ -137,3 +137,14 @@ def test_offload_moves_optimizer_to_host(zero, precision):
     assert {k: m[k] for k in report.theory["memory"]} == report.theory["memory"]
     assert report.wire_bytes_per_step(1) == report.theory["wire_bytes_per_step"]
     assert report.theory["wire_bytes_per_step"]["pcie"] > 0
+
+
+@pytest.mark.parametrize("precision,elem", [("fp32", 4), ("bf16-mixed", 2)])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_activation_bytes_per_layer_equal_our_formula(precision, elem, mode):
+    """Adding one layer adds exactly theory.gpt_activation_bytes_per_layer to the measured peak."""
+    shape = dict(batch=4, seq=32, d_model=64, heads=4, precision=precision, checkpointing=mode,
+                 steps=1)
+    one = run(RunConfig(layers=1, **shape)).ranks[0]["memory"]["activations_peak"]
+    two = run(RunConfig(layers=2, **shape)).ranks[0]["memory"]["activations_peak"]
+    assert two - one == theory.gpt_activation_bytes_per_layer(32, 4, 64, 4, mode, elem)
