@@ -3,6 +3,7 @@
     python -m parallel_mini.bench dp      # (a) DP step time vs DDP, (b) ring vs gloo all-reduce
     python -m parallel_mini.bench ring    # (b) only
     python -m parallel_mini.bench warm    # p50/p90 of a repeated 4-rank, 2-step engine.run
+    python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -14,7 +15,10 @@
     too. Bus bandwidth = the bytes each rank must send, 2(N-1)/N * S, per second (NCCL's busbw);
     ratio = ours / gloo (1.0 = as fast as gloo).
 
-(a) and (b) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(c) Our ZeRO-1 vs torch's ZeroRedundancyOptimizer (+DDP), our ZeRO-2 vs FSDP2 fully_shard with
+    reshard_after_forward=False, our ZeRO-3 vs FSDP2 fully_shard: same model, data, Adam
+    arithmetic (torch.optim.Adam with our eps for the peers), steps interleaved as in (a).
+(a), (b) and (c) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed.
 """
@@ -123,6 +127,90 @@ def bench_dp(dps=(2, 4), warmup: int = 5, steps: int = 20, bucket_mb: float = 0.
 
 
 # ---------------------------------------------------------------------------------------------
+# (c) ZeRO: ours vs PyTorch's
+# ---------------------------------------------------------------------------------------------
+def _peer_runner(cfg, peer: str):
+    """(module, optimizer) for one of torch's sharded peers, on a fresh model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build_model(cfg)
+    adam = dict(lr=cfg.lr, eps=1e-5, foreach=False)
+    if peer == "ZeroRedundancyOptimizer":
+        module = DDP(model, bucket_cap_mb=cfg.bucket_mb)
+        return module, ZeroRedundancyOptimizer(module.parameters(),
+                                               optimizer_class=torch.optim.Adam, **adam)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    reshard = peer == "FSDP2"  # "FSDP2_keep": reshard_after_forward=False, the ZeRO-2 analogue
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    return model, torch.optim.Adam(model.parameters(), **adam)
+
+
+# stage -> (label, which peer _peer_runner builds)
+ZERO_PEERS = {1: ("ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer"),
+              2: ("FSDP2 (reshard_after_forward=False)", "FSDP2_keep"),
+              3: ("FSDP2", "FSDP2")}
+
+
+def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+    from .engine import parallelize
+
+    base = RunConfig.from_dict(cfg_dict)
+    n, r = dist.get_world_size(), dist.get_rank()
+    runners = {}
+    for stage, (peer, kind) in ZERO_PEERS.items():
+        cfg = base.replace(zero=stage)
+        model = build_model(cfg)
+        ours = parallelize(model, Comm(build_mesh(cfg)), cfg)
+
+        def our_step(x, y, model=model, ours=ours):
+            ours.zero_grad()
+            model(x, y).backward()
+            ours.finish_gradient_sync()
+            ours.step()
+
+        module, opt = _peer_runner(cfg, kind)
+
+        def peer_step(x, y, module=module, opt=opt):
+            opt.zero_grad()
+            module(x, y).backward()
+            opt.step()
+
+        runners[f"ours ZeRO-{stage}"], runners[peer] = our_step, peer_step
+    names = list(runners)
+    batches = [shard(global_batch(base, i), r, n) for i in range(warmup + steps)]
+    times = {k: [] for k in names}
+    for i, (x, y) in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            runners[name](x, y)
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def bench_zero(dps=(2, 4), warmup: int = 3, steps: int = 10, batch: int = 16) -> list[dict]:
+    rows = []
+    for n in dps:
+        cfg = RunConfig(dp=n, batch=batch, steps=warmup + steps).validate()
+        times = run_ranks(_zero_rank, n, cfg.to_dict(), warmup, steps, timeout=600,
+                          backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for stage, (peer, _) in ZERO_PEERS.items():
+            ours = med[f"ours ZeRO-{stage}"]
+            rows.append({"dp": n, "stage": stage, "peer": peer, "ours_ms": 1e3 * ours,
+                         "peer_ms": 1e3 * med[peer], "ours_over_peer": ours / med[peer],
+                         "steps_measured": steps})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # (b) ring all-reduce vs gloo
 # ---------------------------------------------------------------------------------------------
 def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
@@ -217,6 +305,13 @@ def _print_ring(rows):
                    f"{r['ring_over_gloo_bw']:.2f}", f"{r['max_abs_err']:.1e}"] for r in rows]))
 
 
+def _print_zero(rows):
+    print(f"(c) ZeRO step time, median of {rows[0]['steps_measured']} steps (slowest rank)")
+    print(_table(["dp", "ours", "ms", "peer", "ms", "ours/peer"],
+                 [[r["dp"], f"ZeRO-{r['stage']}", f"{r['ours_ms']:.1f}", r["peer"],
+                   f"{r['peer_ms']:.1f}", f"{r['ours_over_peer']:.2f}"] for r in rows]))
+
+
 def _print_warm(w):
     print(f"warm path: engine.run(dp={w['dp']}, steps={w['steps']}) x {w['repeats']}: "
           f"p50 {w['p50_s']:.2f} s  p90 {w['p90_s']:.2f} s  (first call {w['first_s']:.2f} s)")
@@ -225,7 +320,7 @@ def _print_warm(w):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["dp", "ring", "warm", "all"])
+    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -252,6 +347,9 @@ def main(argv=None) -> int:
     if args.what in ("dp", "ring", "all"):
         out["ring"] = bench_ring(args.ring_ranks, tuple(args.sizes_mb), args.repeats)
         show(_print_ring, out["ring"])
+    if args.what in ("zero", "all"):
+        out["zero"] = bench_zero(tuple(args.dp))
+        show(_print_zero, out["zero"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])
