@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PORT ?= 8501
 
-.PHONY: install dev app lab test test-fast lessons lessons-check bench chromium clean
+.PHONY: install dev app lab test test-fast lessons lessons-execute bench chromium clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -51,8 +51,13 @@ test: $(VENV)/.dev chromium
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not browser and not notebooks"
 
+# After editing lessons/src/*.ipynb: regenerate the learner and solved copies ...
 lessons: $(VENV)/.dev
 	$(PY) tools/make_lessons.py
+
+# ... or, when a checked output or a grader changed, re-run the sources to store their outputs first
+lessons-execute: $(VENV)/.dev
+	$(PY) tools/make_lessons.py --execute
 
 bench: $(VENV)/.installed
 	$(PY) -m parallel_mini.bench dp

@@ -60,8 +60,13 @@ class RankResult:
 # ---------------------------------------------------------------------------------------------
 # inside a rank
 # ---------------------------------------------------------------------------------------------
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+def default_backend(world_size: int = 1) -> str:
+    """NCCL when every rank can have a GPU of its own, else gloo (NCCL refuses two ranks on one
+    GPU, so a 4-rank lesson on a 1-GPU laptop runs on gloo)."""
+    if torch.cuda.is_available() and dist.is_nccl_available() \
+            and world_size <= torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
@@ -173,7 +178,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
     if not 1 <= world_size <= MAX_LOCAL_RANKS:
         raise ValueError(f"world_size={world_size}: local runs take 1..{MAX_LOCAL_RANKS} ranks "
                          f"(use torchrun for more)")
-    backend = backend or default_backend()
+    backend = backend or default_backend(world_size)
     payload = cloudpickle.dumps((fn, args, kwargs))
     # The parent hosts the rendezvous store on a free port: no port race, nothing to clean up.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -263,7 +268,7 @@ def under_torchrun() -> bool:
 def init_from_env(backend: str | None = None, pg_timeout: float = 60.0) -> torch.device:
     """Initialise the default process group from torchrun's environment; returns this rank's device."""
     torch.set_num_threads(1)
-    backend = backend or default_backend()
+    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
     return device_for(backend, int(os.environ.get("LOCAL_RANK", 0)))
