@@ -1,0 +1,321 @@
+"""Lessons: the generator (stubs, solved copies, --check), the %%ranks magic, and every notebook
+executed by nbval, learner copy and solved copy.
+
+nbval runs with --nbval-lax: every cell must run without error, and cells marked
+`# NBVAL_CHECK_OUTPUT` must reproduce their stored output after lessons/nbval_sanitize.cfg. The
+stored grade of a learner copy is "[not attempted]" and of a solved copy "[correct]", so the learner
+notebook fails if its exercise stops being a stub, and the solved one fails unless every checker
+passes (a wrong answer raises AssertionError in the cell).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted((ROOT / "lessons" / "src").glob("[0-9][0-9]_*.ipynb"))
+SANITIZE = ROOT / "lessons" / "nbval_sanitize.cfg"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("make_lessons", ROOT / "tools" / "make_lessons.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_tool(*args, root: Path = ROOT) -> subprocess.CompletedProcess:
+    """The real command line (a subprocess: exit code and messages as `make test` sees them)."""
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "make_lessons.py"), *args,
+                           "--root", str(root)], capture_output=True, text=True, timeout=120)
+
+
+def _tool_main(capsys, *args, root: Path) -> tuple[int, str]:
+    """The same entry point in-process (importing nbformat costs seconds per subprocess)."""
+    code = _tool().main([*args, "--root", str(root)])
+    return code, capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# the generator
+# ---------------------------------------------------------------------------------------------
+def test_there_are_lessons():
+    assert [p.name for p in SOURCES][:2] == ["01_collectives.ipynb", "02_data_parallel.ipynb"]
+
+
+def test_split_solution_stubs_at_the_block_indentation():
+    tool = _tool()
+    src = ("def f(x, comm):\n"
+           "    n = comm.size('dp')\n"
+           "    ### BEGIN SOLUTION\n"
+           "    for i in range(n):\n"
+           "        x += i\n"
+           "    ### END SOLUTION\n"
+           "    return x\n"
+           "def g():\n"
+           "    if True:\n"
+           "        ### BEGIN SOLUTION sum the chunks\n"
+           "        pass\n"
+           "        ### END SOLUTION")
+    learner, solved = tool.split_solution(src)
+    assert learner == ("def f(x, comm):\n"
+                       "    n = comm.size('dp')\n"
+                       "    raise NotImplementedError(\"exercise: write f\")\n"
+                       "    return x\n"
+                       "def g():\n"
+                       "    if True:\n"
+                       "        raise NotImplementedError(\"exercise: sum the chunks\")")
+    assert solved == ("def f(x, comm):\n"
+                      "    n = comm.size('dp')\n"
+                      "    for i in range(n):\n"
+                      "        x += i\n"
+                      "    return x\n"
+                      "def g():\n"
+                      "    if True:\n"
+                      "        pass")
+    compile(learner, "learner", "exec")
+    compile(solved, "solved", "exec")
+
+
+@pytest.mark.parametrize("bad", [
+    "### BEGIN SOLUTION\nx = 1",                                  # never closed
+    "x = 1\n### END SOLUTION",                                    # no BEGIN
+    "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION",   # nested
+])
+def test_split_solution_rejects_unbalanced_markers(bad):
+    tool = _tool()
+    with pytest.raises(tool.LessonError):
+        tool.split_solution(bad, "test cell")
+
+
+def test_a_grade_cell_without_its_correct_line_is_refused():
+    tool = _tool()
+    nb = nbformat.read(SOURCES[0], as_version=4)
+    check_cell = next(c for c in nb.cells if c.cell_type == "code" and "check_" in c.source
+                      and "# NBVAL_CHECK_OUTPUT" in c.source)
+    tool.make_copies(nb, "src")  # as stored: fine
+    check_cell.outputs = []      # e.g. the source was never run with its solutions
+    with pytest.raises(tool.LessonError, match="--execute"):
+        tool.make_copies(nb, "src")
+
+
+def test_generated_copies_are_current():
+    res = _run_tool("--check")
+    assert res.returncode == 0, res.stderr
+
+
+def test_check_fails_when_a_source_is_edited(tmp_path, capsys):
+    (tmp_path / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "make_lessons.py", tmp_path / "tools")
+    shutil.copytree(ROOT / "lessons", tmp_path / "lessons",
+                    ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    assert _tool_main(capsys, "--check", root=tmp_path)[0] == 0
+
+    src = tmp_path / "lessons" / "src" / SOURCES[0].name
+    nb = nbformat.read(src, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    cell.source += "\nprint('an edit the copies do not have yet')"
+    nbformat.write(nb, src)
+    res = _run_tool("--check", root=tmp_path)  # once through the real command line
+    assert res.returncode == 1
+    assert f"lessons/{src.name} is stale" in res.stderr
+    assert f"lessons/solutions/{src.name} is stale" in res.stderr
+    assert "make_lessons.py" in res.stderr  # says how to fix it
+
+    assert _tool_main(capsys, root=tmp_path)[0] == 0  # regenerate
+    assert _tool_main(capsys, "--check", root=tmp_path)[0] == 0
+    learner = nbformat.read(tmp_path / "lessons" / src.name, as_version=4)
+    assert any("an edit the copies do not have yet" in c.source for c in learner.cells)
+
+    # a generated copy edited by hand (not its source) is stale too, and an orphan is reported
+    (tmp_path / "lessons" / "solutions" / src.name).write_text(
+        (tmp_path / "lessons" / src.name).read_text())
+    shutil.copy(src, tmp_path / "lessons" / "99_orphan.ipynb")
+    code, err = _tool_main(capsys, "--check", root=tmp_path)
+    assert code == 1
+    assert f"lessons/solutions/{src.name} is stale" in err
+    assert "lessons/99_orphan.ipynb has no source" in err
+
+
+def _code(nb) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+def _stored_text(nb) -> str:
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                   for o in c.get("outputs", []))
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_copies_hold_stub_and_solution(src):
+    learner = nbformat.read(ROOT / "lessons" / src.name, as_version=4)
+    solved = nbformat.read(ROOT / "lessons" / "solutions" / src.name, as_version=4)
+    source = nbformat.read(src, as_version=4)
+    n_blocks = sum(s.count("### BEGIN SOLUTION") for s in _code(source))
+    assert n_blocks >= 1, "every lesson has an exercise"
+    learner_code, solved_code = "\n".join(_code(learner)), "\n".join(_code(solved))
+    assert learner_code.count('raise NotImplementedError("exercise: ') == n_blocks
+    assert "NotImplementedError(\"exercise" not in solved_code
+    for text in (learner_code, solved_code):
+        assert "### BEGIN SOLUTION" not in text and "### END SOLUTION" not in text
+    # only the exercise cells differ between the copies
+    differing = [(a, b) for a, b in zip(_code(learner), _code(solved)) if a != b]
+    assert len(differing) == sum("### BEGIN SOLUTION" in s for s in _code(source))
+    # stored outputs: only in checked cells; the grade each copy must reproduce under nbval
+    for nb in (learner, solved):
+        for c in nb.cells:
+            if c.cell_type == "code" and c.outputs:
+                assert "# NBVAL_CHECK_OUTPUT" in c.source
+    assert "[not attempted]" in _stored_text(learner) and "[correct]" not in _stored_text(learner)
+    assert "[correct]" in _stored_text(solved) and "[not attempted]" not in _stored_text(solved)
+
+
+def test_sanitizer_keeps_the_grade_status_apart():
+    text = SANITIZE.read_text()
+    pairs = re.findall(r"^regex: (.*)$\n^replace: (.*)$", text, flags=re.M)
+    assert pairs
+
+    def sanitize(s):
+        for regex, repl in pairs:
+            s = re.sub(regex, repl, s)
+        return s
+
+    correct = sanitize("[correct] equal to dist.all_reduce at N = 2, 3\n")
+    not_attempted = sanitize("[not attempted] still raises NotImplementedError\n")
+    assert correct == "[correct]\n" and not_attempted == "[not attempted]\n"
+    # measured facts the checked cells print are not washed out
+    assert sanitize("measured 1,310,976 bytes per step") == "measured 1,310,976 bytes per step"
+    assert sanitize("steps per rank: measured 6") != sanitize("steps per rank: measured 7")
+
+
+# ---------------------------------------------------------------------------------------------
+# the %%ranks magic
+# ---------------------------------------------------------------------------------------------
+def _main_namespace(code: str, **extra) -> dict:
+    """Functions defined as if in a notebook: their __module__ is __main__."""
+    ns = {"__name__": "__main__", **extra}
+    exec(code, ns)
+    return ns
+
+
+def test_run_cell_runs_on_every_rank_with_notebook_functions():
+    from parallel_mini.magic import run_cell
+
+    ns = _main_namespace("import math\n"
+                         "def triple(t):\n    return 3 * t\n"
+                         "offset = 100\n"
+                         "rank = 'the notebook has a variable called rank too'\n")
+    outputs = run_cell("x = torch.tensor([float(rank + 1)])\n"
+                       "comm.all_reduce(x, 'dp')\n"
+                       "print(rank, world_size, triple(x).item() + offset, math.floor(2.5),\n"
+                       "      dist.get_world_size(), len(comm.records))\n", 3, user_ns=ns)
+    assert outputs == [f"{r} 3 118.0 2 3 1\n" for r in range(3)]
+
+
+def test_run_cell_reports_the_failing_rank_with_its_own_lines():
+    from parallel_mini.launch import RankError
+    from parallel_mini.magic import RanksOutput, run_cell
+
+    with pytest.raises(RankError) as info:
+        run_cell("print('hello from', rank)\nif rank == 1:\n    raise ValueError('boom')\n", 2)
+    err = info.value
+    assert err.rank == 1
+    assert "ValueError: boom" in err.details and 'File "<%%ranks cell>", line 3' in err.details
+    shown = repr(RanksOutput(err.outputs, err.rank, err.details))
+    assert "--- rank 1 (failed) ---\nhello from 1\nTraceback" in shown
+    assert "raise ValueError('boom')" in shown  # the learner's source line, not just a number
+    assert "launch.py" not in shown  # the launcher's own frames are trimmed
+
+
+def test_unpicklable_or_huge_notebook_objects_are_reported_not_fatal(monkeypatch):
+    from parallel_mini import magic
+
+    ns = _main_namespace("def uses_lock():\n    return lock\n"
+                         "def fine():\n    return 1\n", lock=threading.Lock(), big=b"x" * 4096)
+    ok, skipped = magic.shippable("uses_lock(); fine(); print(rank)", ns)
+    assert set(ok) == {"fine"} and set(skipped) == {"uses_lock"}
+    assert "cannot be pickled" in skipped["uses_lock"] and "lock" in skipped["uses_lock"]
+    monkeypatch.setattr(magic, "MAX_SHIP_BYTES", 1024)
+    ok, skipped = magic.shippable("print(big, lock, rank, world_size, comm)", ns)
+    assert ok == {} and set(skipped) == {"big", "lock"}  # rank etc. come from the ranks
+
+
+@pytest.fixture
+def ipython_shell():
+    """A plain IPython shell; it installs its own __main__, which is put back afterwards."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    saved_main = sys.modules["__main__"]
+    try:
+        yield InteractiveShell.instance()
+    finally:
+        InteractiveShell.clear_instance()
+        sys.modules["__main__"] = saved_main
+
+
+def test_magic_shows_every_rank_and_fails_the_cell_not_the_kernel(ipython_shell, capsys):
+    from IPython.core.error import UsageError
+
+    shell = ipython_shell
+    shell.run_line_magic("load_ext", "parallel_mini.magic")
+    assert shell.run_cell("def shout(s):\n    return s.upper()\n").success
+    ok = shell.run_cell("%%ranks 2\nprint(shout('hi from'), rank)\n")
+    assert ok.success
+    assert "--- rank 0 ---\nHI FROM 0\n--- rank 1 ---\nHI FROM 1" in capsys.readouterr().out
+
+    bad = shell.run_cell("%%ranks 2\nprint('before')\nif rank == 1:\n    1 / 0\n")
+    assert isinstance(bad.error_in_exec, UsageError)
+    assert "rank 1 failed: ZeroDivisionError" in str(bad.error_in_exec)
+    out = capsys.readouterr().out
+    assert "--- rank 1 (failed) ---\nbefore\nTraceback" in out and "1 / 0" in out
+    assert shell.run_cell("%%ranks 2\nprint(rank)\n").success  # the kernel carries on
+
+
+# ---------------------------------------------------------------------------------------------
+# the notebooks, executed
+# ---------------------------------------------------------------------------------------------
+NOTEBOOKS = [pytest.param(ROOT / "lessons" / kind / src.name, id=f"{kind or 'learner'}-{src.stem}")
+             for src in SOURCES for kind in ("", "solutions")]
+# Notebooks run in separate kernels, two at a time: much of a notebook's time is single-threaded
+# (kernel start, imports, the forkserver), so two overlap well on two cores.
+NBVAL_JOBS = int(os.environ.get("PARALLEL_MINI_NBVAL_JOBS", "2"))
+
+
+def _nbval(notebook: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+         "--nbval-current-env", "--nbval-sanitize-with", str(SANITIZE),
+         "--nbval-cell-timeout", "120", str(notebook)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="session")
+def nbval_results(request):
+    """Starts nbval on every selected notebook at once (NBVAL_JOBS at a time); each test waits
+    for its own notebook's result."""
+    selected = [item.callspec.params["notebook"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_notebook_runs_and_checks_hold"]
+    pool = ThreadPoolExecutor(max_workers=max(1, NBVAL_JOBS))
+    futures = {nb: pool.submit(_nbval, nb) for nb in selected}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_notebook_runs_and_checks_hold(notebook, nbval_results):
+    res = nbval_results[notebook].result()
+    assert res.returncode == 0, (f"nbval failed on {notebook.relative_to(ROOT)}:\n"
+                                 + res.stdout[-6000:] + res.stderr[-2000:])
+    assert re.search(r"\d+ passed", res.stdout) and " failed" not in res.stdout
