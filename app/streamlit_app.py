@@ -27,6 +27,7 @@ pages = {
         st.Page("app_pages/ring.py", title="Ring all-reduce", icon="🔁", url_path="ring"),
         st.Page("app_pages/data_parallel.py", title="Data parallel", icon="🧮",
                 url_path="data_parallel"),
+        st.Page("app_pages/memory.py", title="Memory per GPU", icon="🧠", url_path="memory"),
     ],
 }
 st.navigation(pages).run()

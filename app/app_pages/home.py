@@ -27,6 +27,9 @@ Results are cached per setting, so going back to a setting already run is instan
 - **Data parallel**: a tiny GPT trained on 1, 2 or 4 ranks, naive or with gradient buckets
   that overlap the all-reduce with the backward pass; the loss equals the single-process
   reference; bytes, memory and a timeline of every op.
+- **Memory per GPU**: ZeRO stages 0–3 side by side against a GPU's capacity, from a toy model
+  to 405B (theory alone for the big ones); the toys run all four stages live, and the measured
+  params, grads and optimizer states equal the formula to the byte.
 
 On 2 CPU cores the ranks share the cores, so wall-clock times are stretched by the OS scheduler;
 the byte counts and the losses are exact whatever the machine.

@@ -1,0 +1,281 @@
+"""Memory per GPU: ZeRO stages 0-3 side by side against a GPU's capacity (theory, any model size),
+and for the toy models a live run of all four stages whose measured bytes are drawn beside the
+prediction."""
+import json
+
+import pandas as pd
+import streamlit as st
+
+from live_runs import fmt_bytes, last_result, run_live, training_run
+from parallel_mini import theory, viz
+
+TOYS = {"toy: 4 layers × d64": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
+        "toy: 8 layers × d128": {"layers": 8, "d_model": 128, "heads": 4, "vocab": 128}}
+CUSTOM = "custom size (billions of parameters)"
+LIVE_GPUS = (1, 2, 4)
+STAGES = [0, 1, 2, 3]
+STATE_CATS = ["params", "grads", "optimizer", "host"]  # model states: must equal theory exactly
+
+st.title("Memory per GPU")
+st.markdown(r"""
+Training keeps **model states** on every GPU (parameters, gradients, optimizer states) plus the
+**activations** that forward saves for backward. Mixed precision with Adam costs 16 bytes per
+parameter Ψ: 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master copy and two moments).
+Plain data parallel (ZeRO-0) replicates all of it on each of N GPUs. ZeRO (Rajbhandari et al.,
+2020) shards it: **stage 1** the optimizer states, **stage 2** also the gradients, **stage 3**
+also the parameters (gathered layer by layer when needed). ZeRO-Offload moves the sharded
+optimizer (with its fp32 master copy) to CPU RAM. Activations are not sharded by ZeRO.
+""")
+
+c1, c2, c3, c4 = st.columns(4)
+model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM], index=0,
+                     help="Toy models run live here; the presets and custom sizes use theory alone.")
+toy = model in TOYS
+if toy:
+    shape = TOYS[model]
+elif model == CUSTOM:
+    billions = c1.number_input("Parameters (billions)", 0.01, 2000.0, 13.0, step=1.0)
+    shape = {"n_params": int(round(billions * 1e9)),
+             "layers": int(c1.number_input("Layers", 1, 256, 40)),
+             "d_model": int(c1.number_input("Hidden size", 64, 65536, 5120, step=64)),
+             "heads": int(c1.number_input("Attention heads", 1, 512, 40))}
+else:
+    shape = theory.PRESETS[model]
+gpus = c1.select_slider("GPUs (data-parallel ranks N)", [2 ** i for i in range(11)], value=2)
+highlight = c1.radio("ZeRO stage", STAGES, index=0, horizontal=True,
+                     help="All four stages are drawn anyway; this one is highlighted.")
+precision = c2.radio("Precision", ["fp32", "bf16-mixed"], horizontal=True)
+optimizer = c2.radio("Optimizer", ["adam", "sgd"], horizontal=True)
+checkpointing = c2.radio("Activation checkpointing", ["none", "selective", "full"],
+                         horizontal=True)
+if toy:
+    micro_batch = c3.select_slider("Micro-batch per GPU (sequences)", [1, 2, 4, 8], value=4,
+                                   key="mb_toy")
+    seq = c3.select_slider("Sequence length (tokens)", [16, 32, 64, 128], value=32, key="seq_toy")
+else:
+    micro_batch = c3.select_slider("Micro-batch per GPU (sequences)", [1, 2, 4, 8, 16], value=1,
+                                   key="mb_big")
+    seq = c3.select_slider("Sequence length (tokens)", [512, 1024, 2048, 4096, 8192], value=2048,
+                           key="seq_big")
+capacity_label = c3.selectbox("GPU capacity", list(theory.GPU_MEMORY_GB), index=2)
+capacity = theory.GPU_MEMORY_GB[capacity_label] * 1e9  # decimal GB, as the capacities are quoted
+offload = c4.checkbox("Offload optimizer to CPU (ZeRO-Offload)",
+                      help="Applies to the ZeRO-1 and ZeRO-2 bars only: ZeRO-Offload (Ren et al., "
+                           "2021), as parallel_mini implements it, offloads the sharded optimizer "
+                           "of stages 1-2. ZeRO-3's offload (ZeRO-Infinity) is not modelled; "
+                           "ZeRO-0 and ZeRO-3 are drawn without offload.")
+c4.number_input("Tensor parallel degree (TP)", 1, 8, 1, disabled=True)
+c4.number_input("Pipeline parallel degree (PP)", 1, 8, 1, disabled=True)
+c4.caption("TP and PP: arrives with tensor/pipeline parallel (they divide the model states and "
+           "activations once more).")
+
+if toy:
+    n_params = theory.gpt_param_count(shape["vocab"], seq, shape["d_model"], shape["layers"])
+    units = theory.gpt_unit_sizes(shape["vocab"], seq, shape["d_model"], shape["layers"])
+else:
+    n_params, units = shape["n_params"], None
+live_possible = toy and gpus in LIVE_GPUS
+
+
+def size_text(b: float) -> str:
+    """Big models in decimal GB (as the ZeRO paper's table and GPU capacities); toys in KiB/MiB."""
+    if toy:
+        return fmt_bytes(b)
+    div, unit = viz.decimal_bytes_unit(abs(b))
+    return f"{b / div:.4g} {unit}"
+
+
+def predicted(zero: int) -> dict:
+    """Bytes per GPU by category at one ZeRO stage (host = ZeRO-Offload's bytes in CPU RAM)."""
+    off = offload and zero in (1, 2)
+    states = theory.model_state_bytes(n_params, optimizer, precision, zero, gpus, units, off)
+    per_layer = theory.activation_bytes_per_layer(seq, micro_batch, shape["d_model"],
+                                                  shape["heads"], checkpointing)
+    if not toy:  # the theory-only rows: theory.memory_per_gpu, as the lessons quote it
+        states = {**theory.memory_per_gpu(n_params, gpus, zero, precision, optimizer,
+                                          shape["layers"], shape["d_model"], shape["heads"], seq,
+                                          micro_batch, checkpointing, off),
+                  **({"host": states["host"]} if off else {})}
+        return states
+    return {**states, "activations": shape["layers"] * per_layer}
+
+
+pred = {k: predicted(k) for k in STAGES}
+stage_name = {k: f"ZeRO-{k}" + (" + offload" if offload and k in (1, 2) else "") for k in STAGES}
+
+if toy:
+    where = (f"runs live here on {gpus} rank(s): press **Run live** below" if live_possible else
+             f"live runs take 1, 2 or 4 GPUs on this machine: with {gpus} GPUs the bars below "
+             f"come from theory alone")
+    st.info(f"**{model}**: Ψ = {n_params:,} parameters; {where}.")
+else:
+    st.info(f"**Theory only**: a {n_params / 1e9:g}B-parameter model cannot run on this machine. "
+            f"Every number below comes from `parallel_mini.theory` (`model_state_bytes`, "
+            f"`memory_per_gpu`, Korthikanti's activation count); nothing here was measured.")
+
+st.subheader(f"Predicted: all four ZeRO stages on {gpus} GPU(s)")
+states_total = {k: sum(v for c, v in pred[k].items() if c in ("params", "grads", "optimizer"))
+                for k in STAGES}
+gpu_total = {k: sum(v for c, v in pred[k].items() if c != "host") for k in STAGES}
+fits = {k: gpu_total[k] <= capacity for k in STAGES}
+st.markdown("Model states per GPU, ZeRO-0 → 1 → 2 → 3: **"
+            + " → ".join(size_text(states_total[k]) for k in STAGES) + "**"
+            + (" (on the GPU: ZeRO-1/2's offloaded optimizer lives in CPU RAM, the brown bars)"
+               if offload else ""))
+cols = st.columns(4)
+for k, col in zip(STAGES, cols):
+    col.metric(f"ZeRO-{k} model states" + (" (highlighted)" if k == highlight else ""),
+               size_text(states_total[k]),
+               delta=f"{'fits' if fits[k] else 'does not fit'} ({size_text(gpu_total[k])})",
+               delta_color="green" if fits[k] else "red", delta_arrow="off",
+               help="model states = params + grads + optimizer on the GPU (offloaded bytes are in "
+                    "CPU RAM). In brackets: the GPU's total with activations; it fits when that "
+                    "total ≤ the GPU's capacity.")
+rows = [{"stage": stage_name[k], "category": c, "bytes": float(v)}
+        for k in STAGES for c, v in pred[k].items()]
+subtitle = [f"{model}, Ψ = {n_params:,}, {precision}, {optimizer}, micro-batch {micro_batch} × "
+            f"{seq} tokens, checkpointing {checkpointing}; activations: Korthikanti et al. (2022)"]
+if toy:
+    subtitle.append(f"capacity {capacity_label} is far off this scale: a toy always fits")
+st.altair_chart(viz.memory_stages(
+    rows, None if toy else capacity, selected=stage_name[highlight], decimal=not toy,
+    title=f"Memory per GPU by ZeRO stage ({'theory' if not live_possible else 'predicted'})",
+    subtitle=subtitle), width="content")
+for k in STAGES:
+    if fits[k]:
+        st.markdown(f"**ZeRO-{k}**: :green[fits] in {capacity_label} "
+                    f"({size_text(gpu_total[k])} per GPU)")
+    else:
+        st.markdown(f"**ZeRO-{k}**: :red[does not fit] in {capacity_label} "
+                    f"({size_text(gpu_total[k])} per GPU)")
+with st.expander("The formulas"):
+    b = theory.BYTES_PER_PARAM[precision]
+    o = theory.optimizer_bytes_per_param(optimizer, precision)
+    st.markdown(f"b = {b} bytes per parameter and per gradient ({precision}), o = {o} optimizer "
+                f"bytes per parameter ({optimizer}{' + fp32 master' if precision != 'fp32' else ''})."
+                " Sharded buffers are padded to a multiple of N (ZeRO-3: each gathered unit).")
+    st.latex(r"\text{ZeRO-0: } (2b+o)\Psi \quad \text{ZeRO-1: } 2b\Psi + \frac{o\Psi}{N} \quad "
+             r"\text{ZeRO-2: } b\Psi + \frac{(b+o)\Psi}{N} \quad \text{ZeRO-3: } "
+             r"\frac{(2b+o)\Psi}{N}")
+    st.latex(r"\text{activations per layer (Korthikanti): } sbh\left(34 + \frac{5as}{h}\right)"
+             r"\ \text{(none)},\quad 34\,sbh\ \text{(selective)},\quad 2\,sbh\ \text{(full)}")
+
+if not toy:
+    st.stop()
+st.subheader("Live: measured vs predicted")
+if not live_possible:
+    st.info(f"Live runs take 1, 2 or 4 GPUs on this machine; choose one of those to measure "
+            f"(now {gpus}).")
+    st.stop()
+
+key = {"model": model, "gpus": gpus, "precision": precision, "optimizer": optimizer,
+       "checkpointing": checkpointing, "micro_batch": micro_batch, "seq": seq, "offload": offload}
+configs = [{"dp": gpus, "zero": k, "precision": precision, "optimizer": optimizer,
+            "checkpointing": checkpointing, "batch": micro_batch * gpus, "seq": seq, "steps": 2,
+            "offload": offload and k in (1, 2), "layers": shape["layers"],
+            "d_model": shape["d_model"], "heads": shape["heads"], "vocab": shape["vocab"]}
+           for k in STAGES]
+
+
+def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
+    """engine.run for ZeRO 0..3 (each cached per config by live_runs.training_run), a progress bar
+    per stage; keeps what this page draws: config, theory, and each rank's memory."""
+    cfgs = json.loads(configs_json)
+    bar = st.progress(0.0, text="starting the ranks…")
+    out = []
+    for i, cfg in enumerate(cfgs):
+        bar.progress(i / len(cfgs), text=f"ZeRO-{cfg['zero']}: training on {cfg['dp']} rank(s)…")
+        rep = training_run(json.dumps(cfg, sort_keys=True), attempt)
+        out.append({"config": rep["config"], "theory": rep["theory"],
+                    "ranks": [{"rank": r["rank"], "memory": r["memory"]} for r in rep["ranks"]]})
+    bar.progress(1.0, text="all four stages measured")
+    return out
+
+
+fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+if st.button("Run live", type="primary"):
+    run_live("memory", key, f"Training ZeRO-0, 1, 2 and 3 on {gpus} rank(s)…", four_stages,
+             json.dumps(configs), fresh=fresh)
+
+runs, current = last_result("memory", key)
+if runs is None:
+    st.info("Press **Run live** to train the toy at each ZeRO stage (2 steps each) and measure "
+            "every rank's bytes.")
+    st.stop()
+if not current:
+    c = runs[0]["config"]
+    st.warning(f"The settings changed: press **Run live**. Below: the last run (dp = {c['dp']}, "
+               f"{c['layers']} layers × d{c['d_model']}, {c['precision']}, {c['optimizer']}, "
+               f"checkpointing {c['checkpointing']}).")
+
+live_rows, peaks, table = [], [], []
+for run in runs:
+    c = run["config"]
+    k = c["zero"]
+    name = f"ZeRO-{k}" + (" + offload" if c["offload"] else "")
+    mine = run["ranks"][0]["memory"]  # rank 0; every rank is checked for equal model states below
+    korthikanti = c["layers"] * theory.activation_bytes_per_layer(
+        c["seq"], c["batch"] // c["dp"], c["d_model"], c["heads"], c["checkpointing"])
+    want = {**run["theory"]["memory"], "activations": korthikanti}
+    got = {**{cat: mine[cat] for cat in run["theory"]["memory"]},
+           "transient": mine["transient"], "activations": mine["activations_peak"]}
+    for cat, v in got.items():
+        live_rows.append({"stage": name, "category": cat, "source": "measured", "bytes": v})
+    for cat, v in want.items():
+        live_rows.append({"stage": name, "category": cat, "source": "predicted", "bytes": v})
+    peaks.append({"stage": name, "bytes": mine["total_peak"]})
+    same_on_every_rank = all(r["memory"][cat] == mine[cat] for r in run["ranks"]
+                             for cat in run["theory"]["memory"])
+    row = {"stage": name}
+    for cat in STATE_CATS:
+        if cat in want:
+            row[f"{cat}: measured − predicted (B)"] = got[cat] - want[cat]
+    row.update({"every rank the same": "yes" if same_on_every_rank else "NO",
+                "transient comm buffers (B)": got["transient"],
+                "activations: measured peak (B)": got["activations"],
+                "activations: Korthikanti (B)": korthikanti,
+                "total live peak (B)": mine["total_peak"]})
+    table.append(row)
+
+diffs = [v for row in table for col, v in row.items() if "measured − predicted" in col]
+exact = all(v == 0 for v in diffs) and all(r["every rank the same"] == "yes" for r in table)
+st.altair_chart(viz.memory_measured_vs_theory(
+    live_rows, peaks,
+    subtitle=[f"{runs[0]['config']['dp']} rank(s), rank 0 shown; predicted model states: "
+              f"theory.model_state_bytes (padded shards); predicted activations: Korthikanti",
+              "transient: comm buffers (ZeRO-0's gradient buckets, ZeRO-3's gathered layer), not "
+              "in the formula",
+              "tick: measured peak of all live bytes at once; the categories peak at different "
+              "moments, so a measured stack can stand above its tick"]), width="content")
+if exact:
+    cats = ", ".join(c for c in STATE_CATS if any(f"{c}: measured" in col for col in table[0]))
+    st.success(f"Model states ({cats}): measured − predicted = 0 bytes at all four stages, on "
+               f"every rank: **equal to the byte**.")
+else:
+    st.error("Model states differ from the formula: " + "; ".join(
+        f"{r['stage']}: {', '.join(f'{c} {v:+,}' for c, v in r.items() if 'measured −' in c)}"
+        for r in table))
+columns = list(dict.fromkeys(col for row in table for col in row))  # host (offload) after optimizer
+columns.sort(key=lambda col: (col != "stage", "measured − predicted" not in col))
+st.dataframe(pd.DataFrame(table, columns=columns), hide_index=True)
+
+sel = table[highlight]
+a1, a2, a3 = st.columns(3)
+a1.metric(f"Activations, measured peak ({sel['stage']})",
+          fmt_bytes(sel["activations: measured peak (B)"]))
+a2.metric("Activations, Korthikanti estimate (layers × per layer)",
+          fmt_bytes(sel["activations: Korthikanti (B)"]),
+          help="theory.activation_bytes_per_layer × layers")
+a3.metric(f"Total live peak, measured ({sel['stage']})", fmt_bytes(sel["total live peak (B)"]))
+act_bytes = 4 if runs[0]["config"]["precision"] == "fp32" else 2
+same_acts = len({r["activations: measured peak (B)"] for r in table}) == 1
+st.markdown(f"""
+**Why the activations differ from Korthikanti's count.** The formula counts a Megatron layer with
+16-bit activations and dropout: s·b·h·(34 + 5as/h) bytes per layer. Our toy keeps its activations
+in the compute dtype ({act_bytes}-byte, {runs[0]['config']['precision']}), has no dropout (so no
+masks), and the meter counts exactly what forward leaves alive for backward in the whole model,
+including the embeddings, the final LayerNorm, the logits and the loss, which the per-layer formula
+leaves out. The measured number is exact for this model; the estimate is the paper's.
+{"ZeRO does not shard activations: the measured peak is the same at all four stages."
+ if same_acts else "The measured activation peak differs between stages (see the table)."}
+""")
