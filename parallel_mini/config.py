@@ -48,6 +48,7 @@ class RunConfig:
     dp_shard: int = 0  # ZeRO shard group size; 0 = all of dp. 0 < s < dp: HYBRID_SHARD
     fsdp: str = ""  # PyTorch FSDP's names for the same strategies (see FSDP_STRATEGIES)
     offload: bool = False  # ZeRO-Offload: optimizer states and master weights in host memory
+    fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
     # pipeline (validated when the topic lands)
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -124,6 +125,11 @@ class RunConfig:
         if 0 < self.dp_shard < self.dp and not self.zero:
             raise ConfigError(f"--dp-shard {self.dp_shard}: hybrid sharding needs --zero 1, 2 or 3 "
                               f"(with --zero 0 nothing is sharded)")
+        if self.fp32_grad_accum and (self.precision != "bf16-mixed" or self.zero
+                                     or self.dp_mode != "bucketed"):
+            raise ConfigError("--fp32-grad-accum adds fp32 gradient buffers to bf16-mixed training "
+                              "with plain data parallel: it needs --precision bf16-mixed, --zero 0 "
+                              "and --dp-mode bucketed")
         if self.offload and self.zero not in (1, 2):
             raise ConfigError(f"--offload: ZeRO-Offload steps the sharded optimizer on the host; "
                               f"it needs --zero 1 or 2 (got --zero {self.zero})")

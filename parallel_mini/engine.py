@@ -22,7 +22,7 @@ from .mesh import build_mesh
 from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
-from .parallel.data import DataParallel
+from .parallel.data import DataParallel, accumulate_grads_in_fp32
 from .parallel.recompute import apply_checkpointing, backward
 from .parallel.zero import ZeroDataParallel
 from .parallel.zero3 import Zero3DataParallel
@@ -35,6 +35,8 @@ class PlainDataParallel:
 
     def __init__(self, model, comm, cfg, average_fn=None):
         self.model = model
+        if cfg.fp32_grad_accum:
+            accumulate_grads_in_fp32(model.parameters())
         self.dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
                                average_fn=average_fn)
         self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
@@ -45,7 +47,9 @@ class PlainDataParallel:
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = list(self.model.parameters())
-        return {"params": params, "grads": [p.grad for p in params if p.grad is not None],
+        grads = [p.grad for p in params if p.grad is not None]
+        grads += [p.main_grad for p in params if hasattr(p, "main_grad")]
+        return {"params": params, "grads": grads,
                 "optimizer": self.optimizer.state_tensors()}
 
     def buffers(self) -> list[torch.Tensor]:

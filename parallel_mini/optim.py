@@ -88,7 +88,10 @@ class MasterWeights:
     @torch.no_grad()
     def step(self):
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()  # transient fp32 copy
+            if hasattr(p, "main_grad"):  # an fp32 accumulation buffer: use it as is
+                m.grad = p.main_grad
+            else:
+                m.grad = None if p.grad is None else p.grad.float()  # transient fp32 copy
         self.inner.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m)
@@ -96,7 +99,12 @@ class MasterWeights:
 
     def zero_grad(self):
         for p in self.params:
-            p.grad = None
+            if hasattr(p, "main_grad"):  # buffers persist, zeroed (the 20-byte variant)
+                p.main_grad.zero_()
+                if p.grad is not None:
+                    p.grad.zero_()
+            else:
+                p.grad = None
 
     def state_tensors(self) -> list[torch.Tensor]:
         return self.masters + self.inner.state_tensors()

@@ -111,7 +111,7 @@ def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
 
 def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "fp32",
                       zero: int = 0, n: int = 1, unit_sizes: list[int] | None = None,
-                      offload: bool = False) -> dict:
+                      offload: bool = False, fp32_grad_accum: bool = False) -> dict:
     """Persistent bytes per rank after an optimizer step, by category (the memory table).
 
     Unsharded: b*P + b*P + o*P (b = 4 fp32 / 2 bf16; o = 8 Adam fp32, 12 Adam bf16-mixed): 16P mixed.
@@ -119,8 +119,9 @@ def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "
     ZeRO-2: b*P' + (b + o)*P'/N       (2P + 14P/N mixed)
     ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes"""
     b, o = BYTES_PER_PARAM[precision], optimizer_bytes_per_param(optimizer, precision)
-    if zero == 0:
-        return {"params": b * n_params, "grads": b * n_params, "optimizer": o * n_params}
+    if zero == 0:  # fp32_grad_accum: + an fp32 gradient buffer (20 bytes/param with Adam)
+        grads = (b + 4 * fp32_grad_accum) * n_params
+        return {"params": b * n_params, "grads": grads, "optimizer": o * n_params}
     if zero in (1, 2):
         pp = padded(n_params, n)
         grads = b * pp if zero == 1 else b * pp // n
@@ -169,10 +170,11 @@ def run_theory(cfg, n_params: int) -> dict:
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers)
     shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp  # ZeRO's shard group size
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
-                               cfg.offload)
+                               cfg.offload, cfg.fp32_grad_accum)
     wire: dict[str, float] = {}
     if cfg.zero == 0:
-        wire["dp"] = dp_wire_bytes_per_step(BYTES_PER_PARAM[cfg.precision] * n_params, cfg.dp)
+        grad_bytes = 4 if cfg.fp32_grad_accum else BYTES_PER_PARAM[cfg.precision]  # reduced dtype
+        wire["dp"] = dp_wire_bytes_per_step(grad_bytes * n_params, cfg.dp)
         padding = 0
     else:
         group = "dp" if shard == cfg.dp else "dp_shard"

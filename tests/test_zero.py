@@ -148,3 +148,18 @@ def test_activation_bytes_per_layer_equal_our_formula(precision, elem, mode):
     one = run(RunConfig(layers=1, **shape)).ranks[0]["memory"]["activations_peak"]
     two = run(RunConfig(layers=2, **shape)).ranks[0]["memory"]["activations_peak"]
     assert two - one == theory.gpt_activation_bytes_per_layer(32, 4, 64, 4, mode, elem)
+
+
+@pytest.mark.parametrize("dp,grad_accum", [(1, 4), (2, 2)])
+def test_fp32_grad_accumulation_is_the_20_byte_variant(dp, grad_accum):
+    """bf16-mixed with fp32 gradient buffers: 2 + 2 + 4 + 12 = 20 bytes per parameter, measured;
+    gradients reduced in fp32 (4 bytes each on the wire); same result within the bf16 tolerance
+    of test_bf16_mixed."""
+    report = run(RunConfig(dp=dp, precision="bf16-mixed", fp32_grad_accum=True,
+                           grad_accum=grad_accum, batch=8, steps=2, reference=True))
+    m, p = report.ranks[0]["memory"], report.theory["n_params"]
+    assert m["params"] + m["grads"] + m["optimizer"] == 20 * p
+    assert {k: m[k] for k in report.theory["memory"]} == report.theory["memory"]
+    assert report.wire_bytes_per_step().get("dp", 0) == report.theory["wire_bytes_per_step"]["dp"]
+    assert report.max_abs_diff_detail["losses"] <= 2e-3
+    assert report.max_abs_diff_detail["params"] <= 2 ** -6

@@ -45,11 +45,33 @@ def average_gradients(params, comm: Comm) -> None:
         p.grad /= n
 
 
+def grad_of(p: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient data parallel reduces: the fp32 accumulation buffer when the parameter has one
+    (see accumulate_grads_in_fp32), else .grad."""
+    return getattr(p, "main_grad", None) if hasattr(p, "main_grad") else p.grad
+
+
+def accumulate_grads_in_fp32(params) -> None:
+    """Megatron-LM's `main_grad`: a persistent fp32 buffer per bf16 parameter into which every
+    micro-step's bf16 gradient is added, so long accumulations do not lose bits. The bf16 .grad
+    stays allocated (zeroed after each add): 2 (param) + 2 (grad) + 4 (fp32 grad) + 12 (master and
+    moments) = 20 bytes per parameter, the variant some frameworks report instead of 16.
+    Call before DataParallel: its hooks run after this one and read main_grad."""
+    for p in params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+
+        def add(q):
+            q.main_grad.add_(q.grad)  # bf16 -> fp32 while adding
+            q.grad.zero_()
+        p.register_post_accumulate_grad_hook(add)
+
+
 class Bucket:
     def __init__(self, index: int, params: list[torch.nn.Parameter]):
         self.index, self.params = index, params
         numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)  # [numel]
+        dtype = torch.float32 if hasattr(params[0], "main_grad") else params[0].dtype
+        self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)  # [numel]
         self.offsets = {}
         off = 0
         for p in params:
@@ -119,7 +141,7 @@ class DataParallel:
             return
         bucket = self._bucket_of[p]
         lo, hi = bucket.offsets[p]
-        bucket.flat[lo:hi].copy_(p.grad.view(-1))
+        bucket.flat[lo:hi].copy_(grad_of(p).view(-1))
         bucket.ready.add(p)
         self._launch_ready_buckets()
 
@@ -167,7 +189,7 @@ class DataParallel:
             b.flat /= self.n
             for p in b.params:
                 lo, hi = b.offsets[p]
-                p.grad.copy_(b.flat[lo:hi].view_as(p))
+                grad_of(p).copy_(b.flat[lo:hi].view_as(p))
             b.ready.clear()
             b.handle = None
         self._next_bucket = 0
