@@ -28,7 +28,7 @@ CHOICES = {
 FSDP_STRATEGIES = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
 # Knobs that the run contract already names but whose topic has not landed yet: refused with a
 # message saying so, instead of being silently ignored.
-NOT_YET = {"tp": "tensor parallel (issue #4)", "pp": "pipeline parallel (issue #5)",
+NOT_YET = {"pp": "pipeline parallel (issue #5)",
            "cp": "context parallel", "ep": "expert parallel"}
 
 
@@ -149,6 +149,11 @@ class RunConfig:
             k = self.dp * self.grad_accum
             raise ConfigError(f"--batch {self.batch}: must be divisible by dp x grad-accum = {k} "
                               f"so every rank gets equal micro-batches; try --batch {k * max(1, self.batch // k)}")
+        if self.tp > 1:
+            for name, value in (("heads", self.heads), ("vocab", self.vocab)):
+                if value % self.tp:
+                    raise ConfigError(f"--{name} {value}: tensor parallel splits the {name} over "
+                                      f"--tp {self.tp} ranks; choose a multiple of {self.tp}")
         if self.d_model % self.heads:
             raise ConfigError(f"--d-model {self.d_model}: must be divisible by --heads "
                               f"{self.heads} (each head gets d_model/heads dims)")

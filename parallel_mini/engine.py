@@ -24,6 +24,7 @@ from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.data import DataParallel, accumulate_grads_in_fp32
 from .parallel.recompute import apply_checkpointing, backward
+from .parallel.tensor import apply_tensor_parallel, gather_full_parameters
 from .parallel.zero import ZeroDataParallel
 from .parallel.zero3 import Zero3DataParallel
 from .reference import max_abs_diff, train_reference
@@ -114,6 +115,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     device = rank_device()
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)
     recompute = apply_checkpointing(model, cfg.checkpointing)
+    apply_tensor_parallel(model, comm)  # TP first, then data parallel over the shards
     strategy = parallelize(model, comm, cfg, average_fn)
     live = LiveBytes()
     act = ActivationMeter(live)
@@ -141,6 +143,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     memory["total_peak"] = live.peak
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
+    full = gather_full_parameters(model, full, comm)  # and over tp: slices -> whole weights
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),

@@ -94,11 +94,37 @@ def padded(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
 
-def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int) -> list[int]:
-    """Parameters per ZeRO-3 unit (each gathered as one flat buffer): token embedding, position
-    embedding, each block, final LayerNorm, LM head."""
+def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1) -> list[int]:
+    """Parameters per ZeRO-3 unit on one rank (each gathered as one flat buffer): token embedding,
+    position embedding, each block, final LayerNorm, LM head. With tensor parallel t the vocabulary
+    tables and the blocks' matrices (and column-parallel biases) hold 1/t; per block
+    (12h^2 + 7h)/t + 6h: row-parallel biases and LayerNorms stay whole on every rank."""
     h = d_model
-    return [vocab * h, seq * h] + [12 * h * h + 13 * h] * layers + [2 * h, h * vocab]
+    block = (12 * h * h + 7 * h) // tp + 6 * h
+    return [vocab * h // tp, seq * h] + [block] * layers + [2 * h, h * vocab // tp]
+
+
+def gpt_local_param_count(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1) -> int:
+    """Parameters one tensor-parallel rank holds (= gpt_param_count when tp = 1)."""
+    return sum(gpt_unit_sizes(vocab, seq, d_model, layers, tp))
+
+
+def tp_wire_bytes_per_step(cfg) -> float:
+    """Megatron TP without sequence parallel, per micro-step: forward all-reduces after each
+    row-parallel layer (attention out, MLP proj: 2 per block) and after the vocabulary-parallel
+    embedding (1); backward all-reduces before each column-parallel layer (QKV, fc: 2 per block)
+    and before the LM head (1): 4L + 2 all-reduces of [b, s, h] activations. Full checkpointing
+    re-runs each block's forward in backward, but torch's (non-reentrant) checkpoint stops as soon
+    as every tensor backward needs is back: the MLP's closing all-reduce feeds nothing that is
+    saved, so only the attention one runs again: L more (measured, not assumed). The
+    vocabulary-parallel cross-entropy adds 3 all-reduces of b*s fp32 numbers (max, target logit,
+    sum of exponentials)."""
+    micro = cfg.batch // (cfg.dp * cfg.grad_accum)
+    act = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]
+    n_act = 4 * cfg.layers + 2 + (cfg.layers if cfg.checkpointing == "full" else 0)
+    per_micro = n_act * wire_bytes("all_reduce", act, cfg.tp) \
+        + 3 * wire_bytes("all_reduce", micro * cfg.seq * 4, cfg.tp)
+    return cfg.grad_accum * per_micro
 
 
 BYTES_PER_PARAM = {"fp32": 4, "bf16-mixed": 2}  # parameters and gradients in compute precision
@@ -167,7 +193,8 @@ def hybrid_replica_wire_bytes(zero: int, n_params: int, precision: str, shard: i
 
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report."""
-    units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers)
+    units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp)
+    n_params = sum(units)  # what one rank holds: all of it, or its tensor-parallel slices
     shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp  # ZeRO's shard group size
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
                                cfg.offload, cfg.fp32_grad_accum)
@@ -190,17 +217,21 @@ def run_theory(cfg, n_params: int) -> dict:
             wire["pcie"] = 2 * slice_bytes
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
     elem = BYTES_PER_PARAM[cfg.precision]  # activations are kept in the compute precision
+    if cfg.tp > 1:
+        wire["tp"] = tp_wire_bytes_per_step(cfg)
     return {
-        "n_params": n_params,
+        "n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers),
+        "n_params_per_rank": n_params,
         "padding_elements": padding,
         "memory": states,
         "activations_per_layer": {
             "ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
-                                                   cfg.checkpointing, elem),
+                                                   cfg.checkpointing, elem) if cfg.tp == 1 else None,
             "korthikanti": activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
-                                                      cfg.checkpointing),
+                                                      cfg.checkpointing, tp=cfg.tp),
         },
-        "wire_bytes_per_step": {g: (b if cfg.dp > 1 or g == "pcie" else 0) for g, b in wire.items()},
+        "wire_bytes_per_step": {g: (b if cfg.dp > 1 or g in ("pcie", "tp") else 0)
+                                for g, b in wire.items()},
     }
 
 

@@ -1,0 +1,256 @@
+"""Tensor parallelism, Megatron-style (Shoeybi et al., 2019, "Megatron-LM").
+
+Split each layer's weight matrices across the tp ranks so that no rank holds (or computes) a whole
+layer. Two ways to split Y = X W:
+- column-parallel: W = [W_0 | W_1 | ...] (output features split). Rank r computes Y_r = X W_r, a
+  slice of Y's columns. Needs the full X on every rank.
+- row-parallel: W = [W_0; W_1; ...] (input features split). Rank r holds X's matching slice and
+  computes a partial sum X_r W_r; the sum over ranks (an all-reduce) is Y.
+Column then row needs no communication in between: the MLP (fc column, GELU, proj row) and
+attention (QKV column, i.e. heads split; out-projection row) each cost one all-reduce forward and
+one backward. Everything rests on two conjugate operators (autograd functions below):
+    f: identity forward, all-reduce backward   (before a column-parallel layer)
+    g: all-reduce forward, identity backward   (after a row-parallel layer)
+The vocabulary is split too: each rank embeds only its token range (all-reduce to combine), and the
+LM head is column-parallel with a vocabulary-parallel cross-entropy, so no rank ever materialises
+the full [b, s, v] logits.
+
+Every rank first builds the full model from the same seed, then keeps its slices: the shards are
+exactly the reference's weights, which is what makes equality with one process testable.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..comm import Comm
+from ..model import GPT
+
+AXIS = "tp"
+
+
+# ---------------------------------------------------------------------------------------------
+# the two conjugate operators
+# ---------------------------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; backward sums the input-gradients of the column-parallel slices."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad, AXIS, layer="f")
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: forward sums the row-parallel partial products; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        x = x.contiguous()
+        comm.all_reduce(x, AXIS, layer="g")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x, comm):
+    return _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp(x, comm):
+    return _ReduceFromTP.apply(x, comm)
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------------------------
+def _rows(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    """Slice r of n along dim 0, as a fresh Parameter-ready tensor."""
+    return t.detach().chunk(n, dim=0)[r].clone()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., out/tp] = f(x)[..., in] @ W_r^T + b_r, W_r = rows r of W [out, in] (a slice of outputs)."""
+
+    def __init__(self, linear: nn.Linear, comm: Comm, row_order=None):
+        super().__init__()
+        n, r = comm.size(AXIS), comm.rank(AXIS)
+        w, b = linear.weight, linear.bias
+        if row_order is not None:  # e.g. QKV: take each of q, k, v's slice r, not the r-th third
+            w = row_order(w)
+            b = row_order(b) if b is not None else None
+        self.weight = nn.Parameter(_rows(w, r, n))  # [out/tp, in]
+        self.bias = nn.Parameter(_rows(b, r, n)) if b is not None else None  # [out/tp]
+        self.comm = comm
+
+    def forward(self, x):  # x: [b, s, in] -> [b, s, out/tp]
+        return F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y[..., out] = g(x_r[..., in/tp] @ W_r^T) + b, W_r = columns r of W [out, in]."""
+
+    def __init__(self, linear: nn.Linear, comm: Comm):
+        super().__init__()
+        n, r = comm.size(AXIS), comm.rank(AXIS)
+        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())  # [out, in/tp]
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.comm = comm
+
+    def forward(self, x):  # x: [b, s, in/tp] -> [b, s, out]
+        y = reduce_from_tp(F.linear(x, self.weight), self.comm)  # sum of the partial products
+        return y + self.bias if self.bias is not None else y  # bias once, after the sum
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds embedding rows [r*v/tp, (r+1)*v/tp); tokens outside its range embed to zero,
+    and an all-reduce assembles every token's row."""
+
+    def __init__(self, emb: nn.Embedding, comm: Comm):
+        super().__init__()
+        n, r = comm.size(AXIS), comm.rank(AXIS)
+        self.per_rank = emb.num_embeddings // n
+        self.start = r * self.per_rank
+        self.weight = nn.Parameter(_rows(emb.weight, r, n))  # [v/tp, h]
+        self.comm = comm
+
+    def forward(self, idx):  # idx: [b, s] -> [b, s, h]
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.comm)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from logits split over the vocabulary, [N, v/tp] on each rank.
+
+    loss_i = log(sum_j exp z_ij) - z_i,target: the max, the sum of exponentials and the target's
+    logit are each combined with one all-reduce over tp (of N numbers, not N*v)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, comm):  # logits [N, v/tp], target [N]
+        logits = logits.float()
+        zmax = logits.max(dim=-1).values  # [N]
+        comm.all_reduce(zmax, AXIS, op=torch.distributed.ReduceOp.MAX, layer="ce")
+        z = logits - zmax.unsqueeze(-1)
+        local_t = target - start
+        mine = (local_t >= 0) & (local_t < logits.shape[-1])
+        idx = local_t.clamp(0, logits.shape[-1] - 1)
+        z_target = torch.where(mine, z.gather(1, idx.unsqueeze(1)).squeeze(1), torch.zeros_like(zmax))
+        comm.all_reduce(z_target, AXIS, layer="ce")
+        exp = z.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, AXIS, layer="ce")
+        ctx.save_for_backward(exp, sum_exp, idx, mine)
+        return (sum_exp.log() - z_target).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, idx, mine = ctx.saved_tensors
+        p = exp / sum_exp.unsqueeze(-1)  # softmax slice [N, v/tp]
+        p[mine, idx[mine]] -= 1.0  # minus the one-hot target, where the target is in my slice
+        return p * (grad / p.shape[0]), None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+def _qkv_rows(n):
+    """QKV's weight rows are [q (h) | k (h) | v (h)]: reorder so that chunk r holds q, k and v of
+    rank r's heads."""
+    def order(t):
+        q, k, v = t.chunk(3, dim=0)
+        return torch.cat([torch.cat([a.chunk(n, 0)[r] for a in (q, k, v)]) for r in range(n)])
+    return order
+
+
+class _TPAttentionForward:
+    """Attention with a/tp heads per rank (bound to each CausalSelfAttention)."""
+
+    def __init__(self, attn, n):
+        self.attn, self.n, self.local_heads = attn, n, attn.heads // n
+
+    def __call__(self, x):  # x: [b, s, h] -> [b, s, h]
+        b, s, h = x.shape
+        a, local_h = self.local_heads, h // self.n
+        q, k, v = self.attn.qkv(x).split(local_h, dim=-1)  # 3 x [b, s, h/tp]
+        q, k, v = (t.view(b, s, a, local_h // a).transpose(1, 2) for t in (q, k, v))
+        y = self.attn.core(q, k, v).transpose(1, 2).reshape(b, s, local_h)  # [b, s, h/tp]
+        return self.attn.proj(y)
+
+
+class _TPHeadLoss:
+    """GPT.forward with a vocabulary-parallel head and loss."""
+
+    def __init__(self, model, comm):
+        self.model, self.comm = model, comm
+
+    def __call__(self, idx, targets=None):
+        m = self.model
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = m.tok_emb(idx) + m.pos_emb(pos)  # [b, s, h]
+        for block in m.blocks:
+            x = block(x)
+        logits = m.head(m.ln_f(x))  # [b, s, v/tp]: never the full vocabulary
+        if targets is None:
+            return logits
+        return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
+                                                m.head_start, self.comm)
+
+
+def apply_tensor_parallel(model: GPT, comm: Comm) -> GPT:
+    """Shard `model` in place over the mesh's tp axis. Layout errors were refused by RunConfig."""
+    n = comm.size(AXIS)
+    if n == 1:
+        return model
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear(attn.qkv, comm, row_order=_qkv_rows(n))
+        attn.proj = RowParallelLinear(attn.proj, comm)
+        attn.forward = _TPAttentionForward(attn, n)
+        mlp.fc = ColumnParallelLinear(mlp.fc, comm)
+        mlp.proj = RowParallelLinear(mlp.proj, comm)
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, comm)
+    model.head = ColumnParallelLinear(model.head, comm)
+    model.head_start = comm.rank(AXIS) * (model.config.vocab // n)
+    model.forward = _TPHeadLoss(model, comm)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# reassembling full weights (to compare with the reference)
+# ---------------------------------------------------------------------------------------------
+def gather_full_parameters(model: GPT, local: dict[str, torch.Tensor], comm: Comm) -> dict:
+    """Full tensors from every rank's slices (collective over tp). Column-parallel weights and the
+    vocabulary-split tables concatenate along dim 0 (QKV then un-reordered), row-parallel weights
+    along dim 1; replicated parameters are returned as they are."""
+    n = comm.size(AXIS)
+    if n == 1:
+        return local
+    out = {}
+    for name, t in local.items():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        dim = 1 if isinstance(owner, RowParallelLinear) and name.endswith("weight") else 0
+        sharded = isinstance(owner, (ColumnParallelLinear, VocabParallelEmbedding)) or dim == 1
+        if not sharded:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(n)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=comm.mesh.groups[AXIS])
+        full = torch.cat(parts, dim=dim)
+        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # undo _qkv_rows
+            per = full.shape[0] // (3 * n)
+            blocks = full.split(per, dim=0)  # [q0, k0, v0, q1, k1, v1, ...]
+            full = torch.cat([torch.cat(blocks[i::3]) for i in range(3)])
+        out[name] = full
+    return out
