@@ -49,6 +49,7 @@ class RunConfig:
     fsdp: str = ""  # PyTorch FSDP's names for the same strategies (see FSDP_STRATEGIES)
     offload: bool = False  # ZeRO-Offload: optimizer states and master weights in host memory
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
+    sp: bool = False  # Megatron sequence parallel on top of tensor parallel
     # pipeline (validated when the topic lands)
     schedule: str = "1f1b"
     microbatches: int = 4
@@ -149,6 +150,12 @@ class RunConfig:
             k = self.dp * self.grad_accum
             raise ConfigError(f"--batch {self.batch}: must be divisible by dp x grad-accum = {k} "
                               f"so every rank gets equal micro-batches; try --batch {k * max(1, self.batch // k)}")
+        if self.sp and self.tp == 1:
+            raise ConfigError("--sp: sequence parallelism splits the sequence over the tensor-"
+                              "parallel ranks; it needs --tp 2 or more")
+        if self.sp and self.seq % self.tp:
+            raise ConfigError(f"--seq {self.seq}: with --sp the sequence is split over --tp "
+                              f"{self.tp} ranks; choose a multiple of {self.tp}")
         if self.tp > 1:
             for name, value in (("heads", self.heads), ("vocab", self.vocab)):
                 if value % self.tp:

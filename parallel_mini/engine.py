@@ -115,7 +115,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     device = rank_device()
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)
     recompute = apply_checkpointing(model, cfg.checkpointing)
-    apply_tensor_parallel(model, comm)  # TP first, then data parallel over the shards
+    apply_tensor_parallel(model, comm, cfg.sp)  # TP first, then data parallel over the shards
     strategy = parallelize(model, comm, cfg, average_fn)
     live = LiveBytes()
     act = ActivationMeter(live)

@@ -121,9 +121,21 @@ def tp_wire_bytes_per_step(cfg) -> float:
     sum of exponentials)."""
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)
     act = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]
-    n_act = 4 * cfg.layers + 2 + (cfg.layers if cfg.checkpointing == "full" else 0)
-    per_micro = n_act * wire_bytes("all_reduce", act, cfg.tp) \
-        + 3 * wire_bytes("all_reduce", micro * cfg.seq * 4, cfg.tp)
+    t, L, h = cfg.tp, cfg.layers, cfg.d_model
+    per_micro = (4 * L + 2) * wire_bytes("all_reduce", act, t) \
+        + 3 * wire_bytes("all_reduce", micro * cfg.seq * 4, t)
+    if cfg.checkpointing == "full":
+        # re-run up to the last saved tensor (the MLP's GELU output): without SP the attention
+        # all-reduce; with SP the two all-gathers (before QKV and fc) and the attention
+        # reduce-scatter
+        per_micro += L * (3 * wire_bytes("all_gather", act, t) if cfg.sp
+                          else wire_bytes("all_reduce", act, t))
+    if cfg.sp:
+        # SP swaps each all-reduce for an all-gather + reduce-scatter: the same bytes. Added: the
+        # gradients of the parameters used on sequence shards (position embeddings, 2 LayerNorms
+        # and 2 row-parallel biases per block, the final LayerNorm), summed over tp per micro-step
+        sp_params = cfg.seq * h + 6 * h * L + 2 * h
+        per_micro += wire_bytes("all_reduce", sp_params * BYTES_PER_PARAM[cfg.precision], t)
     return cfg.grad_accum * per_micro
 
 
@@ -228,7 +240,7 @@ def run_theory(cfg, n_params: int) -> dict:
             "ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
                                                    cfg.checkpointing, elem) if cfg.tp == 1 else None,
             "korthikanti": activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
-                                                      cfg.checkpointing, tp=cfg.tp),
+                                                      cfg.checkpointing, tp=cfg.tp, sp=cfg.sp),
         },
         "wire_bytes_per_step": {g: (b if cfg.dp > 1 or g in ("pcie", "tp") else 0)
                                 for g, b in wire.items()},

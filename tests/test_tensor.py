@@ -68,3 +68,25 @@ def test_vocab_parallel_never_builds_full_logits():
 def test_bad_layout_refused(bad, field):
     with pytest.raises(ConfigError, match=field):
         RunConfig(**bad).validate()
+
+
+@pytest.mark.parametrize("kw", [dict(tp=2), dict(tp=4), dict(tp=2, dp=2, zero=3),
+                                dict(tp=2, grad_accum=2, checkpointing="full")])
+def test_sequence_parallel_equal_same_activation_bytes_less_memory(kw):
+    """SP: equal to the reference; the activation traffic is the same bytes as plain TP (each
+    all-reduce became an all-gather + a reduce-scatter), plus the sequence-sharded parameters'
+    gradients; activation memory per rank goes down."""
+    sp = run(RunConfig(sp=True, steps=2, reference=True, **kw))
+    plain = run(RunConfig(steps=2, **kw))
+    assert sp.max_abs_diff <= 1e-5
+    _check(sp, "tp")
+    assert sp.ranks[0]["memory"]["activations_peak"] < plain.ranks[0]["memory"]["activations_peak"]
+    ops = {r["op"] for r in sp.ranks[0]["comm"] if r["group"] == "tp" and r.get("layer") == "sp"}
+    assert ops == {"all_gather", "reduce_scatter"}
+
+
+def test_sp_needs_tp_and_divisible_sequence():
+    with pytest.raises(ConfigError, match="--sp"):
+        RunConfig(sp=True).validate()
+    with pytest.raises(ConfigError, match="--seq"):
+        RunConfig(tp=4, sp=True, seq=30).validate()

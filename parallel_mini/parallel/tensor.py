@@ -15,6 +15,14 @@ The vocabulary is split too: each rank embeds only its token range (all-reduce t
 LM head is column-parallel with a vocabulary-parallel cross-entropy, so no rank ever materialises
 the full [b, s, v] logits.
 
+Sequence parallelism (Korthikanti et al., 2022): outside the matmuls (LayerNorms, residuals,
+dropout) plain TP keeps [b, s, h] replicated on every rank. SP splits those along the sequence,
+[b, s/t, h], and swaps each all-reduce for an all-gather (before a column-parallel layer) and a
+reduce-scatter (after a row-parallel one): the same bytes (an all-reduce *is* a reduce-scatter
+plus an all-gather), activations divided by t. Parameters used on sequence shards (LayerNorms,
+row-parallel biases, position embeddings) see only part of the sequence, so their gradients are
+summed over tp.
+
 Every rank first builds the full model from the same seed, then keeps its slices: the shards are
 exactly the reference's weights, which is what makes equality with one process testable.
 """
@@ -62,12 +70,55 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tp(x, comm):
-    return _CopyToTP.apply(x, comm)
+class _GatherSequence(torch.autograd.Function):
+    """SP, before a column-parallel layer: all-gather [b, s/t, h] -> [b, s, h]; backward
+    reduce-scatters the gradient back to sequence shards."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _seq_all_gather(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_reduce_scatter(grad, ctx.comm), None
 
 
-def reduce_from_tp(x, comm):
-    return _ReduceFromTP.apply(x, comm)
+class _ReduceScatterSequence(torch.autograd.Function):
+    """SP, after a row-parallel layer: reduce-scatter the partial sums [b, s, h] -> [b, s/t, h];
+    backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _seq_reduce_scatter(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_all_gather(grad, ctx.comm), None
+
+
+def _seq_all_gather(x, comm):  # [b, s/t, h] -> [b, s, h]
+    xt = x.transpose(0, 1).contiguous()  # sequence first: collectives concatenate along dim 0
+    out = torch.empty((xt.shape[0] * comm.size(AXIS),) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    comm.all_gather(out, xt, AXIS, layer="sp")
+    return out.transpose(0, 1)
+
+
+def _seq_reduce_scatter(x, comm):  # [b, s, h] -> [b, s/t, h], summed over tp
+    xt = x.transpose(0, 1).contiguous()
+    out = torch.empty((xt.shape[0] // comm.size(AXIS),) + xt.shape[1:], dtype=x.dtype,
+                      device=x.device)
+    comm.reduce_scatter(out, xt, AXIS, layer="sp")
+    return out.transpose(0, 1)
+
+
+def copy_to_tp(x, comm, sp=False):
+    return _GatherSequence.apply(x, comm) if sp else _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp(x, comm, sp=False):
+    return _ReduceScatterSequence.apply(x, comm) if sp else _ReduceFromTP.apply(x, comm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,8 +132,9 @@ def _rows(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y[..., out/tp] = f(x)[..., in] @ W_r^T + b_r, W_r = rows r of W [out, in] (a slice of outputs)."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm, row_order=None):
+    def __init__(self, linear: nn.Linear, comm: Comm, row_order=None, sp: bool = False):
         super().__init__()
+        self.sp = sp
         n, r = comm.size(AXIS), comm.rank(AXIS)
         w, b = linear.weight, linear.bias
         if row_order is not None:  # e.g. QKV: take each of q, k, v's slice r, not the r-th third
@@ -92,22 +144,23 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(_rows(b, r, n)) if b is not None else None  # [out/tp]
         self.comm = comm
 
-    def forward(self, x):  # x: [b, s, in] -> [b, s, out/tp]
-        return F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)
+    def forward(self, x):  # x: [b, s, in] (SP: [b, s/tp, in]) -> [b, s, out/tp]
+        return F.linear(copy_to_tp(x, self.comm, self.sp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y[..., out] = g(x_r[..., in/tp] @ W_r^T) + b, W_r = columns r of W [out, in]."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm):
+    def __init__(self, linear: nn.Linear, comm: Comm, sp: bool = False):
         super().__init__()
         n, r = comm.size(AXIS), comm.rank(AXIS)
+        self.sp = sp
         self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())  # [out, in/tp]
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
         self.comm = comm
 
-    def forward(self, x):  # x: [b, s, in/tp] -> [b, s, out]
-        y = reduce_from_tp(F.linear(x, self.weight), self.comm)  # sum of the partial products
+    def forward(self, x):  # x: [b, s, in/tp] -> [b, s, out] (SP: [b, s/tp, out])
+        y = reduce_from_tp(F.linear(x, self.weight), self.comm, self.sp)  # sum of the partials
         return y + self.bias if self.bias is not None else y  # bias once, after the sum
 
 
@@ -115,20 +168,21 @@ class VocabParallelEmbedding(nn.Module):
     """Rank r holds embedding rows [r*v/tp, (r+1)*v/tp); tokens outside its range embed to zero,
     and an all-reduce assembles every token's row."""
 
-    def __init__(self, emb: nn.Embedding, comm: Comm):
+    def __init__(self, emb: nn.Embedding, comm: Comm, sp: bool = False):
         super().__init__()
         n, r = comm.size(AXIS), comm.rank(AXIS)
+        self.sp = sp
         self.per_rank = emb.num_embeddings // n
         self.start = r * self.per_rank
         self.weight = nn.Parameter(_rows(emb.weight, r, n))  # [v/tp, h]
         self.comm = comm
 
-    def forward(self, idx):  # idx: [b, s] -> [b, s, h]
+    def forward(self, idx):  # idx: [b, s] -> [b, s, h] (SP: [b, s/tp, h])
         local = idx - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.comm)
+        return reduce_from_tp(out, self.comm, self.sp)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -180,25 +234,30 @@ class _TPAttentionForward:
     def __init__(self, attn, n):
         self.attn, self.n, self.local_heads = attn, n, attn.heads // n
 
-    def __call__(self, x):  # x: [b, s, h] -> [b, s, h]
-        b, s, h = x.shape
-        a, local_h = self.local_heads, h // self.n
-        q, k, v = self.attn.qkv(x).split(local_h, dim=-1)  # 3 x [b, s, h/tp]
+    def __call__(self, x):  # x: [b, s, h] (SP: [b, s/tp, h]) -> the same shape
+        qkv = self.attn.qkv(x)  # [b, s, 3h/tp]: the full sequence (SP gathered it)
+        b, s, local_h = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+        a = self.local_heads
+        q, k, v = qkv.split(local_h, dim=-1)  # 3 x [b, s, h/tp]
         q, k, v = (t.view(b, s, a, local_h // a).transpose(1, 2) for t in (q, k, v))
         y = self.attn.core(q, k, v).transpose(1, 2).reshape(b, s, local_h)  # [b, s, h/tp]
         return self.attn.proj(y)
 
 
 class _TPHeadLoss:
-    """GPT.forward with a vocabulary-parallel head and loss."""
+    """GPT.forward with a vocabulary-parallel head and loss (and, with SP, sequence shards)."""
 
-    def __init__(self, model, comm):
-        self.model, self.comm = model, comm
+    def __init__(self, model, comm, sp):
+        self.model, self.comm, self.sp = model, comm, sp
 
     def __call__(self, idx, targets=None):
         m = self.model
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = m.tok_emb(idx) + m.pos_emb(pos)  # [b, s, h]
+        s = idx.shape[1]
+        pos = torch.arange(s, device=idx.device)
+        if self.sp:  # this rank's slice of the positions
+            n, r = self.comm.size(AXIS), self.comm.rank(AXIS)
+            pos = pos[r * s // n:(r + 1) * s // n]
+        x = m.tok_emb(idx) + m.pos_emb(pos)  # [b, s, h] (SP: [b, s/tp, h])
         for block in m.blocks:
             x = block(x)
         logits = m.head(m.ln_f(x))  # [b, s, v/tp]: never the full vocabulary
@@ -208,23 +267,45 @@ class _TPHeadLoss:
                                                 m.head_start, self.comm)
 
 
-def apply_tensor_parallel(model: GPT, comm: Comm) -> GPT:
-    """Shard `model` in place over the mesh's tp axis. Layout errors were refused by RunConfig."""
+def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False) -> GPT:
+    """Shard `model` in place over the mesh's tp axis (with sequence parallel when `sp`).
+    Layout errors were refused by RunConfig."""
     n = comm.size(AXIS)
     if n == 1:
         return model
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(attn.qkv, comm, row_order=_qkv_rows(n))
-        attn.proj = RowParallelLinear(attn.proj, comm)
+        attn.qkv = ColumnParallelLinear(attn.qkv, comm, row_order=_qkv_rows(n), sp=sp)
+        attn.proj = RowParallelLinear(attn.proj, comm, sp=sp)
         attn.forward = _TPAttentionForward(attn, n)
-        mlp.fc = ColumnParallelLinear(mlp.fc, comm)
-        mlp.proj = RowParallelLinear(mlp.proj, comm)
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, comm)
-    model.head = ColumnParallelLinear(model.head, comm)
+        mlp.fc = ColumnParallelLinear(mlp.fc, comm, sp=sp)
+        mlp.proj = RowParallelLinear(mlp.proj, comm, sp=sp)
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, comm, sp=sp)
+    model.head = ColumnParallelLinear(model.head, comm, sp=sp)
     model.head_start = comm.rank(AXIS) * (model.config.vocab // n)
-    model.forward = _TPHeadLoss(model, comm)
+    model.forward = _TPHeadLoss(model, comm, sp)
+    if sp:
+        for p in sequence_parallel_params(model):
+            p.register_hook(lambda grad: _sum_over_tp(grad, comm))
     return model
+
+
+def sequence_parallel_params(model: GPT) -> list[nn.Parameter]:
+    """Replicated parameters that SP applies to sequence shards: each rank's gradient covers only
+    its part of the sequence, the true gradient is the sum over tp."""
+    params = list(model.pos_emb.parameters()) + list(model.ln_f.parameters())
+    for block in model.blocks:
+        params += list(block.ln1.parameters()) + list(block.ln2.parameters())
+        params += [block.attn.proj.bias, block.mlp.proj.bias]
+    return [p for p in params if p is not None]
+
+
+def _sum_over_tp(grad: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Runs on the gradient *before* it is accumulated, once per backward (so accumulation and
+    any data-parallel sync downstream see the full gradient)."""
+    grad = grad.contiguous()
+    comm.all_reduce(grad, AXIS, layer="sp-grads")
+    return grad
 
 
 # ---------------------------------------------------------------------------------------------
