@@ -42,16 +42,17 @@ class AttentionCore(nn.Module):
 class CausalSelfAttention(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.heads = c.heads
+        self.heads, self.head_dim = c.heads, c.d_model // c.heads
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
         self.core = AttentionCore()
         self.proj = nn.Linear(c.d_model, c.d_model)
 
     def forward(self, x):  # x: [b, s, h]
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).split(h, dim=-1)  # 3 x [b, s, h]
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = self.core(q, k, v).transpose(1, 2).reshape(b, s, h)  # [b, s, h]
+        qkv = self.qkv(x)  # [b, s, 3h]; under tensor parallel [b, s, 3h/tp]: this rank's heads
+        b, s = qkv.shape[:2]
+        q, k, v = qkv.chunk(3, dim=-1)  # 3 x [b, s, a*d], a = the heads this rank holds
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = self.core(q, k, v).transpose(1, 2).reshape(b, s, -1)  # [b, s, a*d]
         return self.proj(y)
 
 

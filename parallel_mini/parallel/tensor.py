@@ -219,29 +219,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # the model
 # ---------------------------------------------------------------------------------------------
-def _qkv_rows(n):
+def qkv_rows_by_rank(n):
     """QKV's weight rows are [q (h) | k (h) | v (h)]: reorder so that chunk r holds q, k and v of
-    rank r's heads."""
+    rank r's heads (then any contiguous row split, ours or DTensor's, gives each rank whole heads)."""
     def order(t):
         q, k, v = t.chunk(3, dim=0)
         return torch.cat([torch.cat([a.chunk(n, 0)[r] for a in (q, k, v)]) for r in range(n)])
     return order
-
-
-class _TPAttentionForward:
-    """Attention with a/tp heads per rank (bound to each CausalSelfAttention)."""
-
-    def __init__(self, attn, n):
-        self.attn, self.n, self.local_heads = attn, n, attn.heads // n
-
-    def __call__(self, x):  # x: [b, s, h] (SP: [b, s/tp, h]) -> the same shape
-        qkv = self.attn.qkv(x)  # [b, s, 3h/tp]: the full sequence (SP gathered it)
-        b, s, local_h = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
-        a = self.local_heads
-        q, k, v = qkv.split(local_h, dim=-1)  # 3 x [b, s, h/tp]
-        q, k, v = (t.view(b, s, a, local_h // a).transpose(1, 2) for t in (q, k, v))
-        y = self.attn.core(q, k, v).transpose(1, 2).reshape(b, s, local_h)  # [b, s, h/tp]
-        return self.attn.proj(y)
 
 
 class _TPHeadLoss:
@@ -275,9 +259,8 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False) -> GPT:
         return model
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(attn.qkv, comm, row_order=_qkv_rows(n), sp=sp)
-        attn.proj = RowParallelLinear(attn.proj, comm, sp=sp)
-        attn.forward = _TPAttentionForward(attn, n)
+        attn.qkv = ColumnParallelLinear(attn.qkv, comm, row_order=qkv_rows_by_rank(n), sp=sp)
+        attn.proj = RowParallelLinear(attn.proj, comm, sp=sp)  # attention infers its a/tp heads
         mlp.fc = ColumnParallelLinear(mlp.fc, comm, sp=sp)
         mlp.proj = RowParallelLinear(mlp.proj, comm, sp=sp)
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, comm, sp=sp)
@@ -329,7 +312,7 @@ def gather_full_parameters(model: GPT, local: dict[str, torch.Tensor], comm: Com
         parts = [torch.empty_like(t) for _ in range(n)]
         torch.distributed.all_gather(parts, t.contiguous(), group=comm.mesh.groups[AXIS])
         full = torch.cat(parts, dim=dim)
-        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # undo _qkv_rows
+        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # undo qkv_rows_by_rank
             per = full.shape[0] // (3 * n)
             blocks = full.split(per, dim=0)  # [q0, k0, v0, q1, k1, v1, ...]
             full = torch.cat([torch.cat(blocks[i::3]) for i in range(3)])
