@@ -4,6 +4,7 @@
     python -m parallel_mini.bench ring    # (b) only
     python -m parallel_mini.bench warm    # p50/p90 of a repeated 4-rank, 2-step engine.run
     python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
+    python -m parallel_mini.bench tp      # (d) our tensor parallel vs DTensor parallelize_module
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -211,6 +212,64 @@ def bench_zero(dps=(2, 4), warmup: int = 3, steps: int = 10, batch: int = 16) ->
 
 
 # ---------------------------------------------------------------------------------------------
+# (d) tensor parallel: ours vs DTensor
+# ---------------------------------------------------------------------------------------------
+def _tp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    from .parallel.tensor import apply_tensor_parallel, qkv_rows_by_rank
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    n = cfg.tp
+    ours = apply_tensor_parallel(build_model(cfg), Comm(build_mesh(cfg)))
+    peer = build_model(cfg)
+    with torch.no_grad():
+        for block in peer.blocks:
+            block.attn.qkv.weight.copy_(qkv_rows_by_rank(n)(block.attn.qkv.weight))
+            block.attn.qkv.bias.copy_(qkv_rows_by_rank(n)(block.attn.qkv.bias))
+    plan = {}
+    for i in range(cfg.layers):
+        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
+                     f"blocks.{i}.attn.proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.fc": ColwiseParallel(),
+                     f"blocks.{i}.mlp.proj": RowwiseParallel()})
+    parallelize_module(peer, init_device_mesh("cpu", (n,)), plan)
+    runners = {"ours": (ours, Adam(ours.parameters(), lr=cfg.lr)),
+               "DTensor": (peer, torch.optim.Adam(peer.parameters(), lr=cfg.lr, eps=1e-5,
+                                                  foreach=False))}
+    names = list(runners)
+    times = {k: [] for k in names}
+    for i in range(warmup + steps):
+        x, y = global_batch(cfg, i)
+        for name in names[i % 2:] + names[:i % 2]:
+            model, opt = runners[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
+    rows = []
+    for n in tps:
+        cfg = RunConfig(tp=n, steps=warmup + steps).validate()
+        times = run_ranks(_tp_rank, n, cfg.to_dict(), warmup, steps, timeout=600,
+                          backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"tp": n, "ours_ms": 1e3 * med["ours"], "dtensor_ms": 1e3 * med["DTensor"],
+                     "ours_over_dtensor": med["ours"] / med["DTensor"], "steps_measured": steps,
+                     "note": "ours also splits the vocabulary (embedding, head, loss); the "
+                             "DTensor plan shards the blocks only"})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # (b) ring all-reduce vs gloo
 # ---------------------------------------------------------------------------------------------
 def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
@@ -312,6 +371,14 @@ def _print_zero(rows):
                    f"{r['peer_ms']:.1f}", f"{r['ours_over_peer']:.2f}"] for r in rows]))
 
 
+def _print_tp(rows):
+    print(f"(d) tensor parallel step time, median of {rows[0]['steps_measured']} steps "
+          f"(slowest rank); {rows[0]['note']}")
+    print(_table(["tp", "ours ms", "DTensor ms", "ours/DTensor"],
+                 [[r["tp"], f"{r['ours_ms']:.1f}", f"{r['dtensor_ms']:.1f}",
+                   f"{r['ours_over_dtensor']:.2f}"] for r in rows]))
+
+
 def _print_warm(w):
     print(f"warm path: engine.run(dp={w['dp']}, steps={w['steps']}) x {w['repeats']}: "
           f"p50 {w['p50_s']:.2f} s  p90 {w['p90_s']:.2f} s  (first call {w['first_s']:.2f} s)")
@@ -320,7 +387,7 @@ def _print_warm(w):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "all"])
+    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -350,6 +417,9 @@ def main(argv=None) -> int:
     if args.what in ("zero", "all"):
         out["zero"] = bench_zero(tuple(args.dp))
         show(_print_zero, out["zero"])
+    if args.what in ("tp", "all"):
+        out["tp"] = bench_tp()
+        show(_print_tp, out["tp"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])
