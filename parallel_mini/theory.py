@@ -238,7 +238,7 @@ def run_theory(cfg, n_params: int) -> dict:
         "memory": states,
         "activations_per_layer": {
             "ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
-                                                   cfg.checkpointing, elem) if cfg.tp == 1 else None,
+                                                   cfg.checkpointing, elem, cfg.tp, cfg.sp),
             "korthikanti": activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
                                                       cfg.checkpointing, tp=cfg.tp, sp=cfg.sp),
         },
@@ -269,26 +269,28 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing: st
 
 
 def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing: str = "none",
-                                   elem_bytes: int = 4) -> int:
-    """What parallel_mini's own block keeps for backward, exactly (derived op by op, tested to the
-    byte against the meter). With e = bytes per activation element (4 fp32, 2 bf16):
-        none:       e*(16*s*b*h + a*s*s*b + 4*s*b) + s*s
-        selective:  e*(16*s*b*h + 4*s*b)
-        full:       e*s*b*h
-    16 sbh: LN1 input, QKV input, QKV output (3: q, k, v), attention output (input of the out
-    projection), LN2 input, fc input, fc output (4: GELU's input), GELU output (4: proj's input).
-    a*s*s*b: the softmax output (its backward needs only that). 4*s*b: mean and 1/std of the two
-    LayerNorms. s*s: the boolean causal mask (1 byte each).
+                                   elem_bytes: int = 4, tp: int = 1, sp: bool = False) -> float:
+    """What parallel_mini's own block keeps for backward on one rank, exactly (derived op by op,
+    tested to the byte against the meter). e = bytes per activation element (4 fp32, 2 bf16),
+    t = tensor-parallel degree, q = t with sequence parallel else 1:
+        none:       e*(2sbh/q + 2sbh + 12sbh/t + 4sb/q + a*s*s*b/t) + s*s
+        selective:  e*(2sbh/q + 2sbh + 12sbh/t + 4sb/q)
+        full:       e*sbh/q
+    2sbh/q: the two LayerNorms' inputs (sequence-sharded with SP). 2sbh: the inputs of QKV and fc,
+    whole on every rank (replicated without SP; all-gathered with SP, and kept gathered: Megatron
+    saves the shard and gathers again in backward, we do not). 12sbh/t: QKV output (3), attention
+    output (1), fc output (4) and GELU output (4), split by heads / features. a*s*s*b/t: the
+    softmax output of this rank's heads. 4sb/q: LayerNorm mean and 1/std. s*s: the boolean mask.
     Against Korthikanti's 34 sbh + 5 a s^2 b (2-byte activations): their count adds dropout masks
     (2 sbh + a s^2 b bytes) and keeps the pre-softmax scores (2 a s^2 b); ours has no dropout and
     PyTorch's softmax backward needs only its output."""
-    sbh = s * b * h
+    sbh, q = s * b * h, (tp if sp else 1)
     if checkpointing == "full":
-        return elem_bytes * sbh  # only the block's input
-    kept = elem_bytes * (16 * sbh + 4 * s * b)
+        return elem_bytes * sbh / q  # only the block's input
+    kept = elem_bytes * (2 * sbh / q + 2 * sbh + 12 * sbh / tp + 4 * s * b / q)
     if checkpointing == "selective":
         return kept
-    return kept + elem_bytes * a * s * s * b + s * s
+    return kept + elem_bytes * a * s * s * b / tp + s * s
 
 
 # Model presets for theory-only rows (too big to run here). Shapes after the public Llama configs;

@@ -90,3 +90,13 @@ def test_sp_needs_tp_and_divisible_sequence():
         RunConfig(sp=True).validate()
     with pytest.raises(ConfigError, match="--seq"):
         RunConfig(tp=4, sp=True, seq=30).validate()
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, True)])
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_activation_bytes_per_layer_with_tp_and_sp(tp, sp, mode):
+    """One more layer adds exactly theory.gpt_activation_bytes_per_layer(..., tp, sp) per rank."""
+    shape = dict(tp=tp, sp=sp, checkpointing=mode, batch=8, seq=32, d_model=64, heads=4, steps=1)
+    one = run(RunConfig(layers=1, **shape)).ranks[0]["memory"]["activations_peak"]
+    two = run(RunConfig(layers=2, **shape)).ranks[0]["memory"]["activations_peak"]
+    assert two - one == theory.gpt_activation_bytes_per_layer(32, 8, 64, 4, mode, 4, tp, sp)
