@@ -39,9 +39,10 @@ def test_zero3_uneven_world_pads_and_states_it():
         report.theory["wire_bytes_per_step"]["dp"], rel=1e-12)
 
 
+@pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_with_gradient_accumulation(zero):
-    report = run(RunConfig(dp=2, zero=zero, grad_accum=2, steps=2, reference=True))
+def test_with_gradient_accumulation(dp, zero):
+    report = run(RunConfig(dp=dp, zero=zero, grad_accum=2, steps=2, reference=True))
     assert report.max_abs_diff <= 1e-5
     assert report.wire_bytes_per_step()["dp"] == report.theory["wire_bytes_per_step"]["dp"]
 
@@ -79,7 +80,7 @@ def test_bf16_mixed_is_16_bytes_per_param_unsharded():
     assert m["params"] + m["grads"] + m["optimizer"] == 16 * p
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_checkpointing_equal_less_memory_and_recomputes(zero, mode):
     """Checkpointing changes memory and compute, never the result: equal to the reference, fewer
@@ -92,6 +93,14 @@ def test_checkpointing_equal_less_memory_and_recomputes(zero, mode):
     rec = ck.ranks[0]["recompute"]
     assert rec["segment_forwards"] == rec["recomputed_forwards"] == 2 * 2 * segments_per_micro
     assert ck.wire_bytes_per_step() == base.wire_bytes_per_step()
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_checkpointing_and_accumulation_at_1_and_4_ranks(dp, zero):
+    report = run(RunConfig(dp=dp, zero=zero, grad_accum=2, checkpointing="full", steps=2,
+                           reference=True))
+    assert report.max_abs_diff <= 1e-5
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
