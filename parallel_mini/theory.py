@@ -282,8 +282,8 @@ def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing
     output (1), fc output (4) and GELU output (4), split by heads / features. a*s*s*b/t: the
     softmax output of this rank's heads. 4sb/q: LayerNorm mean and 1/std. s*s: the boolean mask.
     Against Korthikanti's 34 sbh + 5 a s^2 b (2-byte activations): their count adds dropout masks
-    (2 sbh + a s^2 b bytes) and keeps the pre-softmax scores (2 a s^2 b); ours has no dropout and
-    PyTorch's softmax backward needs only its output."""
+    (2 sbh + a s^2 b bytes) and the attention dropout's output (2 a s^2 b, what multiplies V);
+    ours has no dropout and PyTorch's softmax backward needs only its output."""
     sbh, q = s * b * h, (tp if sp else 1)
     if checkpointing == "full":
         return elem_bytes * sbh / q  # only the block's input
