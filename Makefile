@@ -32,7 +32,7 @@ app: $(VENV)/.installed
 		--server.port $(PORT) --server.headless true --browser.gatherUsageStats false
 
 lab: $(VENV)/.installed
-	$(VENV)/bin/jupyter lab lessons/
+	$(VENV)/bin/jupyter lab lessons/ --ip 127.0.0.1 $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 # Debian's chromium for the browser tests. Installed when missing and we may (root + apt);
 # otherwise the browser tests say why and skip. CI (CI=true) requires it.
