@@ -28,6 +28,7 @@ pages = {
         st.Page("app_pages/data_parallel.py", title="Data parallel", icon="🧮",
                 url_path="data_parallel"),
         st.Page("app_pages/memory.py", title="Memory per GPU", icon="🧠", url_path="memory"),
+        st.Page("app_pages/tensor.py", title="Tensor parallel", icon="🧩", url_path="tensor"),
     ],
 }
 st.navigation(pages).run()

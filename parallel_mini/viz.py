@@ -669,6 +669,28 @@ ACTIVATION_SOURCES = ["measured", "ours (exact)", "Korthikanti et al."]
 ACTIVATION_COLORS = ["#4c78a8", "#9ecae9", "#bab0ac"]
 
 
+def _bars_by_source(df: pd.DataFrame, group: str, x_title, y_title: str, width_per: int,
+                    title: str, subtitle) -> alt.LayerChart:
+    """Grouped bars: one group per value of `group`, one bar per ACTIVATION_SOURCES entry."""
+    div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
+    df["value"] = df["bytes"] / div
+    groups = list(dict.fromkeys(df[group]))
+    sources = [s for s in ACTIVATION_SOURCES if s in set(df["source"])]
+    colors = [dict(zip(ACTIVATION_SOURCES, ACTIVATION_COLORS))[s] for s in sources]
+    base = alt.Chart(df).encode(
+        x=alt.X(f"{group}:N", title=x_title, sort=groups,
+                axis=alt.Axis(labelAngle=0, labelFontSize=12, labelLimit=220)),
+        xOffset=alt.XOffset("source:N", sort=sources),
+        y=alt.Y("value:Q", title=f"{y_title} ({unit})"),
+        tooltip=[f"{group}:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
+    return alt.layer(
+        base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
+                                               scale=alt.Scale(domain=sources, range=colors))),
+        base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
+    ).properties(autosize=PAD, width=width_per * len(groups), height=260,
+                 title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
+
+
 def activation_bars(rows: list[dict], title: str = "Activation bytes per transformer layer",
                     subtitle: str | list[str] = "") -> alt.LayerChart:
     """Grouped bars per checkpointing mode (none, selective, full): the measured bytes one layer
@@ -677,23 +699,8 @@ def activation_bars(rows: list[dict], title: str = "Activation bytes per transfo
     (`theory.activation_bytes_per_layer`). `rows`: {mode, source, bytes}, source one of
     ACTIVATION_SOURCES."""
     df = pd.DataFrame(rows, columns=["mode", "source", "bytes"])
-    div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
-    df["value"] = df["bytes"] / div
-    modes = list(dict.fromkeys(df["mode"]))
-    sources = [s for s in ACTIVATION_SOURCES if s in set(df["source"])]
-    colors = [dict(zip(ACTIVATION_SOURCES, ACTIVATION_COLORS))[s] for s in sources]
-    base = alt.Chart(df).encode(
-        x=alt.X("mode:N", title="activation checkpointing", sort=modes,
-                axis=alt.Axis(labelAngle=0, labelFontSize=12)),
-        xOffset=alt.XOffset("source:N", sort=sources),
-        y=alt.Y("value:Q", title=f"bytes kept per layer ({unit})"),
-        tooltip=["mode:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
-    return alt.layer(
-        base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
-                                               scale=alt.Scale(domain=sources, range=colors))),
-        base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
-    ).properties(autosize=PAD, width=130 * len(modes), height=260,
-                 title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
+    return _bars_by_source(df, "mode", "activation checkpointing", "bytes kept per layer", 130,
+                           title, subtitle)
 
 
 # --- tensor parallel ---
@@ -710,7 +717,7 @@ TP_COMM_KINDS = {  # (layer tag, op) -> legend label, in drawing order
     ("sp-grads", "all_reduce"): "sp-grads: LayerNorm / bias / position grads summed over tp",
 }
 TP_COMM_COLORS = ["#4c78a8", "#9ecae9", "#f58518", "#ffbf79", "#54a24b", "#b279a2"]
-TP_ACTIVATION_SOURCES = ["measured", "ours (exact)", "Korthikanti et al."]
+TP_ACTIVATION_SOURCES = ACTIVATION_SOURCES  # the same three sources, per tp/SP setting
 
 
 def time_unit(max_seconds: float) -> tuple[float, str]:
@@ -767,9 +774,11 @@ def tp_weight_shards(shards: list[dict], title: str = "MLP weight shards, as the
     block = int(df["block"].iloc[0])
     m = float(df["value"].abs().max()) or 1.0
     color = alt.Color("value:Q", title="weight value", scale=alt.Scale(
-        scheme="redblue", domain=[-m, m], reverse=True))
-    tooltip = ["panel:N", alt.Tooltip("row0:Q", title="first row"), alt.Tooltip("col0:Q", title="first column"),
-               alt.Tooltip("value:Q", format=".4f", title="weight" + (" (patch mean)" if block > 1 else ""))]
+        scheme="redblue", domain=[-m, m], reverse=True), legend=alt.Legend(orient="bottom"))
+    tooltip = ["panel:N", alt.Tooltip("row0:Q", title="first row"),
+               alt.Tooltip("col0:Q", title="first column"),
+               alt.Tooltip("value:Q", format=".4f",
+                           title="weight" + (" (patch mean)" if block > 1 else ""))]
     charts = []
     for matrix, facet_dim in (("fc", "row"), ("proj", "column")):
         part = df[df["matrix"] == matrix]
@@ -778,12 +787,12 @@ def tp_weight_shards(shards: list[dict], title: str = "MLP weight shards, as the
         n = len(panels)
         rows_cells = -(-shape[0] // block) // (n if facet_dim == "row" else 1)
         cols_cells = -(-shape[1] // block) // (n if facet_dim == "column" else 1)
-        out_in = ("output features (rows of fc.weight)", "input features h") if matrix == "fc" \
-            else ("output features h (rows of proj.weight)", "input features (columns of proj.weight)")
+        out_in = ("output feature (row)", "input feature (column)")
         base = alt.Chart(part).mark_rect().encode(
             x=alt.X("col0:Q", title=out_in[1], scale=alt.Scale(zero=False, nice=False)),
             x2="col1:Q",
-            y=alt.Y("row0:Q", title=out_in[0], scale=alt.Scale(zero=False, nice=False, reverse=True)),
+            y=alt.Y("row0:Q", title=out_in[0],
+                    scale=alt.Scale(zero=False, nice=False, reverse=True)),
             y2="row1:Q", color=color, tooltip=tooltip,
         ).properties(width=cols_cells * cell_px, height=rows_cells * cell_px)
         header = alt.Header(labelAngle=0, labelAlign="left", labelFontSize=11, labelOrient="top",
@@ -792,45 +801,51 @@ def tp_weight_shards(shards: list[dict], title: str = "MLP weight shards, as the
                 if matrix == "fc" else
                 f"proj.weight [{shape[0]}, {shape[1]}], row-parallel: split by columns")
         if facet_dim == "row":
-            chart = base.facet(row=alt.Row("panel:N", sort=panels, title=name, header=header),
+            chart = base.facet(row=alt.Row("panel:N", sort=panels, title=None, header=header),
                                spacing=12).resolve_scale(y="independent")
         else:
-            chart = base.facet(column=alt.Column("panel:N", sort=panels, title=name, header=header),
+            chart = base.facet(column=alt.Column("panel:N", sort=panels, title=None, header=header),
                                spacing=12).resolve_scale(x="independent")
-        charts.append(chart)
+        charts.append(chart.properties(title=alt.TitleParams(name, fontSize=12, anchor="start")))
     sub = ([subtitle] if isinstance(subtitle, str) and subtitle else list(subtitle or []))
     if block > 1:
         sub.append(f"each cell: the mean of a {block}×{block} patch of weights")
-    return alt.hconcat(*charts, spacing=40).resolve_scale(color="shared").properties(
-        autosize=PAD, title=alt.TitleParams(title, subtitle=sub, anchor="start"))
+    # svg, not canvas: Streamlit switches to canvas above 2,000 marks unless told, and the shards'
+    # panels should stay inspectable (and testable) as SVG
+    return alt.hconcat(*charts, spacing=30).resolve_scale(color="shared").properties(
+        autosize=PAD, title=alt.TitleParams(title, subtitle=sub, anchor="start"),
+        usermeta={"embedOptions": {"renderer": "svg"}})
 
 
 def tp_comm_frame(rows: list[dict]) -> pd.DataFrame:
-    """`rows`: {run, layer, op, calls, bytes} per training step (one rank). Adds the legend label."""
+    """`rows`: {run, layer, op, calls, bytes} per step (one rank); adds the legend label."""
     df = pd.DataFrame(rows, columns=["run", "layer", "op", "calls", "bytes"])
-    df["kind"] = [TP_COMM_KINDS.get((lay, op), f"{lay}: {op}") for lay, op in zip(df["layer"], df["op"])]
+    df["kind"] = [TP_COMM_KINDS.get((lay, op), f"{lay}: {op}")
+                  for lay, op in zip(df["layer"], df["op"])]
     return df
 
 
 def tp_comm_by_layer(rows: list[dict], theory_bytes: dict[str, float],
-                     title: str = "Tensor-parallel bytes per step, by layer tag: measured vs theory",
+                     title: str = "Tensor-parallel bytes per step, by layer tag: "
+                                  "measured vs theory",
                      subtitle: str | list[str] = "") -> alt.LayerChart:
     """One stacked bar per run (e.g. SP off, SP on): the wire bytes one rank put on the tp group
     per training step, split by what sent them (the comm records' layer tag and op). The black
-    tick on each bar: `theory.tp_wire_bytes_per_step` for that run (`theory_bytes`: run -> bytes)."""
+    tick on each bar: `theory.tp_wire_bytes_per_step` of that run (`theory_bytes`: run -> bytes)."""
     df = tp_comm_frame(rows)
     runs = list(dict.fromkeys(df["run"]))
     totals = df.groupby("run", as_index=False)["bytes"].sum()
     th = pd.DataFrame([{"run": r, "bytes": float(b)} for r, b in theory_bytes.items()],
                       columns=["run", "bytes"])
-    div, unit = bytes_unit(max(totals["bytes"].max() if len(totals) else 0,
-                               th["bytes"].max() if len(th) else 0))
+    top_bytes = max(totals["bytes"].max() if len(totals) else 0,
+                    th["bytes"].max() if len(th) else 0)
+    div, unit = bytes_unit(top_bytes)
     df["value"] = df["bytes"] / div
     kinds = [k for k in TP_COMM_KINDS.values() if k in set(df["kind"])] + sorted(
         set(df["kind"]) - set(TP_COMM_KINDS.values()))
     palette = dict(zip(TP_COMM_KINDS.values(), TP_COMM_COLORS))
     y = alt.Y("run:N", title=None, sort=runs, axis=alt.Axis(labelLimit=200, labelFontSize=12))
-    top = 1.3 * max(totals["bytes"].max() if len(totals) else 0, th["bytes"].max() if len(th) else 0) / div
+    top = 1.3 * top_bytes / div
     bars = alt.Chart(df).mark_bar(height=28).encode(
         y=y, x=alt.X("value:Q", title=f"wire bytes per step, one rank ({unit})", stack="zero",
                      scale=alt.Scale(domain=[0, top or 1])),
@@ -852,8 +867,8 @@ def tp_comm_by_layer(rows: list[dict], theory_bytes: dict[str, float],
         layers.append(alt.Chart(th).mark_tick(color="black", thickness=3, size=40).encode(
             y=y, x="value:Q", tooltip=["run:N", alt.Tooltip("bytes:Q", format=",.0f",
                                                              title="theory (bytes per step)")]))
-        layers.append(alt.Chart(th).mark_text(align="left", dx=6, dy=13, fontSize=10,
-                                              color="#555").encode(y=y, x="value:Q", text="label:N"))
+        layers.append(alt.Chart(th).mark_text(align="left", dx=6, dy=13, fontSize=10, color="#555")
+                      .encode(y=y, x="value:Q", text="label:N"))
     return alt.layer(*layers).properties(
         autosize=PAD, width=520, height=70 * len(runs),
         title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
@@ -865,25 +880,10 @@ def tp_activation_bars(rows: list[dict],
     """Grouped bars per setting (e.g. tp = 1, tp = t, tp = t + SP): the bytes one transformer
     layer keeps for backward on one rank, measured (difference of live runs with L and L+1
     layers) beside this library's exact count and Korthikanti et al.'s estimate. `rows`:
-    {setting, source, bytes}, source one of TP_ACTIVATION_SOURCES."""
+    {setting, source, bytes}, source one of ACTIVATION_SOURCES."""
     df = pd.DataFrame(rows, columns=["setting", "source", "bytes"])
-    div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
-    df["value"] = df["bytes"] / div
-    settings = list(dict.fromkeys(df["setting"]))
-    sources = [s for s in TP_ACTIVATION_SOURCES if s in set(df["source"])]
-    colors = [dict(zip(TP_ACTIVATION_SOURCES, ["#4c78a8", "#9ecae9", "#bab0ac"]))[s] for s in sources]
-    base = alt.Chart(df).encode(
-        x=alt.X("setting:N", title=None, sort=settings,
-                axis=alt.Axis(labelAngle=0, labelFontSize=12, labelLimit=220)),
-        xOffset=alt.XOffset("source:N", sort=sources),
-        y=alt.Y("value:Q", title=f"activation bytes per layer, one rank ({unit})"),
-        tooltip=["setting:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
-    return alt.layer(
-        base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
-                                               scale=alt.Scale(domain=sources, range=colors))),
-        base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
-    ).properties(autosize=PAD, width=170 * len(settings), height=260,
-                 title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
+    return _bars_by_source(df, "setting", None, "activation bytes per layer, one rank", 170,
+                           title, subtitle)
 
 
 def tp_link_times(rows: list[dict], compute_s: float | None = None,
@@ -899,18 +899,22 @@ def tp_link_times(rows: list[dict], compute_s: float | None = None,
     df["label"] = df["value"].map(lambda v: f"{v:.3g} {unit}")
     links = list(dict.fromkeys(df["link"]))
     y = alt.Y("link:N", title=None, sort=links, axis=alt.Axis(labelLimit=280, labelFontSize=12))
-    x = alt.X("value:Q", title=f"time per step ({unit})", scale=alt.Scale(domain=[0, 1.25 * top / div or 1]))
+    x = alt.X("value:Q", title=f"time per step ({unit})",
+              scale=alt.Scale(domain=[0, 1.25 * top / div or 1]))
     base = alt.Chart(df).encode(y=y, x=x, tooltip=["link:N", "source:N", alt.Tooltip(
         "seconds:Q", format=".3g", title="seconds")])
+    sources = [x for x in ("predicted", "measured") if x in set(df["source"])]
+    palette = {"predicted": "#4c78a8", "measured": "#bab0ac"}
     layers = [base.mark_bar(height=18).encode(color=alt.Color(
-                  "source:N", title=None, scale=alt.Scale(domain=["predicted", "measured"],
-                                                          range=["#4c78a8", "#bab0ac"]))),
+                  "source:N", title=None,
+                  legend=alt.Legend(orient="bottom") if len(sources) > 1 else None,
+                  scale=alt.Scale(domain=sources, range=[palette[x] for x in sources]))),
               base.mark_text(align="left", dx=4, fontSize=11).encode(text="label:N")]
     if compute_s:
         rule = pd.DataFrame({"value": [compute_s / div],
                              "label": [f"compute {compute_s / div:.3g} {unit}"]})
-        layers.append(alt.Chart(rule).mark_rule(color="#e45756", strokeDash=[6, 4],
-                                                strokeWidth=2).encode(x="value:Q", tooltip=["label:N"]))
+        layers.append(alt.Chart(rule).mark_rule(color="#e45756", strokeDash=[6, 4], strokeWidth=2)
+                      .encode(x="value:Q", tooltip=["label:N"]))
         layers.append(alt.Chart(rule).mark_text(color="#e45756", align="left", dx=4, dy=-6,
                                                 baseline="bottom").encode(
             x="value:Q", y=alt.value(0), text="label:N"))

@@ -30,6 +30,9 @@ Results are cached per setting, so going back to a setting already run is instan
 - **Memory per GPU**: ZeRO stages 0–3 side by side against a GPU's capacity, from a toy model
   to 405B (theory alone for the big ones); the toys run all four stages live, and the measured
   params, grads and optimizer states equal the formula to the byte.
+- **Tensor parallel**: Megatron's column/row split drawn from each rank's real weight shards;
+  the tp traffic by layer (all-reduces, or SP's all-gathers and reduce-scatters: the same bytes)
+  equal to the formula, activations per layer with and without SP, and why TP stays inside a node.
 
 On 2 CPU cores the ranks share the cores, so wall-clock times are stretched by the OS scheduler;
 the byte counts and the losses are exact whatever the machine.
