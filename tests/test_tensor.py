@@ -100,3 +100,20 @@ def test_activation_bytes_per_layer_with_tp_and_sp(tp, sp, mode):
     one = run(RunConfig(layers=1, **shape)).ranks[0]["memory"]["activations_peak"]
     two = run(RunConfig(layers=2, **shape)).ranks[0]["memory"]["activations_peak"]
     assert two - one == theory.gpt_activation_bytes_per_layer(32, 8, 64, 4, mode, 4, tp, sp)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_comm_per_layer(sp):
+    """Each block, per micro-step: without SP 4 all-reduces (f before QKV and fc in backward, g
+    after both projections in forward); with SP each becomes an all-gather + reduce-scatter pair."""
+    from collections import Counter
+    report = run(RunConfig(tp=2, sp=sp, steps=1))
+    per_module = Counter((r["module"], r["op"]) for r in report.ranks[0]["comm"]
+                         if r["group"] == "tp" and r.get("module", "").startswith("blocks.0."))
+    if not sp:
+        assert per_module == {("blocks.0.attn.qkv", "all_reduce"): 1, ("blocks.0.mlp.fc", "all_reduce"): 1,
+                              ("blocks.0.attn.proj", "all_reduce"): 1, ("blocks.0.mlp.proj", "all_reduce"): 1}
+    else:
+        for name in ("attn.qkv", "mlp.fc", "attn.proj", "mlp.proj"):
+            assert per_module[(f"blocks.0.{name}", "all_gather")] == 1
+            assert per_module[(f"blocks.0.{name}", "reduce_scatter")] == 1

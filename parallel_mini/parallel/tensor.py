@@ -45,29 +45,29 @@ class _CopyToTP(torch.autograd.Function):
     """f: identity forward; backward sums the input-gradients of the column-parallel slices."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, module):
+        ctx.comm, ctx.module = comm, module
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        ctx.comm.all_reduce(grad, AXIS, layer="f")
-        return grad, None
+        ctx.comm.all_reduce(grad, AXIS, layer="f", module=ctx.module)
+        return grad, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """g: forward sums the row-parallel partial products; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm, module):
         x = x.contiguous()
-        comm.all_reduce(x, AXIS, layer="g")
+        comm.all_reduce(x, AXIS, layer="g", module=module)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -75,13 +75,13 @@ class _GatherSequence(torch.autograd.Function):
     reduce-scatters the gradient back to sequence shards."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _seq_all_gather(x, comm)
+    def forward(ctx, x, comm, module):
+        ctx.comm, ctx.module = comm, module
+        return _seq_all_gather(x, comm, module)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_reduce_scatter(grad, ctx.comm), None
+        return _seq_reduce_scatter(grad, ctx.comm, ctx.module), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -89,36 +89,38 @@ class _ReduceScatterSequence(torch.autograd.Function):
     backward all-gathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _seq_reduce_scatter(x, comm)
+    def forward(ctx, x, comm, module):
+        ctx.comm, ctx.module = comm, module
+        return _seq_reduce_scatter(x, comm, module)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_all_gather(grad, ctx.comm), None
+        return _seq_all_gather(grad, ctx.comm, ctx.module), None, None
 
 
-def _seq_all_gather(x, comm):  # [b, s/t, h] -> [b, s, h]
+def _seq_all_gather(x, comm, module=""):  # [b, s/t, h] -> [b, s, h]
     xt = x.transpose(0, 1).contiguous()  # sequence first: collectives concatenate along dim 0
     out = torch.empty((xt.shape[0] * comm.size(AXIS),) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    comm.all_gather(out, xt, AXIS, layer="sp")
+    comm.all_gather(out, xt, AXIS, layer="sp", module=module)
     return out.transpose(0, 1)
 
 
-def _seq_reduce_scatter(x, comm):  # [b, s, h] -> [b, s/t, h], summed over tp
+def _seq_reduce_scatter(x, comm, module=""):  # [b, s, h] -> [b, s/t, h], summed over tp
     xt = x.transpose(0, 1).contiguous()
     out = torch.empty((xt.shape[0] // comm.size(AXIS),) + xt.shape[1:], dtype=x.dtype,
                       device=x.device)
-    comm.reduce_scatter(out, xt, AXIS, layer="sp")
+    comm.reduce_scatter(out, xt, AXIS, layer="sp", module=module)
     return out.transpose(0, 1)
 
 
-def copy_to_tp(x, comm, sp=False):
-    return _GatherSequence.apply(x, comm) if sp else _CopyToTP.apply(x, comm)
+def copy_to_tp(x, comm, sp=False, module=""):
+    """`module` names the layer in the comm records (per-layer accounting)."""
+    return _GatherSequence.apply(x, comm, module) if sp else _CopyToTP.apply(x, comm, module)
 
 
-def reduce_from_tp(x, comm, sp=False):
-    return _ReduceScatterSequence.apply(x, comm) if sp else _ReduceFromTP.apply(x, comm)
+def reduce_from_tp(x, comm, sp=False, module=""):
+    return (_ReduceScatterSequence.apply(x, comm, module) if sp
+            else _ReduceFromTP.apply(x, comm, module))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,10 +144,10 @@ class ColumnParallelLinear(nn.Module):
             b = row_order(b) if b is not None else None
         self.weight = nn.Parameter(_rows(w, r, n))  # [out/tp, in]
         self.bias = nn.Parameter(_rows(b, r, n)) if b is not None else None  # [out/tp]
-        self.comm = comm
+        self.comm, self.name = comm, ""  # name: set by apply_tensor_parallel
 
     def forward(self, x):  # x: [b, s, in] (SP: [b, s/tp, in]) -> [b, s, out/tp]
-        return F.linear(copy_to_tp(x, self.comm, self.sp), self.weight, self.bias)
+        return F.linear(copy_to_tp(x, self.comm, self.sp, self.name), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -157,10 +159,10 @@ class RowParallelLinear(nn.Module):
         self.sp = sp
         self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())  # [out, in/tp]
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        self.comm = comm
+        self.comm, self.name = comm, ""  # name: set by apply_tensor_parallel
 
     def forward(self, x):  # x: [b, s, in/tp] -> [b, s, out] (SP: [b, s/tp, out])
-        y = reduce_from_tp(F.linear(x, self.weight), self.comm, self.sp)  # sum of the partials
+        y = reduce_from_tp(F.linear(x, self.weight), self.comm, self.sp, self.name)  # sum
         return y + self.bias if self.bias is not None else y  # bias once, after the sum
 
 
@@ -175,14 +177,14 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = emb.num_embeddings // n
         self.start = r * self.per_rank
         self.weight = nn.Parameter(_rows(emb.weight, r, n))  # [v/tp, h]
-        self.comm = comm
+        self.comm, self.name = comm, ""  # name: set by apply_tensor_parallel
 
     def forward(self, idx):  # idx: [b, s] -> [b, s, h] (SP: [b, s/tp, h])
         local = idx - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.comm, self.sp)
+        return reduce_from_tp(out, self.comm, self.sp, self.name)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -267,6 +269,9 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False) -> GPT:
     model.head = ColumnParallelLinear(model.head, comm, sp=sp)
     model.head_start = comm.rank(AXIS) * (model.config.vocab // n)
     model.forward = _TPHeadLoss(model, comm, sp)
+    for name, module in model.named_modules():  # each layer names itself in its comm records
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            module.name = name
     if sp:
         for p in sequence_parallel_params(model):
             p.register_hook(lambda grad: _sum_over_tp(grad, comm))
