@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from parallel_mini.comm import ring_all_reduce
-from parallel_mini.grading import check_average_gradients, check_ring_all_reduce, check_zero1_step
+import torch.nn.functional as F
+
+from parallel_mini.grading import (check_average_gradients, check_parallel_mlp,
+                                   check_ring_all_reduce, check_zero1_step)
 from parallel_mini.parallel.data import average_gradients
 
 
@@ -71,7 +74,35 @@ def zero1_all_reduce(flat_params, flat_grads, step_shard, comm):
     comm.all_gather(flat_params, flat_params[r * k:(r + 1) * k].clone(), "dp")
 
 
+def mlp_right(x, w1, b1, w2, b2, comm):
+    y = F.gelu(x @ w1.T + b1) @ w2.T
+    comm.all_reduce(y, "tp")
+    return y + b2
+
+
+def mlp_stub(x, w1, b1, w2, b2, comm):
+    raise NotImplementedError("exercise")
+
+
+def mlp_bias_on_every_rank(x, w1, b1, w2, b2, comm):
+    y = F.gelu(x @ w1.T + b1) @ w2.T + b2
+    comm.all_reduce(y, "tp")
+    return y
+
+
+def mlp_all_reduce_after_fc(x, w1, b1, w2, b2, comm):
+    h = F.gelu(x @ w1.T + b1).contiguous()
+    comm.all_reduce(h, "tp")
+    return h @ w2.T + b2
+
+
+def mlp_no_all_reduce(x, w1, b1, w2, b2, comm):
+    return F.gelu(x @ w1.T + b1) @ w2.T + b2
+
+
 @pytest.mark.parametrize("check,right,stub,wrongs", [
+    (check_parallel_mlp, mlp_right, mlp_stub,
+     [mlp_bias_on_every_rank, mlp_all_reduce_after_fc, mlp_no_all_reduce]),
     (check_ring_all_reduce, ring_all_reduce, ring_stub, [ring_without_all_gather]),
     (check_average_gradients, average_gradients, avg_stub, [avg_without_divide]),
     (check_zero1_step, zero1_right, zero1_stub,
