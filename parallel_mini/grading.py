@@ -40,6 +40,22 @@ def _last_line(err: RankError) -> str:
     return lines[-1] if lines else str(err)
 
 
+def _on_ranks(run, stub_message: str, where: str):
+    """Run the learner's code (`run()` launches the ranks). A stub still raising
+    NotImplementedError gives a "not attempted" Grade, returned instead of the result; any other
+    failure becomes an AssertionError saying where, with the failing rank's last line (an
+    AssertionError raised by a rank's own check is passed on as is)."""
+    try:
+        return run()
+    except RankError as err:
+        if _not_attempted(err):
+            return Grade("not attempted", stub_message)
+        line = _last_line(err)
+        if line.startswith("AssertionError: "):
+            raise AssertionError(line.removeprefix("AssertionError: ")) from None
+        raise AssertionError(f"{where} rank {err.rank} failed: {line}") from None
+
+
 def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grade:
     """`fn(x, comm)` must sum x in place over comm's "dp" ranks using only comm.sendrecv.
 
@@ -48,14 +64,11 @@ def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grad
     send 2(N-1) * X bytes (each step moves every chunk once)."""
     exp = None
     for n, numel in cases:
-        try:
-            exp = ring_experiment(n, numel, impl=fn, repeats=1)
-        except RankError as err:
-            if _not_attempted(err):
-                return Grade("not attempted", "ring_all_reduce still raises NotImplementedError: "
-                             "fill in the two phases, then run this cell again.")
-            raise AssertionError(f"at N={n}, numel={numel} rank {err.rank} failed: "
-                                 f"{_last_line(err)}") from None
+        exp = _on_ranks(lambda: ring_experiment(n, numel, impl=fn, repeats=1),
+                        "ring_all_reduce still raises NotImplementedError: fill in the two "
+                        "phases, then run this cell again.", f"at N={n}, numel={numel}")
+        if isinstance(exp, Grade):
+            return exp
         if not exp["int_exact"]:
             raise AssertionError(f"at N={n}, numel={numel} the result differs from "
                                  f"dist.all_reduce (integers, so it must be exact). The animation "
@@ -79,14 +92,12 @@ def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     report = None
     for n in world_sizes:
         cfg = RunConfig(dp=n, dp_mode="naive", batch=2 * n, steps=steps, reference=True)
-        try:
-            from .engine import run  # late: engine imports the launcher stack
-            report = run(cfg, average_fn=fn)
-        except RankError as err:
-            if _not_attempted(err):
-                return Grade("not attempted", "average_gradients still raises "
-                             "NotImplementedError: write it, then run this cell again.")
-            raise AssertionError(f"at dp={n} rank {err.rank} failed: {_last_line(err)}") from None
+        from .engine import run  # late: engine imports the launcher stack
+        report = _on_ranks(lambda: run(cfg, average_fn=fn),
+                           "average_gradients still raises NotImplementedError: write it, then "
+                           "run this cell again.", f"at dp={n}")
+        if isinstance(report, Grade):
+            return report
         if report.max_abs_diff > 1e-5:
             ratio = ""
             if report.losses and report.reference_losses:
@@ -243,17 +254,13 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     summary = []
     for n in world_sizes:
         cfg = RunConfig(dp=n, zero=1, batch=2 * n, steps=steps, **ZERO1_CHECK_SHAPE)
-        try:
-            per_rank = [res.value for res in run_ranks(_zero1_rank, n, cfg.to_dict(), fn,
-                                                       timeout=60.0, pg_timeout=30.0)]
-        except RankError as err:
-            if _not_attempted(err):
-                return Grade("not attempted", "zero1_step still raises NotImplementedError: "
-                             "write the three steps, then run this cell again.")
-            line = _last_line(err)
-            if line.startswith("AssertionError: "):  # the rank's own check said what is wrong
-                raise AssertionError(line.removeprefix("AssertionError: ")) from None
-            raise AssertionError(f"at dp={n} rank {err.rank} failed: {line}") from None
+        results = _on_ranks(lambda: run_ranks(_zero1_rank, n, cfg.to_dict(), fn, timeout=60.0,
+                                              pg_timeout=30.0),
+                            "zero1_step still raises NotImplementedError: write the three "
+                            "steps, then run this cell again.", f"at dp={n}")
+        if isinstance(results, Grade):
+            return results
+        per_rank = [res.value for res in results]
         losses = [sum(vals) / n for vals in zip(*(r["losses"] for r in per_rank))]
         ref_losses, ref_params = train_reference(cfg)
         diff = max_abs_diff(losses, per_rank[0]["params"], ref_losses, ref_params)
@@ -367,14 +374,13 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     summary = []
     for n in world_sizes:
         cfg = RunConfig(tp=n, d_model=h, heads=n, vocab=128)
-        try:
-            per_rank = [res.value for res in run_ranks(_parallel_mlp_rank, n, cfg.to_dict(), fn,
-                                                       timeout=60.0, pg_timeout=30.0)]
-        except RankError as err:
-            if _not_attempted(err):
-                return Grade("not attempted", "parallel_mlp still raises NotImplementedError: "
-                             "write it, then run this cell again.")
-            raise AssertionError(f"at tp={n} rank {err.rank} failed: {_last_line(err)}") from None
+        results = _on_ranks(lambda: run_ranks(_parallel_mlp_rank, n, cfg.to_dict(), fn,
+                                              timeout=60.0, pg_timeout=30.0),
+                            "parallel_mlp still raises NotImplementedError: write it, then run "
+                            "this cell again.", f"at tp={n}")
+        if isinstance(results, Grade):
+            return results
+        per_rank = [res.value for res in results]
         worst = 0.0
         for i, (x, want) in enumerate(zip(xs, full)):
             b, s = x.shape[:2]
