@@ -94,3 +94,18 @@ def fmt_rate(b: float) -> str:
         if b >= div:
             return f"{b / div:.3g} {unit}"
     return f"{b:.3g} B/s"
+
+
+TOLERANCE = 1e-5  # fp32 losses and final parameters must equal the reference within this
+
+
+def show_equality(report: dict) -> None:
+    """The "same training as one process?" row every strategy page opens with."""
+    st.subheader("Same training as one process?")
+    diff = report["max_abs_diff"]
+    m1, m2, m3 = st.columns(3)
+    m1.metric("max |run − reference| (losses, final params)", f"{diff:.2e}",
+              delta="equal within 1e-5" if diff <= TOLERANCE else "DIFFERENT",
+              delta_color="normal" if diff <= TOLERANCE else "inverse")
+    m2.metric("Final loss: this run", f"{report['losses'][-1]:.6f}")
+    m3.metric("Final loss: reference", f"{report['reference_losses'][-1]:.6f}")

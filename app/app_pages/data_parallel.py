@@ -4,11 +4,11 @@ import json
 import pandas as pd
 import streamlit as st
 
-from live_runs import fmt_bytes, fmt_count, last_result, run_live, training_run
+from live_runs import (fmt_bytes, fmt_count, last_result, run_live, show_equality,
+                        training_run)
 from parallel_mini import viz
 from parallel_mini.report import RunReport
 
-TOLERANCE = 1e-5  # fp32 losses and final parameters must equal the reference within this
 
 st.title("Data parallel")
 st.markdown("""
@@ -51,15 +51,8 @@ n = report["world_size"]
 n_params = report["theory"]["n_params"]
 measured_wire = rep.wire_bytes_per_step(0).get("dp", 0.0)
 theory_wire = report["theory"]["wire_bytes_per_step"]["dp"]
-diff = report["max_abs_diff"]
 
-st.subheader("Same training as one process?")
-m1, m2, m3 = st.columns(3)
-m1.metric("max |run − reference| (losses, final params)", f"{diff:.2e}",
-          delta="equal within 1e-5" if diff <= TOLERANCE else "DIFFERENT",
-          delta_color="normal" if diff <= TOLERANCE else "inverse")
-m2.metric("Final loss: this run", f"{report['losses'][-1]:.6f}")
-m3.metric("Final loss: reference", f"{report['reference_losses'][-1]:.6f}")
+show_equality(report)
 st.altair_chart(viz.loss_curves(report), width="content")
 
 st.subheader("Bytes on the wire")

@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from live_runs import fmt_bytes, fmt_count, last_result, run_live, training_run
+from live_runs import (TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, show_equality,
+                        training_run)
 from parallel_mini import theory, viz
 from parallel_mini.launch import run_ranks
 
-TOLERANCE = 1e-5  # fp32 losses and final parameters must equal the reference within this
 MODELS = {"4 layers × d64 × 4 heads": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
           "4 layers × d128 × 8 heads": {"layers": 4, "d_model": 128, "heads": 8, "vocab": 128}}
 STEPS = 2
@@ -240,14 +240,7 @@ def show_shards(res: dict) -> None:
 
 
 def show_correctness(run: dict) -> None:
-    st.subheader("Same training as one process?")
-    diff = run["max_abs_diff"]
-    m1, m2, m3 = st.columns(3)
-    m1.metric("max |run − reference| (losses, final params)", f"{diff:.2e}",
-              delta="equal within 1e-5" if diff <= TOLERANCE else "DIFFERENT",
-              delta_color="normal" if diff <= TOLERANCE else "inverse")
-    m2.metric("Final loss: this run", f"{run['losses'][-1]:.6f}")
-    m3.metric("Final loss: reference", f"{run['reference_losses'][-1]:.6f}")
+    show_equality(run)
 
 
 def show_comm(chosen: dict, variants: dict[str, dict]) -> None:
