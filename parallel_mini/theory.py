@@ -50,6 +50,17 @@ INTERCONNECTS = {
 }
 
 
+H100_BF16_FLOPS = 989e12  # dense bf16 peak of one H100 SXM, FLOP/s
+NVLINK_GPUS_PER_NODE = 8  # an HGX H100 node: 8 GPUs on one NVSwitch
+
+
+def matmul_time(n_params: float, tokens: float, gpus: int = 1,
+                flops: float = H100_BF16_FLOPS) -> float:
+    """Lower bound on one training step's compute per GPU: 6 FLOPs per parameter per token (2
+    forward + 4 backward; Kaplan et al., 2020), shared by `gpus`, at peak throughput."""
+    return 6 * n_params * tokens / gpus / flops
+
+
 def transfer_time(nbytes: float, link: str) -> float:
     """Seconds to move `nbytes` over `link` at its full bandwidth (a lower bound)."""
     return nbytes / INTERCONNECTS[link]

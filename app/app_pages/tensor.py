@@ -21,8 +21,7 @@ MAX_WORLD = 4  # ranks this page starts at most (they share this machine's cores
 LINKS = sorted(theory.INTERCONNECTS, key=lambda k: -theory.INTERCONNECTS[k])
 # H100 SXM, dense bf16 matmuls: the compute time at scale is a lower bound (real runs reach
 # roughly half of the peak)
-H100_BF16_FLOPS = 989e12
-NVLINK_GPUS_PER_NODE = 8  # an HGX H100 node: 8 GPUs on one NVSwitch
+H100_BF16_FLOPS, NVLINK_GPUS_PER_NODE = theory.H100_BF16_FLOPS, theory.NVLINK_GPUS_PER_NODE
 
 
 def _mlp_shards_rank(cfg_dict: dict, tokens: int = 8) -> dict:
@@ -398,7 +397,7 @@ def show_at_scale() -> None:
                           precision="bf16-mixed", tp=t_big, layers=p["layers"],
                           checkpointing="none", sp=False)
     nbytes = theory.tp_wire_bytes_per_step(cfg)
-    compute = 6 * p["n_params"] * seq_big / t_big / H100_BF16_FLOPS
+    compute = theory.matmul_time(p["n_params"], seq_big, t_big)
     rows = [{"link": f"{link} ({theory.INTERCONNECTS[link] / 1e9:g} GB/s)",
              "seconds": theory.transfer_time(nbytes, link), "source": "predicted"}
             for link in LINKS]
