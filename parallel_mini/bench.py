@@ -4,7 +4,7 @@
     python -m parallel_mini.bench ring    # (b) only
     python -m parallel_mini.bench warm    # p50/p90 of a repeated 4-rank, 2-step engine.run
     python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
-    python -m parallel_mini.bench tp      # (d) our tensor parallel vs DTensor parallelize_module
+    python -m parallel_mini.bench tp      # (d) our tensor (+ sequence) parallel vs DTensor
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -19,7 +19,9 @@
 (c) Our ZeRO-1 vs torch's ZeroRedundancyOptimizer (+DDP), our ZeRO-2 vs FSDP2 fully_shard with
     reshard_after_forward=False, our ZeRO-3 vs FSDP2 fully_shard: same model, data, Adam
     arithmetic (torch.optim.Adam with our eps for the peers), steps interleaved as in (a).
-(a), (b) and (c) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(d) Our tensor parallel, without and with sequence parallel (--sp), vs DTensor parallelize_module
+    with the plan `dtensor_tp_plan` builds (torchtitan's, SequenceParallel LayerNorms for sp).
+(a) to (d) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed.
 """
@@ -214,35 +216,77 @@ def bench_zero(dps=(2, 4), warmup: int = 3, steps: int = 10, batch: int = 16) ->
 # ---------------------------------------------------------------------------------------------
 # (d) tensor parallel: ours vs DTensor
 # ---------------------------------------------------------------------------------------------
-def _tp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-    from .parallel.tensor import apply_tensor_parallel, qkv_rows_by_rank
+def dtensor_tp_plan(cfg, sp: bool = False) -> dict:
+    """PyTorch's tensor parallel for our GPT, as a `parallelize_module` plan (rows of each block's
+    QKV weight first put in `qkv_rows_by_rank` order, so the contiguous split gives whole heads).
 
-    cfg = RunConfig.from_dict(cfg_dict)
-    n = cfg.tp
-    ours = apply_tensor_parallel(build_model(cfg), Comm(build_mesh(cfg)))
-    peer = build_model(cfg)
-    with torch.no_grad():
-        for block in peer.blocks:
-            block.attn.qkv.weight.copy_(qkv_rows_by_rank(n)(block.attn.qkv.weight))
-            block.attn.qkv.bias.copy_(qkv_rows_by_rank(n)(block.attn.qkv.bias))
+    sp=False: the blocks only; QKV and fc column-wise, the projections row-wise (all-reduce).
+    sp=True: Megatron sequence parallel as torchtitan writes it: the LayerNorms run on sequence
+    shards (`SequenceParallel`), QKV/fc all-gather them (`ColwiseParallel(input_layouts=Shard(1))`),
+    the projections reduce-scatter back (`RowwiseParallel(output_layouts=Shard(1))`), so residual
+    adds happen on [b, s/tp, h] local tensors. To start the blocks on shards, the token embedding is
+    vocabulary-split and reduce-scattered (`RowwiseParallel(output_layouts=Shard(1))`) and each
+    rank slices its own positions out of the replicated position table (Replicate -> Shard(0) of
+    [s, h], no communication; backward all-gathers the gradient). The head all-gathers the sequence
+    and is vocabulary-split, its logits gathered
+    (`ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())`, no loss_parallel)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    seq = Shard(1) if sp else Replicate()
     plan = {}
     for i in range(cfg.layers):
-        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
-                     f"blocks.{i}.attn.proj": RowwiseParallel(),
-                     f"blocks.{i}.mlp.fc": ColwiseParallel(),
-                     f"blocks.{i}.mlp.proj": RowwiseParallel()})
-    parallelize_module(peer, init_device_mesh("cpu", (n,)), plan)
-    runners = {"ours": (ours, Adam(ours.parameters(), lr=cfg.lr)),
-               "DTensor": (peer, torch.optim.Adam(peer.parameters(), lr=cfg.lr, eps=1e-5,
-                                                  foreach=False))}
+        b = f"blocks.{i}"
+        plan.update({f"{b}.attn.qkv": ColwiseParallel(input_layouts=seq),
+                     f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
+                     f"{b}.mlp.fc": ColwiseParallel(input_layouts=seq),
+                     f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq)})
+        if sp:
+            plan.update({f"{b}.ln1": SequenceParallel(), f"{b}.ln2": SequenceParallel()})
+    if sp:
+        plan.update({
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_emb": PrepareModuleOutput(output_layouts=Replicate(),
+                                           desired_output_layouts=Shard(0)),  # [s/tp, h]
+            "ln_f": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
+    return plan
+
+
+def dtensor_tp_model(cfg, sp: bool = False):
+    """A fresh model sharded with `dtensor_tp_plan` over a 1-D CPU mesh of cfg.tp ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from .parallel.tensor import qkv_rows_by_rank
+
+    model = build_model(cfg)
+    order = qkv_rows_by_rank(cfg.tp)  # so that DTensor's contiguous row split gives whole heads
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight.copy_(order(block.attn.qkv.weight))
+            block.attn.qkv.bias.copy_(order(block.attn.qkv.bias))
+    return parallelize_module(model, init_device_mesh("cpu", (cfg.tp,)), dtensor_tp_plan(cfg, sp))
+
+
+def _tp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+    from .parallel.tensor import apply_tensor_parallel
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    runners = {}
+    for sp in (False, True):
+        c = cfg.replace(sp=sp)
+        ours = apply_tensor_parallel(build_model(c), Comm(build_mesh(c)), sp=sp)
+        peer = dtensor_tp_model(c, sp)
+        runners[("ours", sp)] = (ours, Adam(ours.parameters(), lr=c.lr))
+        runners[("DTensor", sp)] = (peer, torch.optim.Adam(peer.parameters(), lr=c.lr, eps=1e-5,
+                                                           foreach=False))
     names = list(runners)
     times = {k: [] for k in names}
     for i in range(warmup + steps):
         x, y = global_batch(cfg, i)
-        for name in names[i % 2:] + names[:i % 2]:
+        for name in names[i % len(names):] + names[:i % len(names)]:  # no runner always first
             model, opt = runners[name]
             dist.barrier()
             t0 = time.perf_counter()
@@ -252,7 +296,13 @@ def _tp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
             dt = _slowest_rank(time.perf_counter() - t0)
             if i >= warmup:
                 times[name].append(dt)
-    return times
+    return {f"{who} sp={sp}": t for (who, sp), t in times.items()}
+
+
+TP_NOTES = {False: "ours also splits the vocabulary (embedding, head, loss); the DTensor plan "
+                   "shards the blocks only",
+            True: "both split the vocabulary of the embedding and head; ours also the loss "
+                  "(DTensor gathers the logits)"}
 
 
 def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
@@ -262,10 +312,11 @@ def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
         times = run_ranks(_tp_rank, n, cfg.to_dict(), warmup, steps, timeout=600,
                           backend="gloo")[0].value
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append({"tp": n, "ours_ms": 1e3 * med["ours"], "dtensor_ms": 1e3 * med["DTensor"],
-                     "ours_over_dtensor": med["ours"] / med["DTensor"], "steps_measured": steps,
-                     "note": "ours also splits the vocabulary (embedding, head, loss); the "
-                             "DTensor plan shards the blocks only"})
+        for sp in (False, True):
+            ours, peer = med[f"ours sp={sp}"], med[f"DTensor sp={sp}"]
+            rows.append({"tp": n, "sp": sp, "ours_ms": 1e3 * ours, "dtensor_ms": 1e3 * peer,
+                         "ours_over_dtensor": ours / peer, "steps_measured": steps,
+                         "note": TP_NOTES[sp]})
     return rows
 
 
@@ -372,11 +423,13 @@ def _print_zero(rows):
 
 
 def _print_tp(rows):
-    print(f"(d) tensor parallel step time, median of {rows[0]['steps_measured']} steps "
-          f"(slowest rank); {rows[0]['note']}")
-    print(_table(["tp", "ours ms", "DTensor ms", "ours/DTensor"],
-                 [[r["tp"], f"{r['ours_ms']:.1f}", f"{r['dtensor_ms']:.1f}",
-                   f"{r['ours_over_dtensor']:.2f}"] for r in rows]))
+    print(f"(d) tensor parallel (sp: with sequence parallel) step time, median of "
+          f"{rows[0]['steps_measured']} steps (slowest rank)")
+    for sp, note in TP_NOTES.items():
+        print(f"    sp={'yes' if sp else 'no'}: {note}")
+    print(_table(["tp", "sp", "ours ms", "DTensor ms", "ours/DTensor"],
+                 [[r["tp"], "yes" if r.get("sp") else "no", f"{r['ours_ms']:.1f}",
+                   f"{r['dtensor_ms']:.1f}", f"{r['ours_over_dtensor']:.2f}"] for r in rows]))
 
 
 def _print_warm(w):

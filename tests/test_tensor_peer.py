@@ -1,34 +1,36 @@
 """Our tensor parallel against PyTorch's: DTensor parallelize_module with ColwiseParallel /
 RowwiseParallel on the same tiny GPT's blocks (QKV and fc column-wise, the projections row-wise),
-same data and Adam arithmetic, at tp=2. Both must equal the single-process reference."""
+same data and Adam arithmetic, at tp=2; and our sequence parallel (--sp) against the same plan with
+SequenceParallel LayerNorms and the sequence gathered / reduce-scattered around the matmuls
+(torchtitan's plan, `bench.dtensor_tp_plan`). Both must equal the single-process reference."""
+import pytest
+from torch.distributed.tensor import Shard
+
 from parallel_mini.config import RunConfig
 from parallel_mini.engine import run
 from parallel_mini.launch import run_ranks
 
 
-def _dtensor_rank(cfg_dict):
+def _dtensor_rank(cfg_dict, sp=False):
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor import DTensor
+    from parallel_mini.bench import dtensor_tp_model
     from parallel_mini.config import RunConfig
     from parallel_mini.data import global_batch
-    from parallel_mini.model import build_model
-    from parallel_mini.parallel.tensor import qkv_rows_by_rank
 
     cfg = RunConfig.from_dict(cfg_dict)
     n = cfg.tp
-    model = build_model(cfg)
-    order = qkv_rows_by_rank(n)  # so that DTensor's contiguous row split gives whole heads
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.qkv.weight.copy_(order(block.attn.qkv.weight))
-            block.attn.qkv.bias.copy_(order(block.attn.qkv.bias))
-    plan = {}
-    for i in range(cfg.layers):
-        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(), f"blocks.{i}.attn.proj": RowwiseParallel(),
-                     f"blocks.{i}.mlp.fc": ColwiseParallel(), f"blocks.{i}.mlp.proj": RowwiseParallel()})
-    parallelize_module(model, init_device_mesh("cpu", (n,)), plan)
+    model = dtensor_tp_model(cfg, sp)
+    seen = {}  # what flows between blocks, and what the LayerNorm hands to QKV (first step)
+
+    def block_input(module, args):
+        seen.setdefault("block_input", (isinstance(args[0], DTensor), tuple(args[0].shape)))
+
+    def ln1_output(module, args, out):
+        seen.setdefault("ln1_out", tuple(out.placements) if isinstance(out, DTensor) else None)
+
+    model.blocks[1].register_forward_pre_hook(block_input)
+    model.blocks[1].ln1.register_forward_hook(ln1_output)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, eps=1e-5, foreach=False)
     losses = []
     for step in range(cfg.steps):
@@ -46,17 +48,33 @@ def _dtensor_rank(cfg_dict):
             blocks = full.split(per, dim=0)
             full = torch.cat([torch.cat(blocks[i::3]) for i in range(3)])
         params[name] = full.detach().clone()
-    return losses, params
+    return losses, params, seen
 
 
-def test_dtensor_peer_agrees():
+def _agree(cfg):
     from parallel_mini.reference import train_reference
 
-    cfg = RunConfig(tp=2, steps=3)
-    losses, params = run_ranks(_dtensor_rank, 2, cfg.to_dict())[0].value
+    losses, params, seen = run_ranks(_dtensor_rank, cfg.tp, cfg.to_dict(), cfg.sp)[0].value
     ref_losses, ref_params = train_reference(cfg)
     ours = run(cfg.replace(reference=True))
-    assert ours.max_abs_diff <= 1e-5
+    assert ours.max_abs_diff <= 1e-5, ours.max_abs_diff_detail
+    assert set(params) == set(ref_params)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
     assert max((params[k] - ref_params[k]).abs().max().item() for k in ref_params) <= 1e-5
     assert max(abs(a - b) for a, b in zip(losses, ours.losses)) <= 1e-5
+    return seen
+
+
+def test_dtensor_peer_agrees():
+    seen = _agree(RunConfig(tp=2, steps=3))
+    assert seen["block_input"] == (False, (8, 32, 64))  # plain TP: the whole sequence everywhere
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_dtensor_sequence_parallel_peer_agrees(tp):
+    cfg = RunConfig(tp=tp, sp=True, steps=3)
+    seen = _agree(cfg)
+    # between blocks the residual stream is this rank's sequence shard [b, s/tp, h] (a local
+    # tensor, as torchtitan's plan leaves it), and the LayerNorm ran on Shard(1) DTensors
+    assert seen["block_input"] == (False, (cfg.batch, cfg.seq // tp, cfg.d_model))
+    assert seen["ln1_out"] == (Shard(1),)
