@@ -182,13 +182,6 @@ def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "
     return {"params": b * q // n, "grads": b * q // n, "optimizer": o * q // n}
 
 
-def dp_wire_bytes_per_step(grad_bytes: int, dp: int) -> int:
-    """Data parallel moves every gradient once per optimizer step: 2(N-1)/N * gradient bytes,
-    whatever the bucketing (buckets only change *when* bytes move) and however many micro-steps
-    are accumulated (only the last one syncs)."""
-    return wire_bytes("all_reduce", grad_bytes, dp)
-
-
 def zero_wire_bytes_per_step(zero: int, n_params: int, precision: str, n: int,
                              unit_sizes: list[int], grad_accum: int = 1) -> float:
     """ZeRO-1/2: reduce-scatter + all-gather of the padded flat buffer = 2(N-1)/N * Psi, as DP.
@@ -215,9 +208,22 @@ def hybrid_replica_wire_bytes(zero: int, n_params: int, precision: str, shard: i
 
 
 def run_theory(cfg, n_params: int) -> dict:
-    """The predictions for one RunConfig, as they go into the run report."""
+    """The predictions for one RunConfig, as they go into the run report. With pipeline stages the
+    ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
+    if cfg.pp > 1:
+        return _pipeline_theory(cfg)
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp)
-    n_params = sum(units)  # what one rank holds: all of it, or its tensor-parallel slices
+    out = _rank_theory(cfg, units)
+    micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
+    if cfg.tp > 1:
+        out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg)
+    return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers), **out,
+            "activations_per_layer": _activations_per_layer(cfg, micro)}
+
+
+def _rank_theory(cfg, units: list[int]) -> dict:
+    """Model states and data-parallel traffic of one rank holding `units` (parameters per unit)."""
+    n_params = sum(units)  # what one rank holds: all of it, its tensor-parallel slices, its stage
     shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp  # ZeRO's shard group size
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
                                cfg.offload, cfg.fp32_grad_accum)
@@ -238,24 +244,36 @@ def run_theory(cfg, n_params: int) -> dict:
         if cfg.offload:  # gradient slice to the host, updated parameter slice back, every step
             slice_bytes = BYTES_PER_PARAM[cfg.precision] * padded(n_params, shard) // shard
             wire["pcie"] = 2 * slice_bytes
-    micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
+    wire = {g: (b if cfg.dp > 1 or g == "pcie" else 0) for g, b in wire.items()}
+    return {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
+            "wire_bytes_per_step": wire}
+
+
+def _activations_per_layer(cfg, micro: int) -> dict:
     elem = BYTES_PER_PARAM[cfg.precision]  # activations are kept in the compute precision
-    if cfg.tp > 1:
-        wire["tp"] = tp_wire_bytes_per_step(cfg)
-    return {
-        "n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers),
-        "n_params_per_rank": n_params,
-        "padding_elements": padding,
-        "memory": states,
-        "activations_per_layer": {
-            "ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
+    return {"ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
                                                    cfg.checkpointing, elem, cfg.tp, cfg.sp),
             "korthikanti": activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
-                                                      cfg.checkpointing, tp=cfg.tp, sp=cfg.sp),
-        },
-        "wire_bytes_per_step": {g: (b if cfg.dp > 1 or g in ("pcie", "tp") else 0)
-                                for g, b in wire.items()},
-    }
+                                                      cfg.checkpointing, tp=cfg.tp, sp=cfg.sp)}
+
+
+def _pipeline_theory(cfg) -> dict:
+    from .parallel.schedules import build_schedule, in_flight  # pure Python, no torch
+
+    schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    micro = cfg.batch // (cfg.dp * cfg.microbatches)  # sequences per micro-batch
+    boundary = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]  # [b, s, h]
+    stages = []
+    for r in range(cfg.pp):
+        units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r)
+        stage = _rank_theory(cfg, units)
+        stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
+            schedule.owner, r, cfg.microbatches, boundary)
+        stage["microbatches_in_flight"] = in_flight(schedule)[r]
+        stages.append(stage)
+    return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers), **stages[0],
+            "stages": stages, "activations_per_layer": _activations_per_layer(cfg, micro),
+            "bubble": bubble_fraction(cfg.schedule, cfg.pp, cfg.microbatches, schedule.virtual)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,14 +336,94 @@ GPU_MEMORY_GB = {"24 GB (RTX 4090)": 24, "40 GB (A100 40G)": 40, "80 GB (A100/H1
                  "141 GB (H200)": 141}
 
 
+def model_parallel_params(n_params: int, tp: int = 1, pp: int = 1) -> int:
+    """Parameters on one GPU after tensor and pipeline parallel split the model, before ZeRO:
+    Psi/(tp*pp), rounded up to a whole parameter. An approximation: it ignores that one pipeline
+    stage holds the embeddings (and another the LM head), so stages are not equal, and that under
+    TP the LayerNorms and row-parallel biases stay whole on every rank (gpt_unit_sizes counts our
+    GPT exactly)."""
+    return -(-n_params // (tp * pp))
+
+
 def memory_per_gpu(n_params: int, gpus: int, zero: int, precision: str = "bf16-mixed",
                    optimizer: str = "adam", layers: int = 0, d_model: int = 0, heads: int = 1,
                    seq: int = 0, micro_batch: int = 0, checkpointing: str = "none",
-                   offload: bool = False) -> dict:
-    """Bytes per GPU by category for a big model (theory only): model states per ZeRO stage plus
-    activations (Korthikanti's count, all layers on this GPU, no TP/PP yet)."""
-    states = model_state_bytes(n_params, optimizer, precision, zero, gpus, offload=offload and zero in (1, 2))
+                   offload: bool = False, tp: int = 1, pp: int = 1, sp: bool = False) -> dict:
+    """Bytes per GPU by category for a big model (theory only) on N = `gpus` data-parallel ranks
+    x tp x pp GPUs in all.
+
+    Model states: TP and PP divide the parameters first, Psi/(tp*pp) per GPU (model_parallel_params:
+    an approximation that ignores which pipeline stage holds the embeddings and LM head, and the
+    LayerNorm / bias parameters TP replicates), then ZeRO shards what is left over the N
+    data-parallel ranks (model_state_bytes at that stage).
+    Activations (Korthikanti et al., 2022): L x activation_bytes_per_layer(s, b, h, a, tp, sp), i.e.
+    sbh(34 + 5as/h) at tp = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP + SP.
+    PP does not change them under 1F1B: the first stage keeps p micro-batches in flight, each
+    through its L/p layers, i.e. L layers' worth of one micro-batch whatever p (their section
+    4.2.3); the other stages hold less. ZeRO does not shard activations."""
+    states = model_state_bytes(model_parallel_params(n_params, tp, pp), optimizer, precision, zero,
+                               gpus, offload=offload and zero in (1, 2))
     states.pop("host", None)
-    acts = layers * activation_bytes_per_layer(seq, micro_batch, d_model, heads, checkpointing) \
+    acts = layers * activation_bytes_per_layer(seq, micro_batch, d_model, heads, checkpointing,
+                                               tp=tp, sp=sp) \
         if layers and seq and micro_batch else 0
     return {**states, "activations": acts}
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline parallel
+# ---------------------------------------------------------------------------------------------
+def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | None = None) -> float:
+    """Share of the pipeline's time a rank computes nothing, stages balanced, transfers free.
+
+    naive (one micro-batch in the pipe): (p-1)/p.
+    gpipe and 1f1b: (p-1)(F+B) idle beside m(F+B) busy: (p-1)/(m+p-1).
+    interleaved, v chunks per rank each 1/v of the work: (p-1)/(v*m + p-1)
+      (Narayanan et al. give (p-1)/(v*m) relative to the busy time; this is the same bubble as a
+      share of the total).
+    zb (ZB-H1, Qi et al., 2024): (p-1)(F+B-W) idle beside m(F+B+W) busy, with the op costs F, B, W
+      given in `costs` (default: equal, which gives (p-1)/(3m+p-1), a third of 1F1B's bubble)."""
+    p = pp
+    if p == 1:
+        return 0.0
+    if schedule == "naive":
+        return (p - 1) / p
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zb":
+        c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+        idle = max(0.0, (p - 1) * (c["F"] + c["B"] - c["W"]))
+        return idle / (idle + m * (c["F"] + c["B"] + c["W"]))
+    raise ValueError(f"no bubble formula for schedule {schedule!r}")
+
+
+def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner: list[int],
+                         rank: int) -> list[int]:
+    """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
+    layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
+    one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier."""
+    units = gpt_unit_sizes(vocab, seq, d_model, layers)
+    embeddings, blocks, head = units[:2], units[2:2 + layers], units[2 + layers:]
+    n_chunks, per = len(owner), layers // len(owner)
+    mine = []
+    for c in range(n_chunks):
+        if owner[c] != rank:
+            continue
+        mine += (embeddings if c == 0 else []) + blocks[c * per:(c + 1) * per]
+        mine += head if c == n_chunks - 1 else []
+    return mine
+
+
+def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int) -> int:
+    """Bytes this rank sends per step: each micro-batch's activation [b, s, h] forward out of every
+    chunk whose successor lives elsewhere, and its gradient backward out of every chunk whose
+    predecessor does. Point to point: what is sent is the payload itself."""
+    sends = 0
+    for c, r in enumerate(owner):
+        if r != rank:
+            continue
+        sends += c + 1 < len(owner) and owner[c + 1] != rank
+        sends += c > 0 and owner[c - 1] != rank
+    return sends * m * boundary_bytes

@@ -1,7 +1,9 @@
 """The "Memory per GPU" page, driven headless with AppTest: the seed's ZeRO row for 7B on 8 GPUs,
-the fits / does-not-fit verdict against the GPU's capacity, and a live toy run at all four ZeRO
-stages whose measured model states equal the formula to the byte. Expected numbers are computed
-here by hand (bytes per parameter x parameters / N), not read back from the library."""
+the fits / does-not-fit verdict against the GPU's capacity, a live toy run at all four ZeRO
+stages whose measured model states equal the formula to the byte, the same with tensor + sequence
+parallel (each rank's TP slices sharded by ZeRO), and the pipeline degree (theory: model states
+/ PP; live: refused with a note until the pipeline lands). Expected numbers are computed here by
+hand (bytes per parameter x parameters / N), not read back from the library."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +17,9 @@ STAGES = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
 # the default toy ("toy: 4 layers x d64", vocab 128, seq 32): v*h + s*h + L(12h^2 + 13h) + 2h + h*v
 H, V, S, L = 64, 128, 32, 4
 TOY_PARAMS = V * H + S * H + L * (12 * H * H + 13 * H) + 2 * H + H * V
+# one rank's parameters at tp = 2: vocabulary tables, the blocks' matrices and column-parallel
+# biases halved; position embeddings, LayerNorms and row-parallel biases (6h per block) whole
+TOY_TP2_PARAMS = V * H // 2 + S * H + L * ((12 * H * H + 7 * H) // 2 + 6 * H) + 2 * H + H * V // 2
 
 
 @pytest.fixture(autouse=True)
@@ -51,10 +56,12 @@ def test_memory_page_renders_with_theory_bars_and_a_run_live_button():
         4 * TOY_PARAMS, 4 * TOY_PARAMS, 8 * TOY_PARAMS)
     assert by["ZeRO-3", "params"] + by["ZeRO-3", "grads"] + by["ZeRO-3", "optimizer"] == 8 * TOY_PARAMS
     assert {r["stage"] for r in bars} == set(STAGES)
-    # the TP and PP degrees are there, disabled, with the reason
-    tp_pp = [w for w in at.number_input if "parallel degree" in w.label]
-    assert len(tp_pp) == 2 and all(w.disabled for w in tp_pp)
-    assert any("arrives with tensor/pipeline parallel" in c.value for c in at.caption)
+    # the TP and PP degrees are there, enabled, at 1; SP waits for TP > 1
+    tp_pp = [w for w in at.radio if "parallel degree" in w.label]
+    assert [(w.value, list(w.options), w.disabled) for w in tp_pp] == [
+        (1, ["1", "2", "4", "8"], False)] * 2
+    assert _widget(at.checkbox, "Sequence parallel").disabled
+    assert any("**2 GPU(s)** = N × TP × PP = 2 × 1 × 1" in m.value for m in at.markdown)
 
 
 def test_seed_row_7b_on_8_gpus_bf16_adam():
@@ -173,6 +180,109 @@ def test_live_offload_puts_the_optimizer_on_the_host_to_the_byte():
         assert live[stage, "optimizer", "measured"] == 0
     assert ("ZeRO-0", "host", "measured") not in live  # offload applies to stages 1-2 only
     assert "equal to the byte" in at.success[0].value
+
+
+def _stage_bars(at) -> dict[tuple[str, str], float]:
+    bars = _rows_with(_chart(at, "Memory per GPU by ZeRO stage"), "category")
+    return {(r["stage"], r["category"]): r["bytes"] for r in bars}
+
+
+def test_live_tp2_with_sp_shards_each_ranks_slices_to_the_byte_and_shrinks_activations():
+    at = _page()
+    _set(at, "select_slider", "GPUs", 1)
+    _set(at, "radio", "Precision", "fp32")
+    _set(at, "radio", "Optimizer", "adam")
+    at.button[0].click().run()  # TP = 1 on one rank (the per-rank micro-batch is N-independent)
+    _assert_clean(at)
+    acts_tp1 = {s: _live(at)[s, "activations", "measured"] for s in STAGES}
+    korthikanti_tp1 = L * S * 4 * H * (34 + 5 * 4 * S / H)  # sbh(34 + 5as/h), b = 4, a = 4
+    assert _stage_bars(at)["ZeRO-0", "activations"] == korthikanti_tp1
+
+    _set(at, "select_slider", "GPUs", 2)
+    _set(at, "radio", "Tensor parallel", 2)
+    _set(at, "checkbox", "Sequence parallel", True)
+    assert any("runs live here on 4 rank(s) (N × TP × PP = 2 × 2 × 1)" in i.value for i in at.info)
+    # Korthikanti with TP + SP: (sbh/t)(34 + 5as/h), half of TP = 1
+    korthikanti_sp = L * S * 4 * H / 2 * (34 + 5 * 4 * S / H)
+    assert _stage_bars(at)["ZeRO-0", "activations"] == korthikanti_sp == korthikanti_tp1 / 2
+    at.button[0].click().run()
+    _assert_clean(at)
+
+    p = TOY_TP2_PARAMS  # 111,104; every unit of a rank is even: no padding at N = 2
+    expected = {"ZeRO-0": (4 * p, 4 * p, 8 * p), "ZeRO-1": (4 * p, 4 * p, 8 * p // 2),
+                "ZeRO-2": (4 * p, 4 * p // 2, 8 * p // 2), "ZeRO-3": (4 * p // 2, 4 * p // 2, 8 * p // 2)}
+    live = _live(at)
+    bars = _stage_bars(at)
+    for stage, want in expected.items():
+        for cat, b in zip(("params", "grads", "optimizer"), want):
+            assert live[stage, cat, "measured"] == live[stage, cat, "predicted"] == b, (stage, cat)
+            assert bars[stage, cat] == b  # the theory bars above predict the run exactly
+        assert live[stage, "activations", "predicted"] == korthikanti_sp
+        # each rank keeps its heads' and its sequence shard's activations: well under TP = 1's
+        assert 0 < live[stage, "activations", "measured"] < 0.6 * acts_tp1[stage], stage
+    assert "equal to the byte" in at.success[0].value
+    table = at.dataframe[0].value
+    assert list(table["every rank the same"]) == ["yes"] * 4  # all 4 ranks (2 dp x 2 tp)
+    for cat in ("params", "grads", "optimizer"):
+        assert list(table[f"{cat}: measured − predicted (B)"]) == [0, 0, 0, 0]
+
+
+def test_pp_and_tp_divide_a_big_presets_model_states_and_pp_keeps_its_activations():
+    at = _page()
+    _set(at, "selectbox", "Model", "7B")
+    _set(at, "select_slider", "GPUs", 8)
+    _set(at, "radio", "Precision", "bf16-mixed")
+    _set(at, "radio", "Optimizer", "adam")
+    before = _stage_bars(at)
+    acts = 32 * 2048 * 1 * 4096 * (34 + 5 * 32 * 2048 / 4096)  # 30.6 GB, micro-batch 1
+    assert before["ZeRO-0", "activations"] == acts
+
+    _set(at, "radio", "Pipeline parallel", 2)
+    after = _stage_bars(at)
+    half = 3.5e9  # Ψ/PP parameters per GPU, then ZeRO over N = 8
+    assert [after[f"ZeRO-{k}", "params"] + after[f"ZeRO-{k}", "grads"]
+            + after[f"ZeRO-{k}", "optimizer"] for k in range(4)] == [
+        16 * half, 4 * half + 12 * half / 8, 2 * half + 14 * half / 8, 16 * half / 8]
+    for k in range(4):
+        for cat in ("params", "grads", "optimizer"):
+            assert after[f"ZeRO-{k}", cat] == before[f"ZeRO-{k}", cat] / 2
+        assert after[f"ZeRO-{k}", "activations"] == acts  # 1F1B: stage 0 holds L layers' worth
+    assert [_metric_of(at, k).value for k in range(4)] == ["56 GB", "19.25 GB", "13.12 GB", "7 GB"]
+    assert _metric_of(at, 0).proto.delta == f"does not fit ({(56e9 + acts) / 1e9:.4g} GB)"
+    assert any("**16 GPU(s)** = N × TP × PP = 8 × 1 × 2" in m.value for m in at.markdown)
+
+    # TP = 2 on top: states / 4; activations sbh(10 + 24/t + 5as/(ht)) = 62 sbh, SP: 57 sbh
+    _set(at, "radio", "Tensor parallel", 2)
+    both = _stage_bars(at)
+    assert both["ZeRO-3", "params"] == 2 * 7e9 / 4 / 8
+    sbh = 2048 * 4096
+    assert both["ZeRO-3", "activations"] == 32 * sbh * (10 + 24 / 2 + 80 / 2)
+    _set(at, "checkbox", "Sequence parallel", True)
+    assert _stage_bars(at)["ZeRO-3", "activations"] == 32 * sbh / 2 * (34 + 80)
+    assert any("**32 GPU(s)** = N × TP × PP = 8 × 2 × 2" in m.value for m in at.markdown)
+
+
+def test_layouts_that_cannot_run_live_on_a_toy_show_theory_and_why():
+    at = _page()
+    _set(at, "radio", "Pipeline parallel", 2)
+    assert not at.button  # nothing to press: the bars are theory
+    assert [c["spec"]["title"]["text"] for c in _charts(at)] == ["Memory per GPU by ZeRO stage (theory)"]
+    notes = [i.value for i in at.info
+             if "live runs with pp arrive with the pipeline page" in i.value.lower()]
+    assert len(notes) == 2  # in the model's box and under "Live"
+    # Ψ/PP per GPU (218,496 / 2), then ZeRO-0 over N = 2: fp32 Adam, 16 bytes each
+    bars = _stage_bars(at)
+    assert (bars["ZeRO-0", "params"], bars["ZeRO-0", "optimizer"]) == (
+        4 * TOY_PARAMS // 2, 8 * TOY_PARAMS // 2)
+    # TP = 8 cannot split the toy's 4 heads: RunConfig's own message says so
+    _set(at, "radio", "Pipeline parallel", 1)
+    _set(at, "radio", "Tensor parallel", 8)
+    assert not at.button
+    assert any("--heads 4: tensor parallel splits the heads over --tp 8" in i.value for i in at.info)
+    # N = 2 x TP = 4 = 8 ranks: more than this machine runs live
+    _set(at, "radio", "Tensor parallel", 4)
+    assert not at.button
+    assert any("at most 4 ranks on this machine, and N × TP × PP = 8" in i.value for i in at.info)
 
 
 def test_failed_live_run_shows_one_line_error(monkeypatch):

@@ -1,6 +1,7 @@
 """Memory per GPU: ZeRO stages 0-3 side by side against a GPU's capacity (theory, any model size),
-and for the toy models a live run of all four stages whose measured bytes are drawn beside the
-prediction."""
+with tensor (TP, optionally + SP) and pipeline (PP) parallel degrees on top of the N data-parallel
+ranks, and for the toy models a live run of all four stages whose measured bytes are drawn beside
+the prediction (when the layout runs live here: one place, `why_not_live`, decides)."""
 import json
 
 import pandas as pd
@@ -8,11 +9,14 @@ import streamlit as st
 
 from live_runs import fmt_bytes, last_result, run_live, training_run
 from parallel_mini import theory, viz
+from parallel_mini.config import ConfigError, RunConfig
 
 TOYS = {"toy: 4 layers × d64": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
         "toy: 8 layers × d128": {"layers": 8, "d_model": 128, "heads": 4, "vocab": 128}}
 CUSTOM = "custom size (billions of parameters)"
 LIVE_GPUS = (1, 2, 4)
+MAX_LIVE_RANKS = max(LIVE_GPUS)  # N x TP x PP ranks share this machine's cores
+DEGREES = [1, 2, 4, 8]  # TP and PP
 STAGES = [0, 1, 2, 3]
 STATE_CATS = ["params", "grads", "optimizer", "host"]  # model states: must equal theory exactly
 
@@ -25,6 +29,10 @@ Plain data parallel (ZeRO-0) replicates all of it on each of N GPUs. ZeRO (Rajbh
 2020) shards it: **stage 1** the optimizer states, **stage 2** also the gradients, **stage 3**
 also the parameters (gathered layer by layer when needed). ZeRO-Offload moves the sharded
 optimizer (with its fp32 master copy) to CPU RAM. Activations are not sharded by ZeRO.
+**Tensor parallel** (TP = t) splits every layer's matrices over t GPUs and **pipeline parallel**
+(PP = p) gives each of p GPUs L/p of the layers: together they divide the model states by t·p
+*before* ZeRO shards them over the N data-parallel ranks (N·t·p GPUs in all). TP also divides most
+activations by t (all of them with sequence parallel, SP); PP with the 1F1B schedule does not.
 """)
 
 c1, c2, c3, c4 = st.columns(4)
@@ -64,17 +72,72 @@ offload = c4.checkbox("Offload optimizer to CPU (ZeRO-Offload)",
                            "2021), as parallel_mini implements it, offloads the sharded optimizer "
                            "of stages 1-2. ZeRO-3's offload (ZeRO-Infinity) is not modelled; "
                            "ZeRO-0 and ZeRO-3 are drawn without offload.")
-c4.number_input("Tensor parallel degree (TP)", 1, 8, 1, disabled=True)
-c4.number_input("Pipeline parallel degree (PP)", 1, 8, 1, disabled=True)
-c4.caption("TP and PP: arrives with tensor/pipeline parallel (they divide the model states and "
-           "activations once more).")
+tp = c4.radio("Tensor parallel degree (TP)", DEGREES, index=0, horizontal=True,
+              help="Megatron TP: each layer's matrices split over TP GPUs (model states / TP, "
+                   "activations mostly / TP).")
+sp = c4.checkbox("Sequence parallel (SP)", value=False, disabled=tp == 1,
+                 help="Megatron SP, on top of TP: LayerNorms and dropout work on sequence "
+                      "shards, so every activation is divided by TP. Needs TP > 1.")
+sp = sp and tp > 1
+pp = c4.radio("Pipeline parallel degree (PP)", DEGREES, index=0, horizontal=True,
+              help="Each GPU holds L/PP of the layers (model states / PP). Under 1F1B the first "
+                   "stage keeps PP micro-batches in flight: activations stay L layers' worth.")
+world = gpus * tp * pp
+c4.markdown(f"**{world:,} GPU(s)** = N × TP × PP = {gpus} × {tp} × {pp}")
 
+# exact_counts: our GPT counted per TP rank (gpt_unit_sizes), what a live run holds; with PP > 1
+# (or a big model) the split is approximated as Ψ/(TP·PP) by theory.memory_per_gpu
+exact_counts = toy and pp == 1
 if toy:
     n_params = theory.gpt_param_count(shape["vocab"], seq, shape["d_model"], shape["layers"])
-    units = theory.gpt_unit_sizes(shape["vocab"], seq, shape["d_model"], shape["layers"])
+    units = theory.gpt_unit_sizes(shape["vocab"], seq, shape["d_model"], shape["layers"], tp)
 else:
     n_params, units = shape["n_params"], None
-live_possible = toy and gpus in LIVE_GPUS
+# parameters on one GPU before ZeRO: all of them at TP = PP = 1
+n_rank = sum(units) if exact_counts else theory.model_parallel_params(n_params, tp, pp)
+
+# the live runs: one RunConfig per ZeRO stage, the same layout (N x TP x PP) for all four. With
+# PP, PP micro-batches per step (1F1B's stage 0 then holds PP of them, as the theory assumes),
+# each of the page's micro-batch size.
+pipe = {"pp": pp, "microbatches": pp} if pp > 1 else {}
+configs = [{"dp": gpus, "tp": tp, "sp": sp, **pipe, "zero": k, "precision": precision,
+            "optimizer": optimizer, "checkpointing": checkpointing,
+            "batch": micro_batch * gpus * pp, "seq": seq, "steps": 2,
+            "offload": offload and k in (1, 2), "layers": shape["layers"],
+            "d_model": shape["d_model"], "heads": shape["heads"], "vocab": shape["vocab"]}
+           for k in STAGES] if toy else []
+
+
+def first_config_error(cfgs: list[dict]) -> ConfigError | None:
+    try:
+        for cfg in cfgs:
+            RunConfig.from_dict(cfg)
+    except ConfigError as err:
+        return err
+    return None
+
+
+def why_not_live() -> str | None:
+    """The one place that decides whether this layout runs live here: None when it does, else the
+    reason, one line. RunConfig's own validation speaks first (pipeline parallel is refused until
+    the pipeline lands: then PP > 1 runs live with no change here), then this machine's rank cap."""
+    if not toy:
+        return "theory only: the model is far beyond what runs on this machine"
+    err = first_config_error(configs)
+    if err is not None:
+        without_pp = [{k: v for k, v in cfg.items() if k not in pipe} | {"batch": cfg["batch"] // pp}
+                      for cfg in configs]
+        if pp > 1 and first_config_error(without_pp) is None:  # PP alone is what RunConfig refuses
+            return f"live runs with PP arrive with the pipeline page (`{err}`)"
+        return f"this layout does not run live: `{err}`"
+    if world > MAX_LIVE_RANKS:
+        return (f"live runs take at most {MAX_LIVE_RANKS} ranks on this machine, and N × TP × PP "
+                f"= {world}")
+    return None
+
+
+not_live = why_not_live()
+live_possible = not_live is None
 
 
 def size_text(b: float) -> str:
@@ -88,32 +151,42 @@ def size_text(b: float) -> str:
 def predicted(zero: int) -> dict:
     """Bytes per GPU by category at one ZeRO stage (host = ZeRO-Offload's bytes in CPU RAM)."""
     off = offload and zero in (1, 2)
-    states = theory.model_state_bytes(n_params, optimizer, precision, zero, gpus, units, off)
+    if not exact_counts:  # theory.memory_per_gpu: Ψ/(TP·PP), then ZeRO over N (as the lessons)
+        host = theory.model_state_bytes(n_rank, optimizer, precision, zero, gpus, None, off)
+        return {**theory.memory_per_gpu(n_params, gpus, zero, precision, optimizer,
+                                        shape["layers"], shape["d_model"], shape["heads"], seq,
+                                        micro_batch, checkpointing, off, tp=tp, pp=pp, sp=sp),
+                **({"host": host["host"]} if off else {})}
+    # a toy without PP: exact per TP rank (padded ZeRO shards), as run_theory predicts a live run
+    states = theory.model_state_bytes(n_rank, optimizer, precision, zero, gpus, units, off)
     per_layer = theory.activation_bytes_per_layer(seq, micro_batch, shape["d_model"],
-                                                  shape["heads"], checkpointing)
-    if not toy:  # the theory-only rows: theory.memory_per_gpu, as the lessons quote it
-        states = {**theory.memory_per_gpu(n_params, gpus, zero, precision, optimizer,
-                                          shape["layers"], shape["d_model"], shape["heads"], seq,
-                                          micro_batch, checkpointing, off),
-                  **({"host": states["host"]} if off else {})}
-        return states
+                                                  shape["heads"], checkpointing, tp=tp, sp=sp)
     return {**states, "activations": shape["layers"] * per_layer}
 
 
 pred = {k: predicted(k) for k in STAGES}
 stage_name = {k: f"ZeRO-{k}" + (" + offload" if offload and k in (1, 2) else "") for k in STAGES}
 
+split = ""
+if tp * pp > 1:
+    how = ("exactly, per TP rank: LayerNorms, position embeddings and row-parallel biases stay "
+           "whole on every rank (`theory.gpt_unit_sizes`)" if exact_counts else
+           "approximately, Ψ/(TP·PP): which stage holds the embeddings and the parameters TP "
+           "replicates are ignored (`theory.model_parallel_params`)")
+    split = f" TP × PP = {tp} × {pp} leaves **{n_rank:,}** parameters per GPU, {how}."
 if toy:
-    where = (f"runs live here on {gpus} rank(s): press **Run live** below" if live_possible else
-             f"live runs take 1, 2 or 4 GPUs on this machine: with {gpus} GPUs the bars below "
-             f"come from theory alone")
-    st.info(f"**{model}**: Ψ = {n_params:,} parameters; {where}.")
+    where = (f"runs live here on {world} rank(s) (N × TP × PP = {gpus} × {tp} × {pp}): press "
+             f"**Run live** below" if live_possible else
+             f"{not_live}; the bars below come from theory alone")
+    st.info(f"**{model}**: Ψ = {n_params:,} parameters; {where}.{split}")
 else:
     st.info(f"**Theory only**: a {n_params / 1e9:g}B-parameter model cannot run on this machine. "
             f"Every number below comes from `parallel_mini.theory` (`model_state_bytes`, "
-            f"`memory_per_gpu`, Korthikanti's activation count); nothing here was measured.")
+            f"`memory_per_gpu`, Korthikanti's activation count); nothing here was measured.{split}")
 
-st.subheader(f"Predicted: all four ZeRO stages on {gpus} GPU(s)")
+layout = (f"N = {gpus} data-parallel rank(s)" if tp * pp == 1 else
+          f"N {gpus} × TP {tp}{' (SP)' if sp else ''} × PP {pp} = {world:,} GPUs")
+st.subheader(f"Predicted: all four ZeRO stages, {layout}")
 states_total = {k: sum(v for c, v in pred[k].items() if c in ("params", "grads", "optimizer"))
                 for k in STAGES}
 gpu_total = {k: sum(v for c, v in pred[k].items() if c != "host") for k in STAGES}
@@ -134,7 +207,13 @@ for k, col in zip(STAGES, cols):
 rows = [{"stage": stage_name[k], "category": c, "bytes": float(v)}
         for k in STAGES for c, v in pred[k].items()]
 subtitle = [f"{model}, Ψ = {n_params:,}, {precision}, {optimizer}, micro-batch {micro_batch} × "
-            f"{seq} tokens, checkpointing {checkpointing}; activations: Korthikanti et al. (2022)"]
+            f"{seq} tokens, checkpointing {checkpointing}; activations: Korthikanti et al. (2022)",
+            f"N {gpus} (ZeRO shards over these) × TP {tp}{' (SP)' if sp else ''} × PP {pp} = "
+            f"{world:,} GPUs; bytes per GPU"
+            + (f"; {n_rank:,} parameters per GPU ("
+               + ("exact per TP rank" if exact_counts else "Ψ/(TP·PP)") + "), then ZeRO"
+               if tp * pp > 1 else "")
+            + ("; PP under 1F1B: stage 0 holds L layers' activations" if pp > 1 else "")]
 if toy:
     subtitle.append(f"capacity {capacity_label} is far off this scale: a toy always fits")
 st.altair_chart(viz.memory_stages(
@@ -159,22 +238,26 @@ with st.expander("The formulas"):
              r"\frac{(2b+o)\Psi}{N}")
     st.latex(r"\text{activations per layer (Korthikanti): } sbh\left(34 + \frac{5as}{h}\right)"
              r"\ \text{(none)},\quad 34\,sbh\ \text{(selective)},\quad 2\,sbh\ \text{(full)}")
+    st.markdown("With TP = t and PP = p the parameters per GPU are Ψ/(t·p) before ZeRO (Ψ → "
+                "Ψ/(t·p) above; for the toys without PP, the exact count per TP rank), and N is "
+                "the data-parallel degree: N·t·p GPUs in all. Activations per layer with TP "
+                "(Korthikanti et al., 2022):")
+    st.latex(r"\text{TP: } sbh\left(10 + \frac{24}{t} + \frac{5as}{ht}\right) \qquad "
+             r"\text{TP + SP: } \frac{sbh}{t}\left(34 + \frac{5as}{h}\right)")
+    st.markdown("PP with 1F1B: stage 0 holds p micro-batches in flight, each through L/p layers: "
+                "L layers' worth of one micro-batch whatever p (Korthikanti et al., §4.2.3). "
+                "So activations per GPU = L × the per-layer count, with or without PP.")
 
 if not toy:
     st.stop()
 st.subheader("Live: measured vs predicted")
 if not live_possible:
-    st.info(f"Live runs take 1, 2 or 4 GPUs on this machine; choose one of those to measure "
-            f"(now {gpus}).")
+    st.info(f"{not_live[0].upper()}{not_live[1:]}: the bars above are theory alone.")
     st.stop()
 
-key = {"model": model, "gpus": gpus, "precision": precision, "optimizer": optimizer,
-       "checkpointing": checkpointing, "micro_batch": micro_batch, "seq": seq, "offload": offload}
-configs = [{"dp": gpus, "zero": k, "precision": precision, "optimizer": optimizer,
-            "checkpointing": checkpointing, "batch": micro_batch * gpus, "seq": seq, "steps": 2,
-            "offload": offload and k in (1, 2), "layers": shape["layers"],
-            "d_model": shape["d_model"], "heads": shape["heads"], "vocab": shape["vocab"]}
-           for k in STAGES]
+key = {"model": model, "gpus": gpus, "tp": tp, "sp": sp, "pp": pp, "precision": precision,
+       "optimizer": optimizer, "checkpointing": checkpointing, "micro_batch": micro_batch,
+       "seq": seq, "offload": offload}
 
 
 def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
@@ -184,7 +267,8 @@ def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
     bar = st.progress(0.0, text="starting the ranks…")
     out = []
     for i, cfg in enumerate(cfgs):
-        bar.progress(i / len(cfgs), text=f"ZeRO-{cfg['zero']}: training on {cfg['dp']} rank(s)…")
+        ranks = cfg["dp"] * cfg["tp"] * cfg.get("pp", 1)
+        bar.progress(i / len(cfgs), text=f"ZeRO-{cfg['zero']}: training on {ranks} rank(s)…")
         rep = training_run(json.dumps(cfg, sort_keys=True), attempt)
         out.append({"config": rep["config"], "theory": rep["theory"],
                     "ranks": [{"rank": r["rank"], "memory": r["memory"]} for r in rep["ranks"]]})
@@ -194,8 +278,8 @@ def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
 
 fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
 if st.button("Run live", type="primary"):
-    run_live("memory", key, f"Training ZeRO-0, 1, 2 and 3 on {gpus} rank(s)…", four_stages,
-             json.dumps(configs), fresh=fresh)
+    run_live("memory", key, f"Training ZeRO-0, 1, 2 and 3 on {world} rank(s) ({layout})…",
+             four_stages, json.dumps(configs), fresh=fresh)
 
 runs, current = last_result("memory", key)
 if runs is None:
@@ -205,8 +289,9 @@ if runs is None:
 if not current:
     c = runs[0]["config"]
     st.warning(f"The settings changed: press **Run live**. Below: the last run (dp = {c['dp']}, "
-               f"{c['layers']} layers × d{c['d_model']}, {c['precision']}, {c['optimizer']}, "
-               f"checkpointing {c['checkpointing']}).")
+               f"tp = {c['tp']}{' + sp' if c['sp'] else ''}, {c['layers']} layers × "
+               f"d{c['d_model']}, {c['precision']}, {c['optimizer']}, checkpointing "
+               f"{c['checkpointing']}).")
 
 live_rows, peaks, table = [], [], []
 for run in runs:
@@ -214,8 +299,9 @@ for run in runs:
     k = c["zero"]
     name = f"ZeRO-{k}" + (" + offload" if c["offload"] else "")
     mine = run["ranks"][0]["memory"]  # rank 0; every rank is checked for equal model states below
-    korthikanti = c["layers"] * theory.activation_bytes_per_layer(
-        c["seq"], c["batch"] // c["dp"], c["d_model"], c["heads"], c["checkpointing"])
+    # the run report's own theory (run_theory): model states exact per rank (its TP slices, padded
+    # ZeRO shards), Korthikanti per layer with this run's tp and sp
+    korthikanti = c["layers"] * run["theory"]["activations_per_layer"]["korthikanti"]
     want = {**run["theory"]["memory"], "activations": korthikanti}
     got = {**{cat: mine[cat] for cat in run["theory"]["memory"]},
            "transient": mine["transient"], "activations": mine["activations_peak"]}
@@ -237,12 +323,14 @@ for run in runs:
                 "total live peak (B)": mine["total_peak"]})
     table.append(row)
 
+c0 = runs[0]["config"]
 diffs = [v for row in table for col, v in row.items() if "measured − predicted" in col]
 exact = all(v == 0 for v in diffs) and all(r["every rank the same"] == "yes" for r in table)
 st.altair_chart(viz.memory_measured_vs_theory(
     live_rows, peaks,
-    subtitle=[f"{runs[0]['config']['dp']} rank(s), rank 0 shown; predicted model states: "
-              f"theory.model_state_bytes (padded shards); predicted activations: Korthikanti",
+    subtitle=[f"dp {c0['dp']} × tp {c0['tp']}{' + sp' if c0['sp'] else ''} = "
+              f"{c0['dp'] * c0['tp']} rank(s), rank 0 shown; predicted: the run report's theory "
+              f"(model states per rank, padded shards; activations: Korthikanti)",
               "transient: comm buffers (ZeRO-0's gradient buckets, ZeRO-3's gathered layer), not "
               "in the formula",
               "tick: measured peak of all live bytes at once; the categories peak at different "
@@ -271,7 +359,8 @@ act_bytes = 4 if runs[0]["config"]["precision"] == "fp32" else 2
 same_acts = len({r["activations: measured peak (B)"] for r in table}) == 1
 st.markdown(f"""
 **Why the activations differ from Korthikanti's count.** The formula counts a Megatron layer with
-16-bit activations and dropout: s·b·h·(34 + 5as/h) bytes per layer. Our toy keeps its activations
+16-bit activations and dropout: s·b·h·(34 + 5as/h) bytes per layer (with TP and SP divided as in
+*The formulas* above). Our toy keeps its activations
 in the compute dtype ({act_bytes}-byte, {runs[0]['config']['precision']}), has no dropout (so no
 masks), and the meter counts exactly what forward leaves alive for backward in the whole model,
 including the embeddings, the final LayerNorm, the logits and the loss, which the per-layer formula
