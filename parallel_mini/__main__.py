@@ -43,9 +43,12 @@ def _parser() -> argparse.ArgumentParser:
                              if f.name == "reference" else None)
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
-            run.add_argument(flag, type=typ, default=f.default, help=_HELP.get(f.name))
+            default = None if f.name == "layers" else f.default  # None: see _default_layers
+            run.add_argument(flag, type=typ, default=default, help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
+    run.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every op "
+                     "and transfer (open in ui.perfetto.dev or chrome://tracing)")
     return ap
 
 
@@ -59,15 +62,34 @@ def _summary(report) -> str:
     for group, pred in predicted.items():
         lines.append(f"wire bytes/step on {group}: measured {measured.get(group, 0):,.0f}  "
                      f"theory {pred:,.0f}")
+    if "bubble" in report.extra:
+        b = report.extra["bubble"]
+        lines.append(f"bubble: measured {b['measured']:.1%} (own-device replay; wall clock "
+                     f"{b['measured_wall']:.1%})  theory {b['theory']:.1%}")
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
     return "\n".join(lines)
+
+
+def _default_layers(values: dict) -> int:
+    """RunConfig's 4 layers, or, when the pipeline needs more chunks than that (interleaved over
+    4 stages: 8 chunks), the fewest layers that give every chunk one block, said on stderr."""
+    layers = RunConfig.layers
+    if values["pp"] > 1:
+        from .parallel.schedules import virtual_stages
+        chunks = values["pp"] * virtual_stages(values["schedule"], values["virtual_stages"])
+        if layers % chunks:
+            layers = chunks * -(-layers // chunks)
+            print(f"note: --layers {layers} ({values['pp']} stages x {chunks // values['pp']} "
+                  f"chunks need a multiple of {chunks}; give --layers to choose)", file=sys.stderr)
+    return layers
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
+    values["layers"] = values["layers"] or _default_layers(values)
     try:
         cfg = RunConfig(**values, extra={"progress": args.progress}).validate()
     except ConfigError as e:
@@ -85,6 +107,9 @@ def main(argv=None) -> int:
         import torch.distributed as dist
         if dist.get_rank() != 0:
             return 0
+    if args.trace:
+        from .trace import write_chrome_trace
+        write_chrome_trace(report, args.trace)
     if args.json == "-":
         print(report.to_json())
     elif args.json:

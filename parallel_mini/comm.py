@@ -28,7 +28,10 @@ class _Handle:
 
     def __init__(self, work, record: dict):
         self.work, self.record = work, record
-        fut = work.get_future() if hasattr(work, "get_future") else None
+        try:
+            fut = work.get_future()
+        except (AttributeError, RuntimeError):  # gloo's point-to-point work has no future
+            fut = None
         if fut is not None:
             fut.then(self._done)
 
@@ -158,6 +161,24 @@ class Comm:
                              "numel": send.numel(), "bytes": rec["payload_bytes"],
                              "start": rec["start"], "end": rec["end"],
                              "peek": _peek(send), **log})
+
+
+    def isend(self, tensor: torch.Tensor, dst: int, axis: str, **tags):
+        """Start sending `tensor` to axis-rank `dst`; returns a handle to wait on before the tensor
+        may be reused. A pipeline stage sends and goes on computing (its receiver pulls)."""
+        rec = self._record("send", axis, tensor, tensor.numel(), theory.wire_bytes(
+            "send", tensor.numel() * tensor.element_size(), self.size(axis)), peer=dst,
+            async_op=True, **tags)
+        cpu0 = time.thread_time()
+        work = dist.isend(tensor, self.mesh.global_rank(axis, dst), group=self.mesh.groups[axis])
+        return self._finish(rec, work, True, cpu0)
+
+    def recv(self, tensor: torch.Tensor, src: int, axis: str, **tags) -> None:
+        """Receive into `tensor` from axis-rank `src`, blocking: the time spent here is waiting."""
+        rec = self._record("recv", axis, tensor, tensor.numel(), 0, peer=src, **tags)
+        cpu0 = time.thread_time()
+        dist.recv(tensor, self.mesh.global_rank(axis, src), group=self.mesh.groups[axis])
+        self._finish(rec, None, False, cpu0)
 
 
 class _Done:

@@ -28,8 +28,7 @@ CHOICES = {
 FSDP_STRATEGIES = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
 # Knobs that the run contract already names but whose topic has not landed yet: refused with a
 # message saying so, instead of being silently ignored.
-NOT_YET = {"pp": "pipeline parallel (issue #5)",
-           "cp": "context parallel", "ep": "expert parallel"}
+NOT_YET = {"cp": "context parallel", "ep": "expert parallel"}
 
 
 @dataclass
@@ -50,9 +49,10 @@ class RunConfig:
     offload: bool = False  # ZeRO-Offload: optimizer states and master weights in host memory
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
     sp: bool = False  # Megatron sequence parallel on top of tensor parallel
-    # pipeline (validated when the topic lands)
+    # pipeline
     schedule: str = "1f1b"
-    microbatches: int = 4
+    microbatches: int = 4  # per step and data-parallel rank, with --pp > 1
+    virtual_stages: int = 0  # model chunks per pipeline rank; 0 = 2 for interleaved, else 1
     # model
     layers: int = 4
     d_model: int = 64
@@ -150,6 +150,8 @@ class RunConfig:
             k = self.dp * self.grad_accum
             raise ConfigError(f"--batch {self.batch}: must be divisible by dp x grad-accum = {k} "
                               f"so every rank gets equal micro-batches; try --batch {k * max(1, self.batch // k)}")
+        if self.pp > 1:
+            self._validate_pipeline()
         if self.sp and self.tp == 1:
             raise ConfigError("--sp: sequence parallelism splits the sequence over the tensor-"
                               "parallel ranks; it needs --tp 2 or more")
@@ -174,6 +176,46 @@ class RunConfig:
             raise ConfigError("the model or run is far beyond toy scale for local ranks: keep "
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
         return self
+
+
+    def _validate_pipeline(self) -> None:
+        from .parallel.schedules import virtual_stages
+        v = virtual_stages(self.schedule, self.virtual_stages)
+        if self.virtual_stages < 0:
+            raise ConfigError(f"--virtual-stages {self.virtual_stages}: must be >= 1 (or 0 for the "
+                              f"schedule's default)")
+        if v > 1 and self.schedule != "interleaved":
+            raise ConfigError(f"--virtual-stages {v}: several model chunks per rank need "
+                              f"--schedule interleaved ({self.schedule} runs one chunk per rank)")
+        chunks = self.pp * v
+        if self.layers % chunks:
+            raise ConfigError(f"--layers {self.layers}: {self.pp} stages x {v} chunks each need a "
+                              f"multiple of {chunks} layers; try --layers {chunks * max(1, self.layers // chunks)}")
+        if self.batch % (self.dp * self.microbatches):
+            k = self.dp * self.microbatches
+            raise ConfigError(f"--batch {self.batch}: must be divisible by dp x microbatches = {k} "
+                              f"(equal micro-batches on every stage); try --batch {k * max(1, self.batch // k)}")
+        if self.schedule in ("interleaved", "zb") and self.microbatches < self.pp:
+            raise ConfigError(f"--microbatches {self.microbatches}: {self.schedule} needs at least "
+                              f"as many micro-batches as stages (--pp {self.pp}) to fill the pipeline")
+        if self.schedule == "interleaved" and self.microbatches % self.pp:
+            raise ConfigError(f"--microbatches {self.microbatches}: interleaved sends micro-batches "
+                              f"through the chunks in groups of --pp {self.pp}; use a multiple of {self.pp}")
+        if self.grad_accum != 1:
+            raise ConfigError("--grad-accum: with --pp > 1 the pipeline's --microbatches already "
+                              "accumulate gradients; leave --grad-accum at 1")
+        if self.extra.get("ops"):  # a schedule written out op by op (an exercise's)
+            from .parallel.schedules import for_config
+            try:
+                for_config(self)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"the schedule's ops: {e}") from None
+        for name, value, why in (("tp", self.tp > 1, "tensor parallel inside pipeline stages"),
+                                 ("zero", self.zero > 0, "ZeRO over pipeline stages"),
+                                 ("fp32-grad-accum", self.fp32_grad_accum, "fp32 gradient buffers")):
+            if value:
+                raise ConfigError(f"--{name} with --pp {self.pp}: {why} is not available yet in "
+                                  f"this version; use one of them at a time")
 
 
 def _flag(name: str) -> str:

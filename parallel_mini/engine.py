@@ -23,6 +23,8 @@ from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.data import DataParallel, accumulate_grads_in_fp32
+from .parallel.pipeline import PipelineRunner, gather_stage_parameters
+from .parallel.schedules import for_config
 from .parallel.recompute import apply_checkpointing, backward
 from .parallel.tensor import apply_tensor_parallel, gather_full_parameters
 from .parallel.zero import ZeroDataParallel
@@ -105,6 +107,31 @@ def _train_step(cfg, step, model, strategy, act, timeline, mesh, recompute) -> f
     return _mean_over_dp(step_loss, mesh)
 
 
+def _pipeline_step(cfg, step, runner, strategy, timeline, mesh) -> float:
+    """One step through the pipeline: the schedule's ops over m micro-batches, then (after the
+    flush) gradient sync over dp and the optimizer step, as in _train_step."""
+    local = shard(global_batch(cfg, step), mesh.local_rank("dp"), mesh.size("dp"))  # [b/dp, s] x 2
+    m = cfg.microbatches
+    micro = [shard(local, i, m) for i in range(m)]  # m x ([b/(dp*m), s] x 2)
+    strategy.zero_grad()
+    with strategy.sync(False):  # gradients accumulate over the micro-batches ...
+        loss = runner.run(step, [x.to(rank_device()) for x, _ in micro],
+                          [y.to(rank_device()) for _, y in micro])
+    with timeline.op("grad_sync", step):  # ... and are averaged over dp after the flush
+        strategy.finish_gradient_sync()
+    with timeline.op("optimizer", step):
+        strategy.step()
+    return _mean_over_dp(_from_last_stage(loss, runner, mesh), mesh)
+
+
+def _from_last_stage(value: float, runner, mesh) -> float:
+    """The loss is known where the last chunk runs; a metric, so not a recorded collective."""
+    t = torch.tensor([value], dtype=torch.float64, device=rank_device())
+    src = mesh.global_rank("pp", runner.schedule.owner[-1])
+    dist.broadcast(t, src, group=mesh.groups["pp"])
+    return t.item()
+
+
 def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> dict:
     """Runs on every rank. `init_seed_offset` (tests) makes ranks initialise differently, to show
     that the start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
@@ -116,9 +143,14 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)
     recompute = apply_checkpointing(model, cfg.checkpointing)
     apply_tensor_parallel(model, comm, cfg.sp)  # TP first, then data parallel over the shards
-    strategy = parallelize(model, comm, cfg, average_fn)
     live = LiveBytes()
     act = ActivationMeter(live)
+    runner = None
+    if cfg.pp > 1:  # keeps this rank's stage only; data parallel then runs over its parameters
+        runner = PipelineRunner(model, comm, for_config(cfg), timeline, live)
+    strategy = parallelize(model, comm, cfg, average_fn)
+    if runner is not None:
+        runner.state_tensors = lambda: [t for ts in strategy.state_tensors().values() for t in ts]
 
     losses = []
     dist.barrier()  # line the ranks up so their timelines share a start
@@ -132,18 +164,22 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
             states = strategy.state_tensors()
             live.add_existing(states["params"] + states["optimizer"] + _buffers(strategy))
         with live if metered else nullcontext():
-            losses.append(_train_step(cfg, step, model, strategy, act, timeline, mesh, recompute))
+            if runner is None:
+                losses.append(_train_step(cfg, step, model, strategy, act, timeline, mesh, recompute))
+            else:
+                losses.append(_pipeline_step(cfg, step, runner, strategy, timeline, mesh))
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     wall = time.perf_counter() - t_start
 
     memory = model_state_bytes(strategy.state_tensors())
     memory["transient"] = _transient_bytes(strategy)
-    memory["activations_peak"] = act.peak
+    memory["activations_peak"] = act.peak if runner is None else runner.peak_held
     memory["total_peak"] = live.peak
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     full = gather_full_parameters(model, full, comm)  # and over tp: slices -> whole weights
+    full = gather_stage_parameters(full, mesh)  # and over pp: stages -> the whole model
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),

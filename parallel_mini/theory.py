@@ -258,9 +258,9 @@ def _activations_per_layer(cfg, micro: int) -> dict:
 
 
 def _pipeline_theory(cfg) -> dict:
-    from .parallel.schedules import build_schedule, in_flight  # pure Python, no torch
+    from .parallel.schedules import for_config, in_flight  # pure Python, no torch
 
-    schedule = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    schedule = for_config(cfg)
     micro = cfg.batch // (cfg.dp * cfg.microbatches)  # sequences per micro-batch
     boundary = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]  # [b, s, h]
     stages = []

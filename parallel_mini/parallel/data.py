@@ -166,6 +166,10 @@ class DataParallel:
                 f"needs every rank to reduce the same gradients; pass find_unused_parameters=True "
                 f"or freeze them (requires_grad=False).")
         used_here = [p.grad is not None for p in self.params]
+        if self.mode == "bucketed":  # accumulated under sync(False) only (a pipeline's flush):
+            for p in self.params:  # its buckets start now, without overlap
+                if p.grad is not None and p not in self._bucket_of[p].ready:
+                    self._on_grad_ready(p)
         for p in unused:
             p.grad = torch.zeros_like(p)  # contributes zero where this rank did not use it
             if self.mode == "bucketed":

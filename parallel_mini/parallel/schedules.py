@@ -166,6 +166,18 @@ def build_schedule(name: str, pp: int, m: int, v: int = 0) -> Schedule:
     return schedule
 
 
+def for_config(cfg) -> Schedule:
+    """The schedule a RunConfig (or its dict) asks for: by name, or written out op by op in
+    cfg.extra["ops"] (one list per rank of [kind, micro-batch] pairs, one chunk per rank), which is
+    how an exercise runs a learner's own order on real ranks."""
+    get = cfg.get if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    ops = (get("extra") or {}).get("ops")
+    if ops:
+        return from_ops([[Op(k, int(i), r) for k, i in rank_ops] for r, rank_ops in enumerate(ops)],
+                        get("microbatches"), get("schedule"))
+    return build_schedule(get("schedule"), get("pp"), get("microbatches"), get("virtual_stages"))
+
+
 def from_ops(ops: list[list[Op]], m: int, name: str = "custom") -> Schedule:
     """A schedule written by hand (one chunk per rank): checked like the built-in ones."""
     schedule = Schedule(name, len(ops), m, 1, list(range(len(ops))), ops)

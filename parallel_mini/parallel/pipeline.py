@@ -1,0 +1,289 @@
+"""Pipeline parallelism: the model cut into stages along its depth, micro-batches flowing through.
+
+Read parallel/schedules.py first: a schedule says, for each rank, which forward (F), backward (B)
+and weight-gradient (W) ops to run in which order. This file is the one runner for all of them:
+1. `partition` keeps on this rank only the chunks the schedule gives it (blocks
+   [c L/n, (c+1) L/n) of chunk c; the embeddings go with chunk 0, the final LayerNorm, LM head and
+   loss with the last chunk, as in Megatron-LM). Names stay those of the full model.
+2. `PipelineRunner.run` executes the rank's ops. F receives its input (the previous chunk's output
+   [b, s, h], or token ids on chunk 0), runs the chunk, and sends the output on. B receives the
+   output's gradient, runs autograd through the chunk and sends the input's gradient back.
+3. Messages between neighbours are matched by order, not by tags: both sides read the same schedule,
+   so the receiver knows the order in which its neighbour will send (`Mailbox`). Sends never block
+   (isend); a receive blocks, and the time it blocks is the bubble, recorded as a "wait" event.
+4. Zero-bubble schedules split B: every Linear's weight gradient X^T dY is queued during B and
+   computed by W (`WeightGradStore`, after Qi et al., 2024); all other gradients are cheap and are
+   computed in B.
+Gradients accumulate over the micro-batches (each loss is divided by m), so after the flush every
+parameter's .grad equals the whole batch's: the optimizer step is the single-process one.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..comm import Comm
+from ..meters import tensors_bytes
+from .schedules import Op, Schedule
+
+AXIS = "pp"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. stages
+# ---------------------------------------------------------------------------------------------
+def chunk_layers(chunk: int, n_chunks: int, layers: int) -> range:
+    per = layers // n_chunks
+    return range(chunk * per, (chunk + 1) * per)
+
+
+def partition(model, schedule: Schedule, rank: int) -> list[int]:
+    """Drop every module this rank's chunks do not use (in place); returns the chunks it holds."""
+    mine = schedule.chunks_of(rank)
+    n, layers = schedule.n_chunks, len(model.blocks)
+    kept = {i for c in mine for i in chunk_layers(c, n, layers)}
+    for i in range(layers):
+        if i not in kept:
+            model.blocks[i] = nn.Identity()  # keeps the indices, hence the parameter names
+    if 0 not in mine:
+        model.tok_emb = model.pos_emb = None
+    if n - 1 not in mine:
+        model.ln_f = model.head = None
+    return mine
+
+
+def forward_chunk(model, chunk: int, n_chunks: int, x: torch.Tensor, targets=None):
+    """The part of GPT.forward that chunk `chunk` owns: the same ops, so the same numbers."""
+    if chunk == 0:  # x: token ids [b, s]
+        pos = torch.arange(x.shape[1], device=x.device)
+        x = model.tok_emb(x) + model.pos_emb(pos)  # [b, s, h]
+    for i in chunk_layers(chunk, n_chunks, len(model.blocks)):
+        x = model.blocks[i](x)  # [b, s, h]
+    if chunk < n_chunks - 1:
+        return x
+    logits = model.head(model.ln_f(x))  # [b, s, v]
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. split backward (zero bubble): weight gradients on demand
+# ---------------------------------------------------------------------------------------------
+class WeightGradStore:
+    """What W needs: for each (micro-batch, chunk), the inputs X and output gradients dY of its
+    Linear layers. B fills it; W empties it into the weights' .grad."""
+
+    def __init__(self):
+        self.key = None  # the (micro-batch, chunk) whose B is running
+        self.pending: dict[tuple, list] = {}
+
+    @contextmanager
+    def collecting(self, key):
+        self.key = key
+        try:
+            yield
+        finally:
+            self.key = None
+
+    def put(self, linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        self.pending.setdefault(self.key, []).append((linear, x, grad_out))
+
+    def held_bytes(self) -> int:
+        return tensors_bytes(t for items in self.pending.values() for _, x, g in items for t in (x, g))
+
+    def compute(self, key) -> None:
+        for linear, x, grad_out in self.pending.pop(key):
+            x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+            _accumulate(linear.weight, g2.t() @ x2)  # [out, in]
+            if linear.bias is not None:
+                _accumulate(linear.bias, g2.sum(0))  # [out]
+
+
+def _accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = grad
+    else:
+        p.grad += grad
+
+
+class _LinearInputGradOnly(torch.autograd.Function):
+    """y = x W^T + b whose backward returns only dX = dY W and leaves dW, db to the store."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, linear, store):
+        ctx.save_for_backward(x, weight)
+        ctx.linear, ctx.store = linear, store
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out: [..., out]
+        x, weight = ctx.saved_tensors
+        ctx.store.put(ctx.linear, x, grad_out)
+        return grad_out @ weight, None, None, None, None  # dX: [..., in]
+
+
+def split_weight_gradients(model, store: WeightGradStore) -> None:
+    """Route every Linear of the (partitioned) model through `_LinearInputGradOnly`."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.forward = (lambda x, m=module: _LinearInputGradOnly.apply(
+                x, m.weight, m.bias, m, store))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. messages between stages
+# ---------------------------------------------------------------------------------------------
+class Mailbox:
+    """Point-to-point messages of one step, matched by the order each neighbour sends them in.
+
+    A message is ("act", micro-batch, chunk) going forward into `chunk`, or ("grad", micro-batch,
+    chunk) going backward into it. From the schedule every rank derives the sequence of messages
+    each neighbour will send it, and receives them in that order, keeping early ones in `inbox`
+    until their op runs. Messages between two chunks on the same rank are handed over in memory."""
+
+    def __init__(self, comm: Comm, schedule: Schedule, rank: int, shape, dtype, device):
+        self.comm, self.rank, self.shape, self.dtype, self.device = comm, rank, shape, dtype, device
+        self.owner = schedule.owner
+        self.expected = {src: deque(self._sent_by(schedule, src)) for src in range(schedule.pp)
+                         if src != rank}
+        self.inbox: dict[tuple, torch.Tensor] = {}
+        self.sends: list = []
+
+    def _sent_by(self, schedule: Schedule, src: int):
+        """The messages `src` sends to this rank, in its order."""
+        last = schedule.n_chunks - 1
+        for op in schedule.ops[src]:
+            c = op.chunk
+            if op.kind == "F" and c < last and self.owner[c + 1] == self.rank:
+                yield ("act", op.microbatch, c + 1)
+            elif op.kind == "B" and c > 0 and self.owner[c - 1] == self.rank:
+                yield ("grad", op.microbatch, c - 1)
+
+    def send(self, key: tuple, tensor: torch.Tensor, step: int) -> None:
+        kind, micro, chunk = key
+        dst = self.owner[chunk]
+        if dst == self.rank:
+            self.inbox[key] = tensor
+            return
+        tensor = tensor.contiguous()
+        self.sends.append((self.comm.isend(tensor, dst, AXIS, message=kind, microbatch=micro,
+                                           chunk=chunk), tensor))
+
+    def receive(self, key: tuple, step: int) -> torch.Tensor:
+        kind, micro, chunk = key
+        src = self.owner[chunk - 1] if kind == "act" else self.owner[chunk + 1]
+        while key not in self.inbox:
+            if src == self.rank or not self.expected[src]:
+                raise RuntimeError(f"rank {self.rank} waits for {key} that no schedule op sends")
+            next_key = self.expected[src].popleft()
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.comm.recv(buf, src, AXIS, message=next_key[0], microbatch=next_key[1],
+                           chunk=next_key[2])
+            self.inbox[next_key] = buf
+        return self.inbox.pop(key)
+
+    def finish(self) -> None:
+        for handle, _ in self.sends:
+            handle.wait()
+        self.sends.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. the runner
+# ---------------------------------------------------------------------------------------------
+class PipelineRunner:
+    """Runs one rank's ops of `schedule` for each training step."""
+
+    def __init__(self, model, comm: Comm, schedule: Schedule, timeline, live=None):
+        self.model, self.comm, self.schedule, self.timeline = model, comm, schedule, timeline
+        self.rank = comm.rank(AXIS)
+        self.chunks = partition(model, schedule, self.rank)
+        self.store = WeightGradStore() if schedule.split_backward else None
+        if self.store is not None:
+            split_weight_gradients(model, self.store)
+        self.live = live  # LiveBytes meter, to sample the bytes in flight after every op
+        self.state_tensors = None  # set by the engine: model states, to subtract from live bytes
+        self.peak_held = 0
+
+    def run(self, step: int, micro_inputs: list, micro_targets: list) -> float:
+        """All ops of this rank for one step; returns the summed micro-batch losses (last stage)."""
+        s, m = self.schedule, self.schedule.microbatches
+        x0 = micro_inputs[0]
+        shape = (x0.shape[0], x0.shape[1], self.model.config.d_model)  # [b/m, s, h]
+        dtype = next(self.model.parameters()).dtype
+        self.mailbox = Mailbox(self.comm, s, self.rank, shape, dtype, x0.device)
+        self.inputs, self.targets = micro_inputs, micro_targets
+        self.saved: dict[tuple, tuple] = {}  # (micro-batch, chunk) -> (input, output)
+        self.loss = 0.0
+        self.step = step
+        for op in s.ops[self.rank]:
+            {"F": self._forward, "B": self._backward, "W": self._weights}[op.kind](op)
+        with self.timeline.op("wait", step, stage=self.rank, waiting_for="sends"):
+            self.mailbox.finish()
+        return self.loss
+
+    def _event(self, op: Op):
+        return self.timeline.op(op.kind, self.step, op.microbatch, op.chunk, rank=self.rank)
+
+    def _input(self, op: Op) -> torch.Tensor:
+        if op.chunk == 0:
+            return self.inputs[op.microbatch]
+        with self.timeline.op("wait", self.step, op.microbatch, op.chunk, waiting_for=f"F{op.microbatch}.{op.chunk - 1}"):
+            x = self.mailbox.receive(("act", op.microbatch, op.chunk), self.step)
+        return x.detach().requires_grad_()  # a leaf: B reads its .grad and sends it back
+
+    def _forward(self, op: Op) -> None:
+        x = self._input(op)
+        last = op.chunk == self.schedule.n_chunks - 1
+        with self._sampling(), self._event(op):
+            out = forward_chunk(self.model, op.chunk, self.schedule.n_chunks, x,
+                                self.targets[op.microbatch] if last else None)
+            if last:
+                out = out / self.schedule.microbatches  # the whole batch's loss is the mean
+                self.loss += out.item()
+            else:
+                self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach(), self.step)
+        self.saved[(op.microbatch, op.chunk)] = (x, out)
+
+    def _backward(self, op: Op) -> None:
+        key = (op.microbatch, op.chunk)
+        grad = None
+        if op.chunk < self.schedule.n_chunks - 1:
+            with self.timeline.op("wait", self.step, op.microbatch, op.chunk,
+                                  waiting_for=f"B{op.microbatch}.{op.chunk + 1}"):
+                grad = self.mailbox.receive(("grad", op.microbatch, op.chunk), self.step)
+        with self._sampling(), self._event(op):
+            x, out = self.saved.pop(key)
+            with self.store.collecting(key) if self.store else nullcontext():
+                torch.autograd.backward(out, grad)
+            if op.chunk > 0:
+                self.mailbox.send(("grad", op.microbatch, op.chunk - 1), x.grad, self.step)
+
+    def _weights(self, op: Op) -> None:
+        with self._sampling(), self._event(op):
+            self.store.compute((op.microbatch, op.chunk))
+
+    @contextmanager
+    def _sampling(self):
+        """After the op: the bytes held beyond the model states (activations waiting for their
+        backward, queued weight-gradient inputs, messages) when the live meter runs."""
+        yield
+        if self.live is not None and self.live.active and self.state_tensors is not None:
+            held = self.live.current - tensors_bytes(self.state_tensors())
+            self.timeline.events[-1]["held_bytes"] = held  # the op that just ended
+            self.peak_held = max(self.peak_held, held)
+
+
+def gather_stage_parameters(params: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    """Every stage's parameters on every rank of the pipeline (to compare with the reference).
+    Bookkeeping outside training: an object all-gather, not a recorded collective."""
+    import torch.distributed as dist
+    if mesh.size(AXIS) == 1:
+        return params
+    parts = [None] * mesh.size(AXIS)
+    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in params.items()},
+                           group=mesh.groups[AXIS])
+    return {k: v for part in parts for k, v in part.items()}
