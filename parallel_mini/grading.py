@@ -449,3 +449,59 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     return Grade("correct", f"equal to the unsharded MLP (max |diff| {worst:.1e}) at tp = "
                  f"{list(world_sizes)}, with exactly one all-reduce of the [b, s, h] output per "
                  f"call", {"runs": summary})
+
+
+def _parse_ops(ops, rank: int) -> list[list]:
+    """["F0", "B0", ...] (or ("F", 0) pairs) -> [["F", 0], ...]."""
+    out = []
+    for op in ops:
+        kind, micro = (op[0], op[1:]) if isinstance(op, str) else op
+        if kind not in ("F", "B") or not str(micro).isdigit():
+            raise AssertionError(f"rank {rank}: {op!r} is not an op; write 'F3' (forward of "
+                                 f"micro-batch 3) or 'B3' (its backward)")
+        out.append([kind, int(micro)])
+    return out
+
+
+def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4, 8))) -> Grade:
+    """`fn(rank, pp, m)` returns one rank's 1F1B op order, e.g. ["F0", "F1", "B0", ...].
+
+    Checked for every rank at each (pp, m) in `cases`: each F and B once, an order that cannot
+    deadlock (schedules.check), and 1F1B's memory bound: rank r never holds more than p - r
+    micro-batches (all-forward-then-all-backward would hold m). Then the order runs on real ranks
+    at each of `run_cases` and must equal the single-process reference."""
+    from .engine import run
+    from .parallel.schedules import Op, from_ops, in_flight
+
+    orders = {}
+    for pp, m in cases:
+        try:
+            ops = [_parse_ops(fn(r, pp, m), r) for r in range(pp)]
+        except NotImplementedError:
+            return Grade("not attempted", "one_f_one_b still raises NotImplementedError: write "
+                                          "the warm-up, steady state and cool-down, then run this cell again.")
+        try:
+            schedule = from_ops([[Op(k, i, r) for k, i in rank_ops] for r, rank_ops in
+                                 enumerate(ops)], m, "1f1b")
+        except ValueError as e:
+            raise AssertionError(f"at pp={pp}, m={m}: {e}") from None
+        held = in_flight(schedule)
+        for r, h in enumerate(held):
+            if h > min(pp - r, m):
+                raise AssertionError(f"at pp={pp}, m={m} rank {r} holds {h} micro-batches at once; "
+                                     f"1F1B holds at most p - r = {pp - r} (start backwards as soon "
+                                     f"as the warm-up of p - 1 - r forwards is done)")
+        orders[(pp, m)] = ops
+    reports = {}
+    for pp, m in run_cases:
+        cfg = RunConfig(pp=pp, microbatches=m, batch=m, schedule="1f1b", steps=2, reference=True,
+                        extra={"ops": orders[(pp, m)], "lesson": "05"})
+        report = run(cfg)
+        if report.max_abs_diff > 1e-5:
+            raise AssertionError(f"at pp={pp}, m={m} training differs from the reference by "
+                                 f"{report.max_abs_diff:.2e}")
+        reports[(pp, m)] = report
+    return Grade("correct", f"your 1F1B order runs on real ranks and equals the reference "
+                            f"(max difference {max(r.max_abs_diff for r in reports.values()):.1e}) "
+                            f"at " + ", ".join(f"pp={p} m={m}" for p, m in run_cases),
+                 {"reports": reports, "orders": orders})
