@@ -19,7 +19,7 @@ CHOICES = {
     "dp_mode": ("naive", "bucketed"),
     "optimizer": ("adam", "sgd"),
     "precision": ("fp32", "bf16-mixed"),
-    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb"),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb", "pipedream", "pipedream-nostash"),
     "checkpointing": ("none", "full", "selective"),
     "backend": ("auto", "gloo", "nccl"),
 }
@@ -201,6 +201,10 @@ class RunConfig:
         if self.schedule == "interleaved" and self.microbatches % self.pp:
             raise ConfigError(f"--microbatches {self.microbatches}: interleaved sends micro-batches "
                               f"through the chunks in groups of --pp {self.pp}; use a multiple of {self.pp}")
+        if self.schedule.startswith("pipedream") and self.dp > 1:
+            raise ConfigError(f"--schedule {self.schedule} updates each stage after every "
+                              f"micro-batch; with --dp {self.dp} that needs a gradient sync per "
+                              f"micro-batch, not available yet: use --dp 1")
         if self.grad_accum != 1:
             raise ConfigError("--grad-accum: with --pp > 1 the pipeline's --microbatches already "
                               "accumulate gradients; leave --grad-accum at 1")

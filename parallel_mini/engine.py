@@ -23,6 +23,7 @@ from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.data import DataParallel, accumulate_grads_in_fp32
+from .parallel.pipedream import PipeDreamRunner
 from .parallel.pipeline import PipelineRunner, gather_stage_parameters
 from .parallel.schedules import for_config
 from .parallel.recompute import apply_checkpointing, backward
@@ -119,8 +120,9 @@ def _pipeline_step(cfg, step, runner, strategy, timeline, mesh) -> float:
                           [y.to(rank_device()) for _, y in micro])
     with timeline.op("grad_sync", step):  # ... and are averaged over dp after the flush
         strategy.finish_gradient_sync()
-    with timeline.op("optimizer", step):
-        strategy.step()
+    if not isinstance(runner, PipeDreamRunner):  # PipeDream has updated after every backward
+        with timeline.op("optimizer", step):
+            strategy.step()
     return _mean_over_dp(_from_last_stage(loss, runner, mesh), mesh)
 
 
@@ -147,10 +149,15 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     act = ActivationMeter(live)
     runner = None
     if cfg.pp > 1:  # keeps this rank's stage only; data parallel then runs over its parameters
-        runner = PipelineRunner(model, comm, for_config(cfg), timeline, live)
+        if cfg.schedule.startswith("pipedream"):
+            runner = PipeDreamRunner(model, comm, for_config(cfg), timeline, live,
+                                     stash=cfg.schedule == "pipedream")
+        else:
+            runner = PipelineRunner(model, comm, for_config(cfg), timeline, live)
     strategy = parallelize(model, comm, cfg, average_fn)
     if runner is not None:
         runner.state_tensors = lambda: [t for ts in strategy.state_tensors().values() for t in ts]
+        runner.optimizer = strategy.optimizer  # PipeDream steps it after every backward
 
     losses = []
     dist.barrier()  # line the ranks up so their timelines share a start
@@ -185,8 +192,11 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,
                          "recomputed_forwards": recompute.recomputed_calls}}
-    if cfg.reference and mesh.rank == 0:
-        ref_losses, ref_params = train_reference(cfg, device)
+    if isinstance(runner, PipeDreamRunner):
+        out["pipedream"] = {"staleness": runner.staleness, "peak_versions": runner.peak_versions}
+    if cfg.reference and mesh.rank == 0:  # PipeDream: the same micro-batches, one update each
+        ref_losses, ref_params = train_reference(cfg, device, per_microbatch=isinstance(
+            runner, PipeDreamRunner))
         out["reference_losses"] = ref_losses
         out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses, ref_params)
     return out

@@ -7,23 +7,31 @@ from __future__ import annotations
 
 import torch
 
-from .data import global_batch
+from .data import global_batch, shard
 from .model import build_model
 from .optim import make_optimizer
 
 
-def train_reference(cfg, device="cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Returns (loss per step, final parameters by name)."""
+def train_reference(cfg, device="cpu", per_microbatch: bool = False
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Returns (loss per step, final parameters by name). `per_microbatch`: an optimizer step after
+    each of the step's cfg.microbatches slices instead of one per step (the sequential twin of
+    PipeDream's updates); the step's loss is then the mean of its micro-batch losses."""
     model = build_model(cfg).to(device)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
     losses = []
+    parts = cfg.microbatches if per_microbatch else 1
     for step in range(cfg.steps):
-        x, y = global_batch(cfg, step)
-        loss = model(x.to(device), y.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        batch = global_batch(cfg, step)
+        step_loss = 0.0
+        for i in range(parts):
+            x, y = shard(batch, i, parts)
+            loss = model(x.to(device), y.to(device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step_loss += loss.item() / parts
+        losses.append(step_loss)
     return losses, {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 

@@ -388,8 +388,8 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
         return 0.0
     if schedule == "naive":
         return (p - 1) / p
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
+    if schedule in ("gpipe", "1f1b", "pipedream", "pipedream-nostash"):
+        return (p - 1) / (m + p - 1)  # PipeDream here drains at each step's end, as 1F1B does
     if schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)
     if schedule == "zb":

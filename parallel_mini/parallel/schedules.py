@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb")  # synchronous; PipeDream: pipedream.py
 
 
 @dataclass(frozen=True)
@@ -158,9 +158,9 @@ def build_schedule(name: str, pp: int, m: int, v: int = 0) -> Schedule:
     elif v != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per rank; virtual stages are for "
                          f"'interleaved'")
-    else:
-        ops = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
-               "zb": zero_bubble_h1}[name](pp, m)
+    else:  # PipeDream runs 1F1B's order, updating after every backward (parallel/pipedream.py)
+        ops = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble_h1,
+               "pipedream": one_f_one_b, "pipedream-nostash": one_f_one_b}[name](pp, m)
     schedule = Schedule(name, pp, m, v, chunk_owner(name, pp, v), ops)
     check(schedule)
     return schedule
