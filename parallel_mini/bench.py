@@ -5,6 +5,7 @@
     python -m parallel_mini.bench warm    # p50/p90 of a repeated 4-rank, 2-step engine.run
     python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
     python -m parallel_mini.bench tp      # (d) our tensor (+ sequence) parallel vs DTensor
+    python -m parallel_mini.bench pp      # (e) our pipeline schedules vs torch.distributed.pipelining
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -21,7 +22,11 @@
     arithmetic (torch.optim.Adam with our eps for the peers), steps interleaved as in (a).
 (d) Our tensor parallel, without and with sequence parallel (--sp), vs DTensor parallelize_module
     with the plan `dtensor_tp_plan` builds (torchtitan's, SequenceParallel LayerNorms for sp).
-(a) to (d) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(e) Our PipelineRunner (GPipe, 1F1B, interleaved with 2 chunks per rank) vs torch's ScheduleGPipe,
+    Schedule1F1B, ScheduleInterleaved1F1B, each a PipelineStage per chunk of the same split
+    (`TorchPipeline`: our `partition` and `forward_chunk` inside, torch's schedule and p2p around),
+    same data and Adam arithmetic, steps interleaved as in (a).
+(a) to (e) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed.
 """
@@ -321,6 +326,179 @@ def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# (e) pipeline parallel: ours vs torch.distributed.pipelining
+# ---------------------------------------------------------------------------------------------
+# our schedule -> torch's class on the same chunks. ZBV is not ZB-H1 (ours): it holds 2 chunks per
+# rank in a V (r and 2p-1-r) and splits every backward into input and weight gradients.
+TORCH_PP_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                      "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
+
+
+def torch_stage_chunks(name: str, pp: int, rank: int) -> list[int]:
+    """The chunks (model order) rank `rank` holds under torch's schedule `name` (a key of
+    TORCH_PP_SCHEDULES): one for gpipe/1f1b, r and r+p for interleaved (ours), r and 2p-1-r (V)."""
+    if name == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank, rank + pp] if name == "interleaved" else [rank]
+
+
+class _ChunkModule(torch.nn.Module):
+    """One chunk of the GPT as its own module, for a torch PipelineStage: a fresh model with every
+    other chunk's parts dropped by our `partition`, run by our `forward_chunk`. The last chunk
+    returns the logits [b, s, v]; the schedule's loss_fn takes it from there. Parameter names are
+    the full model's with a `model.` prefix."""
+
+    def __init__(self, cfg, chunk: int, n_chunks: int):
+        from .parallel.pipeline import partition
+        from .parallel.schedules import Schedule
+
+        super().__init__()
+        model = build_model(cfg)
+        only = Schedule("one chunk", n_chunks, cfg.microbatches, 1,
+                        [0 if c == chunk else 1 for c in range(n_chunks)], [])
+        partition(model, only, 0)  # keeps chunk `chunk` alone
+        self.model, self.chunk, self.n_chunks = model, chunk, n_chunks
+
+    def forward(self, x):  # token ids [b, s] on chunk 0, else [b, s, h]
+        from .parallel.pipeline import chunk_layers, forward_chunk
+
+        if self.chunk < self.n_chunks - 1:
+            return forward_chunk(self.model, self.chunk, self.n_chunks, x)
+        if self.chunk == 0:
+            raise ValueError("a one-chunk pipeline is not a pipeline")
+        for i in chunk_layers(self.chunk, self.n_chunks, len(self.model.blocks)):
+            x = self.model.blocks[i](x)
+        return self.model.head(self.model.ln_f(x))  # [b, s, v]
+
+
+def pipeline_loss(logits, targets):
+    """The GPT's loss on one micro-batch: the mean over its tokens (torch's schedules then divide
+    the gradients by m, scale_grads=True, so they sum to the whole batch's mean)."""
+    import torch.nn.functional as F
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class TorchPipeline:
+    """torch.distributed.pipelining on our stage split, on this rank: a PipelineStage per chunk it
+    holds, torch's schedule `name` (a key of TORCH_PP_SCHEDULES) over cfg.microbatches, and
+    torch.optim.Adam with our eps. Every rank of the default group is a pipeline rank."""
+
+    def __init__(self, cfg, name: str):
+        from torch.distributed import pipelining
+
+        pp, rank = dist.get_world_size(), dist.get_rank()
+        self.name, self.n_chunks = name, 2 * pp if name in ("interleaved", "zbv") else pp
+        self.chunks = torch_stage_chunks(name, pp, rank)
+        self.modules = [_ChunkModule(cfg, c, self.n_chunks) for c in self.chunks]
+        self.stages = [pipelining.PipelineStage(m, c, self.n_chunks, torch.device("cpu"))
+                       for m, c in zip(self.modules, self.chunks)]
+        cls = getattr(pipelining, TORCH_PP_SCHEDULES[name])
+        self.schedule = cls(self.stages[0] if len(self.stages) == 1 else self.stages,
+                            n_microbatches=cfg.microbatches, loss_fn=pipeline_loss)
+        self.optimizer = torch.optim.Adam([p for m in self.modules for p in m.parameters()],
+                                          lr=cfg.lr, eps=1e-5, foreach=False)
+        self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
+
+    def step(self, x, y) -> float | None:
+        """One training step on the whole batch (torch splits it into m micro-batches along the
+        batch dim, as `data.shard` does); the step's loss (mean of the micro-batch losses) on the
+        rank holding the last chunk, else None."""
+        self.optimizer.zero_grad()
+        losses = [] if self.last else None
+        self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
+                           losses=losses)
+        self.optimizer.step()
+        return torch.stack(losses).mean().item() if self.last else None
+
+    def parameters_by_name(self) -> dict[str, torch.Tensor]:
+        return {k.removeprefix("model."): p.detach().clone()
+                for m in self.modules for k, p in m.named_parameters()}
+
+
+class OurPipeline:
+    """Our PipelineRunner with schedule `name` on a fresh model (partitioned in the runner's
+    constructor), our Adam; every rank of the default group is a pipeline rank."""
+
+    def __init__(self, cfg, name: str):
+        from .meters import Timeline
+        from .parallel.pipeline import PipelineRunner
+        from .parallel.schedules import build_schedule
+
+        cfg = cfg.replace(pp=dist.get_world_size(), schedule=name)
+        self.cfg, self.model = cfg, build_model(cfg)
+        self.comm, self.timeline = Comm(build_mesh(cfg)), Timeline()
+        self.runner = PipelineRunner(self.model, self.comm,
+                                     build_schedule(name, cfg.pp, cfg.microbatches), self.timeline)
+        self.optimizer = Adam(self.model.parameters(), lr=cfg.lr)  # this rank's stage only
+        self.last = self.runner.schedule.owner[-1] == dist.get_rank()
+
+    def step(self, x, y, step: int = 0) -> float | None:
+        m = self.cfg.microbatches
+        micro = [shard((x, y), i, m) for i in range(m)]  # m x ([b/m, s] x 2)
+        self.optimizer.zero_grad()
+        self.comm.step = step
+        loss = self.runner.run(step, [a for a, _ in micro], [b for _, b in micro])
+        self.optimizer.step()
+        self.timeline.events.clear()  # a benchmark keeps no history
+        self.comm.records.clear()
+        self.comm.p2p_log.clear()
+        return loss if self.last else None
+
+    def parameters_by_name(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach().clone() for k, p in self.model.named_parameters()}
+
+
+def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
+    cfg = RunConfig.from_dict(cfg_dict)
+    runners = {}
+    for name in schedules:
+        runners[("ours", name)] = OurPipeline(cfg, name)
+        runners[("torch", name)] = TorchPipeline(cfg, name)
+    names = list(runners)
+    times = {k: [] for k in names}
+    final_loss = {}
+    for i in range(warmup + steps):
+        x, y = global_batch(cfg, i)
+        for key in names[i % len(names):] + names[:i % len(names)]:  # no runner always first
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = runners[key].step(x, y)
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[key].append(dt)
+            if loss is not None:
+                final_loss[key] = loss
+    # both trained on the same data from the same init: their last losses agree (a sanity check)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, final_loss)
+    final = {k: v for p in parts for k, v in p.items()}
+    return {"times": {f"{who} {name}": t for (who, name), t in times.items()},
+            "loss_diff": {name: abs(final[("ours", name)] - final[("torch", name)])
+                          for name in schedules}}
+
+
+def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv"), warmup: int = 3,
+             steps: int = 10, layers: int = 8, microbatches: int = 8, batch: int = 16) -> list[dict]:
+    rows = []
+    for n in pps:
+        cfg = RunConfig(pp=n, layers=layers, microbatches=microbatches, batch=batch,
+                        steps=warmup + steps).validate()
+        out = run_ranks(_pp_rank, n, cfg.to_dict(), list(schedules), warmup, steps, timeout=600,
+                        backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in out["times"].items()}
+        for name in schedules:
+            ours, peer = med[f"ours {name}"], med[f"torch {name}"]
+            rows.append({"pp": n, "schedule": name, "torch_schedule": TORCH_PP_SCHEDULES[name],
+                         "layers": layers, "microbatches": microbatches, "batch": batch,
+                         "ours_ms": 1e3 * ours, "torch_ms": 1e3 * peer,
+                         "ours_over_torch": ours / peer, "steps_measured": steps,
+                         "last_loss_diff": out["loss_diff"][name],
+                         "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()
+                                    if k.endswith(f" {name}")}})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # (b) ring all-reduce vs gloo
 # ---------------------------------------------------------------------------------------------
 def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
@@ -432,6 +610,17 @@ def _print_tp(rows):
                    f"{r['dtensor_ms']:.1f}", f"{r['ours_over_dtensor']:.2f}"] for r in rows]))
 
 
+def _print_pp(rows):
+    r0 = rows[0]
+    print(f"(e) pipeline parallel step time, median of {r0['steps_measured']} steps (slowest rank), "
+          f"{r0['layers']} layers, global batch {r0['batch']}, {r0['microbatches']} micro-batches; "
+          f"torch = torch.distributed.pipelining on the same chunks")
+    print(_table(["pp", "schedule", "ours ms", "torch", "torch ms", "ours/torch", "|loss diff|"],
+                 [[r["pp"], r["schedule"], f"{r['ours_ms']:.1f}", r["torch_schedule"],
+                   f"{r['torch_ms']:.1f}", f"{r['ours_over_torch']:.2f}",
+                   f"{r['last_loss_diff']:.1e}"] for r in rows]))
+
+
 def _print_warm(w):
     print(f"warm path: engine.run(dp={w['dp']}, steps={w['steps']}) x {w['repeats']}: "
           f"p50 {w['p50_s']:.2f} s  p90 {w['p90_s']:.2f} s  (first call {w['first_s']:.2f} s)")
@@ -440,7 +629,7 @@ def _print_warm(w):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "all"])
+    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -449,6 +638,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ring-ranks", type=int, default=4, help="world size for (b)")
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64], help="for (b)")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats for (b)")
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pp degrees for (e)")
     ap.add_argument("--warm-repeats", type=int, default=10, help="repeated runs for warm")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     return ap
@@ -473,6 +663,9 @@ def main(argv=None) -> int:
     if args.what in ("tp", "all"):
         out["tp"] = bench_tp()
         show(_print_tp, out["tp"])
+    if args.what in ("pp", "all"):
+        out["pp"] = bench_pp(tuple(args.pp))
+        show(_print_pp, out["pp"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])

@@ -19,7 +19,7 @@ CHOICES = {
     "dp_mode": ("naive", "bucketed"),
     "optimizer": ("adam", "sgd"),
     "precision": ("fp32", "bf16-mixed"),
-    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb", "pipedream", "pipedream-nostash"),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv", "pipedream", "pipedream-nostash"),
     "checkpointing": ("none", "full", "selective"),
     "backend": ("auto", "gloo", "nccl"),
 }
@@ -184,7 +184,10 @@ class RunConfig:
         if self.virtual_stages < 0:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: must be >= 1 (or 0 for the "
                               f"schedule's default)")
-        if v > 1 and self.schedule != "interleaved":
+        if self.schedule == "zbv" and v != 2:
+            raise ConfigError(f"--virtual-stages {v}: zbv lays exactly 2 chunks per rank out in a V; "
+                              f"leave --virtual-stages at 0")
+        if v > 1 and self.schedule not in ("interleaved", "zbv"):
             raise ConfigError(f"--virtual-stages {v}: several model chunks per rank need "
                               f"--schedule interleaved ({self.schedule} runs one chunk per rank)")
         chunks = self.pp * v
@@ -195,7 +198,7 @@ class RunConfig:
             k = self.dp * self.microbatches
             raise ConfigError(f"--batch {self.batch}: must be divisible by dp x microbatches = {k} "
                               f"(equal micro-batches on every stage); try --batch {k * max(1, self.batch // k)}")
-        if self.schedule in ("interleaved", "zb") and self.microbatches < self.pp:
+        if self.schedule in ("interleaved", "zb", "zbv") and self.microbatches < self.pp:
             raise ConfigError(f"--microbatches {self.microbatches}: {self.schedule} needs at least "
                               f"as many micro-batches as stages (--pp {self.pp}) to fill the pipeline")
         if self.schedule == "interleaved" and self.microbatches % self.pp:

@@ -382,7 +382,8 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
       (Narayanan et al. give (p-1)/(v*m) relative to the busy time; this is the same bubble as a
       share of the total).
     zb (ZB-H1, Qi et al., 2024): (p-1)(F+B-W) idle beside m(F+B+W) busy, with the op costs F, B, W
-      given in `costs` (default: equal, which gives (p-1)/(3m+p-1), a third of 1F1B's bubble)."""
+      given in `costs` (default: equal, which gives (p-1)/(3m+p-1), a third of 1F1B's bubble).
+    zbv: its greedy order has no closed form; the value is that order replayed with `costs`."""
     p = pp
     if p == 1:
         return 0.0
@@ -396,6 +397,11 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
         c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
         idle = max(0.0, (p - 1) * (c["F"] + c["B"] - c["W"]))
         return idle / (idle + m * (c["F"] + c["B"] + c["W"]))
+    if schedule == "zbv":  # a greedy order has no closed form: replay it with the costs given
+        from .parallel.schedules import build_schedule, idle_fractions, simulate
+        c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+        s = build_schedule("zbv", p, m)
+        return sum(idle_fractions(simulate(s, lambda r, op: c[op.kind]), p)) / p
     raise ValueError(f"no bubble formula for schedule {schedule!r}")
 
 

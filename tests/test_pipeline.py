@@ -35,6 +35,17 @@ def test_zero_bubble_formula_with_unequal_costs():
     assert theory.bubble_fraction("zb", 4, 8) < theory.bubble_fraction("1f1b", 4, 8) / 2
 
 
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16)])
+def test_v_shape_zero_bubble(pp, m):
+    """zbv: a V of 2p chunks (rank 0 holds the first and the last), 1F1B's memory (2p half-size
+    chunk activations), and with equal op costs less bubble than ZB-H1, far less than 1F1B."""
+    s = S.build_schedule("zbv", pp, m)
+    assert s.owner[0] == s.owner[-1] == 0 and s.owner[pp - 1] == s.owner[pp] == pp - 1
+    assert max(S.in_flight(s)) <= 2 * pp
+    zbv = theory.bubble_fraction("zbv", pp, m)
+    assert zbv < theory.bubble_fraction("zb", pp, m) < theory.bubble_fraction("1f1b", pp, m)
+
+
 def test_memory_in_flight_per_schedule():
     assert S.in_flight(S.build_schedule("gpipe", 4, 8)) == [8, 8, 8, 8]  # all m at once
     assert S.in_flight(S.build_schedule("1f1b", 4, 8)) == [4, 3, 2, 1]  # p - r
@@ -90,13 +101,14 @@ def _check_against_theory(report):
             assert rank["memory"][cat] == stage["memory"][cat], (rank["rank"], cat)
 
 
-@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b", "interleaved", "zb"])
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv"])
 def test_pp2_equals_reference(schedule):
     report = run(RunConfig(pp=2, microbatches=4, schedule=schedule, steps=2, reference=True))
     _check_against_theory(report)
 
 
-@pytest.mark.parametrize("schedule,layers", [("gpipe", 4), ("1f1b", 4), ("interleaved", 8), ("zb", 4)])
+@pytest.mark.parametrize("schedule,layers", [("gpipe", 4), ("1f1b", 4), ("interleaved", 8), ("zb", 4),
+                                             ("zbv", 8)])
 def test_pp4_equals_reference(schedule, layers):
     report = run(RunConfig(pp=4, layers=layers, microbatches=8, schedule=schedule, steps=2,
                            reference=True))

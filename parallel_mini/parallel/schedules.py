@@ -24,12 +24,14 @@ The schedules, in the order the lesson meets them:
   (gradient for the input, on the critical path) and W (gradient for the weights, which nothing
   downstream waits for). Postponed W's fill the cool-down bubbles: the bubble drops to
   (p-1)(F+B-W) of time with 1F1B's memory.
+- zbv: the model cut into 2p chunks laid out in a V over the ranks, B/W split, ops ordered by a
+  greedy scheduler; the bubble shrinks further at the same memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb")  # synchronous; PipeDream: pipedream.py
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv")  # synchronous; PipeDream: pipedream.py
 
 
 @dataclass(frozen=True)
@@ -139,22 +141,68 @@ def zero_bubble_h1(pp: int, m: int) -> list[list[Op]]:
     return out
 
 
+def zero_bubble_v(pp: int, m: int) -> list[list[Op]]:
+    """A V-shaped zero-bubble schedule (after ZB-V, Qi et al., 2024): 2p chunks placed in a V
+    (rank r holds chunk r on the way down and chunk 2p-1-r on the way back up, so rank 0 holds
+    both ends and the turn costs no transfer). Each rank's order comes from a greedy list scheduler
+    run with equal op costs: when a rank is free it runs a ready B (the critical path) first, else a
+    ready F while it holds fewer than 2p chunk activations (1F1B's memory: p micro-batches of
+    half-size chunks), else a W (nothing waits for it: it fills what would be idle)."""
+    owner = v_shape_owner(pp)
+    n = len(owner)
+    pending = [{Op(k, i, c) for c in range(n) if owner[c] == r for i in range(m) for k in "FBW"}
+               for r in range(pp)]
+    done: dict[Op, float] = {}
+    free, held = [0.0] * pp, [0] * pp
+    out: list[list[Op]] = [[] for _ in range(pp)]
+
+    def priority(op: Op, r: int):
+        rank = {"B": 0, "F": 1 if held[r] < 2 * pp else 3, "W": 2}[op.kind]
+        return rank, op.microbatch, -op.chunk if op.kind != "W" else op.chunk
+
+    while any(pending):
+        choices = []
+        for r in range(pp):
+            ready = [(max([free[r]] + [done[d] for d in dependencies(op, n)]), op)
+                     for op in pending[r] if all(d in done for d in dependencies(op, n))]
+            if ready:
+                t = min(t for t, _ in ready)
+                op = min((op for tt, op in ready if tt <= t), key=lambda o: priority(o, r))
+                choices.append((t, r, op))
+        t, r, op = min(choices, key=lambda x: (x[0], x[1]))
+        done[op] = free[r] = t + 1.0
+        out[r].append(op)
+        pending[r].discard(op)
+        held[r] += (op.kind == "F") - (op.kind == "W")
+    return out
+
+
+def v_shape_owner(pp: int) -> list[int]:
+    return [c if c < pp else 2 * pp - 1 - c for c in range(2 * pp)]
+
+
 def chunk_owner(name: str, pp: int, v: int) -> list[int]:
-    """Which rank holds each chunk: round-robin (chunk c on rank c % p) for every schedule here."""
+    """Which rank holds each chunk: round-robin (chunk c on rank c % p), or a V for zbv."""
+    if name == "zbv":
+        return v_shape_owner(pp)
     return [c % pp for c in range(pp * v)]
 
 
 def virtual_stages(name: str, v: int = 0) -> int:
-    """Chunks per rank: v if given, else 2 for interleaved and 1 otherwise."""
+    """Chunks per rank: v if given, else 2 for interleaved and zbv, 1 otherwise."""
     if v:
         return v
-    return 2 if name == "interleaved" else 1
+    return 2 if name in ("interleaved", "zbv") else 1
 
 
 def build_schedule(name: str, pp: int, m: int, v: int = 0) -> Schedule:
     v = virtual_stages(name, v)
     if name == "interleaved":
         ops = interleaved(pp, m, v)
+    elif name == "zbv":
+        if v != 2:
+            raise ValueError("zbv places exactly 2 chunks per rank (a V); leave --virtual-stages at 0 or 2")
+        ops = zero_bubble_v(pp, m)
     elif v != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per rank; virtual stages are for "
                          f"'interleaved'")
