@@ -29,6 +29,7 @@ pages = {
                 url_path="data_parallel"),
         st.Page("app_pages/memory.py", title="Memory per GPU", icon="🧠", url_path="memory"),
         st.Page("app_pages/tensor.py", title="Tensor parallel", icon="🧩", url_path="tensor"),
+        st.Page("app_pages/pipeline.py", title="Pipeline bubbles", icon="🫧", url_path="pipeline"),
     ],
 }
 st.navigation(pages).run()

@@ -467,7 +467,8 @@ def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4,
     """`fn(rank, pp, m)` returns one rank's 1F1B op order, e.g. ["F0", "F1", "B0", ...].
 
     Checked for every rank at each (pp, m) in `cases`: each F and B once, an order that cannot
-    deadlock (schedules.check), and 1F1B's memory bound: rank r never holds more than p - r
+    deadlock (schedules.check), 1F1B's warm-up (min(p - r, m) forwards before rank r's first
+    backward: the naive order has 1) and its memory bound: rank r never holds more than p - r
     micro-batches (all-forward-then-all-backward would hold m). Then the order runs on real ranks
     at each of `run_cases` and must equal the single-process reference."""
     from .engine import run
@@ -485,6 +486,13 @@ def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4,
                                  enumerate(ops)], m, "1f1b")
         except ValueError as e:
             raise AssertionError(f"at pp={pp}, m={m}: {e}") from None
+        for r, rank_ops in enumerate(ops):
+            before = next((i for i, (k, _) in enumerate(rank_ops) if k == "B"), len(rank_ops))
+            if before != min(pp - r, m):
+                raise AssertionError(f"at pp={pp}, m={m} rank {r} runs {before} forwards before its "
+                                     f"first backward; 1F1B warms up with p - 1 - r = {pp - 1 - r} "
+                                     f"and then starts with one more forward, so {min(pp - r, m)} "
+                                     f"(fewer leaves the pipeline idle, more holds more memory)")
         held = in_flight(schedule)
         for r, h in enumerate(held):
             if h > min(pp - r, m):

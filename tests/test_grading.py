@@ -114,3 +114,84 @@ def test_grader(check, right, stub, wrongs):
     for wrong in wrongs:
         with pytest.raises(AssertionError):
             check(wrong)
+
+
+# ---------------------------------------------------------------------------------------------
+# check_one_f_one_b (lesson 05): the structural refusals need no ranks; one correct run does
+# ---------------------------------------------------------------------------------------------
+def f1b_right(rank, pp, m):
+    warmup = min(pp - 1 - rank, m)
+    ops = [f"F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [f"F{warmup + i}", f"B{i}"]
+    return ops + [f"B{i}" for i in range(m - warmup, m)]
+
+
+def f1b_stub(rank, pp, m):
+    raise NotImplementedError("exercise")
+
+
+def f1b_gpipe(rank, pp, m):
+    return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+
+
+def f1b_backward_first(rank, pp, m):
+    return [f"B{i}" for i in range(m)] + [f"F{i}" for i in range(m)]
+
+
+def f1b_missing_last_backward(rank, pp, m):
+    return f1b_right(rank, pp, m)[:-1]
+
+
+def f1b_bad_token(rank, pp, m):
+    return ["forward0"] + f1b_right(rank, pp, m)[1:]
+
+
+def test_one_f_one_b_stub_is_not_attempted():
+    from parallel_mini.grading import check_one_f_one_b
+    assert check_one_f_one_b(f1b_stub).status == "not attempted"
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (f1b_gpipe, r"rank 0 runs 4 forwards before its first backward; 1F1B warms up with p - 1 - r = 1"),
+    (f1b_backward_first, r"deadlocks"),
+    (f1b_missing_last_backward, r"missing"),
+    (f1b_bad_token, r"is not an op"),
+])
+def test_one_f_one_b_refuses_wrong_orders_without_ranks(wrong, message, monkeypatch):
+    import parallel_mini.engine
+    from parallel_mini.grading import check_one_f_one_b
+
+    def no_ranks(*args, **kwargs):
+        raise RuntimeError("a structural refusal must not start any rank")
+
+    monkeypatch.setattr(parallel_mini.engine, "run", no_ranks)
+    with pytest.raises(AssertionError, match=message):
+        check_one_f_one_b(wrong)
+
+
+def test_one_f_one_b_correct_order_runs_on_ranks_and_equals_the_reference():
+    from parallel_mini.grading import check_one_f_one_b
+    grade = check_one_f_one_b(f1b_right, run_cases=((2, 4),))
+    assert grade.status == "correct", grade
+    report = grade.details["reports"][(2, 4)]
+    assert report.max_abs_diff < 1e-5
+    assert grade.details["orders"][(4, 8)][0][:5] == [["F", 0], ["F", 1], ["F", 2], ["F", 3], ["B", 0]]
+
+
+def f1b_naive(rank, pp, m):
+    """F0 B0 F1 B1 ... on every rank: deadlock-free and 1 micro-batch in flight, but no warm-up,
+    so no pipelining at all (the naive schedule, bubble (p-1)/p)."""
+    return [op for i in range(m) for op in (f"F{i}", f"B{i}")]
+
+
+def test_one_f_one_b_refuses_the_naive_order(monkeypatch):
+    import parallel_mini.engine
+    from parallel_mini.grading import check_one_f_one_b
+
+    def no_ranks(*args, **kwargs):
+        raise RuntimeError("structural checks passed: the grader went on to run the order")
+
+    monkeypatch.setattr(parallel_mini.engine, "run", no_ranks)
+    with pytest.raises(AssertionError):
+        check_one_f_one_b(f1b_naive)

@@ -4,6 +4,9 @@
     python tools/make_lessons.py --check    exit 1, naming the file, if any generated copy is stale
     python tools/make_lessons.py --execute  run each source notebook first (solutions in place) and
                                             store the outputs of its `# NBVAL_CHECK_OUTPUT` cells
+    python tools/make_lessons.py --execute --only 05
+                                            the same for lesson 05 alone (execute and regenerate
+                                            only lessons/src/05_*.ipynb; --check always checks all)
 
 Sources live in lessons/src/NN_topic.ipynb: the lesson with the solutions in it, between lines
 `### BEGIN SOLUTION` and `### END SOLUTION` inside code cells.
@@ -176,11 +179,18 @@ def _strip_output(o) -> dict:
 # ---------------------------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------------------------
-def targets(root: Path) -> list[tuple[Path, Path, Path]]:
-    """(source, learner copy, solved copy) for every source notebook."""
+def targets(root: Path, only: str | None = None) -> list[tuple[Path, Path, Path]]:
+    """(source, learner copy, solved copy) for every source notebook, or for lesson `only` ("05")."""
     lessons = root / "lessons"
-    return [(src, lessons / src.name, lessons / "solutions" / src.name)
-            for src in sorted((lessons / "src").glob("[0-9][0-9]_*.ipynb"))]
+    found = [(src, lessons / src.name, lessons / "solutions" / src.name)
+             for src in sorted((lessons / "src").glob("[0-9][0-9]_*.ipynb"))]
+    if only is None:
+        return found
+    picked = [t for t in found if t[0].name.startswith(f"{only}_")]
+    if not picked:
+        raise LessonError(f"--only {only}: no lessons/src/{only}_*.ipynb (there are: "
+                          f"{', '.join(t[0].name for t in found) or 'none'})")
+    return picked
 
 
 def render(nb) -> str:
@@ -192,9 +202,9 @@ def _normalised(text: str):
     return json.loads(text)
 
 
-def expected_files(root: Path) -> dict[Path, str]:
+def expected_files(root: Path, only: str | None = None) -> dict[Path, str]:
     out = {}
-    for src, learner_path, solved_path in targets(root):
+    for src, learner_path, solved_path in targets(root, only):
         rel = src.relative_to(root).as_posix()
         learner, solved = make_copies(nbformat.read(src, as_version=4), rel)
         out[learner_path], out[solved_path] = render(learner), render(solved)
@@ -236,9 +246,9 @@ def check(root: Path) -> list[str]:
     return problems
 
 
-def write(root: Path) -> list[Path]:
+def write(root: Path, only: str | None = None) -> list[Path]:
     changed = []
-    for path, text in expected_files(root).items():
+    for path, text in expected_files(root, only).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or _normalised(path.read_text()) != _normalised(text):
             changed.append(path)
@@ -246,12 +256,12 @@ def write(root: Path) -> list[Path]:
     return changed
 
 
-def execute_sources(root: Path, timeout: int = 300) -> None:
-    """Run every source notebook top to bottom (the solutions are in place) and keep, in the
-    source, the outputs of its checked cells only."""
+def execute_sources(root: Path, timeout: int = 300, only: str | None = None) -> None:
+    """Run every source notebook (or lesson `only`) top to bottom (the solutions are in place) and
+    keep, in the source, the outputs of its checked cells only."""
     from nbclient import NotebookClient
 
-    for src, _, _ in targets(root):
+    for src, _, _ in targets(root, only):
         nb = nbformat.read(src, as_version=4)
         print(f"executing {src.relative_to(root)} ...", flush=True)
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
@@ -267,11 +277,19 @@ def execute_sources(root: Path, timeout: int = 300) -> None:
         src.write_text(render(nb))
 
 
+def _lesson_number(text: str) -> str:
+    if not re.fullmatch(r"\d{1,2}", text):
+        raise argparse.ArgumentTypeError(f"expected a lesson number such as 05, not {text!r}")
+    return f"{int(text):02d}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="fail if a generated copy is stale")
     ap.add_argument("--execute", action="store_true",
                     help="execute the sources first and store their checked cells' outputs")
+    ap.add_argument("--only", metavar="NN", type=_lesson_number,
+                    help="execute and regenerate lesson NN only (e.g. 05); --check checks all")
     ap.add_argument("--root", type=Path, default=ROOT, help="project root (default: this repo)")
     args = ap.parse_args(argv)
     root = args.root.resolve()
@@ -285,8 +303,8 @@ def main(argv=None) -> int:
             print(f"lessons up to date ({len(targets(root))} sources)")
             return 0
         if args.execute:
-            execute_sources(root)
-        changed = write(root)
+            execute_sources(root, only=args.only)
+        changed = write(root, args.only)
     except LessonError as err:
         print(f"make_lessons: {err}", file=sys.stderr)
         return 2

@@ -33,6 +33,10 @@ Results are cached per setting, so going back to a setting already run is instan
 - **Tensor parallel**: Megatron's column/row split drawn from each rank's real weight shards;
   the tp traffic by layer (all-reduces, or SP's all-gathers and reduce-scatters: the same bytes)
   equal to the formula, activations per layer with and without SP, and why TP stays inside a node.
+- **Pipeline bubbles**: naive, GPipe, 1F1B, interleaved and zero-bubble schedules drawn as
+  planned, then run on 2 or 4 stages: each rank's step as a timeline (replayed as if each rank had
+  its own device, and as measured on the wall clock), the bubble measured beside the formula, the
+  activations each stage holds in flight, and the point-to-point bytes per stage.
 
 On 2 CPU cores the ranks share the cores, so wall-clock times are stretched by the OS scheduler;
 the byte counts and the losses are exact whatever the machine.

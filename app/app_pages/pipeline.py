@@ -1,0 +1,403 @@
+"""Pipeline bubbles: two schedules drawn as planned (unit costs, the formula's bubble beside them),
+then run live on p ranks: each rank's step as a Gantt chart in two views (replayed as if each rank
+had its own device, and the wall clock as measured on shared cores), the bubble measured in both
+views against the formula, the activations each stage holds in flight, the point-to-point bytes
+per stage against `theory`, and the losses against the single-process reference."""
+import math
+import json
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from live_runs import TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, training_run
+from parallel_mini import theory, trace, viz
+from parallel_mini.config import ConfigError, RunConfig
+from parallel_mini.parallel import schedules as S
+from parallel_mini.report import RunReport
+
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv"]
+NAMES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe (all F, then all B)",
+         "1f1b": "1F1B (one forward, one backward)", "interleaved": "interleaved 1F1B",
+         "zb": "zero bubble (ZB-H1, B and W split)",
+         "zbv": "V-shaped zero bubble (2 chunks per rank in a V)"}
+MODEL = {"d_model": 64, "heads": 4, "seq": 32, "vocab": 128}  # the toy; one sequence per micro-batch
+STEPS = 3  # step 0 warms up, step 1 is timed, step 2 runs under the memory meter
+PLAN_COSTS = {"F": 1.0, "B": 2.0}  # a backward costs about two forwards
+PLAN_COSTS_SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}  # B + W = the unsplit backward
+VIEWS = {"own": "as if each rank had its own device", "wall": "as measured (wall clock)"}
+CHART_WIDTH = 440  # two timelines side by side in the wide layout
+WIDE_WIDTH = 960  # one timeline per row, when a rank runs too many ops to read them side by side
+SIDE_BY_SIDE_OPS = 24  # most ops per rank drawn side by side
+LABEL_CHAR_PX = 6.5  # the width of a digit of the bars' labels (fontSize 10)
+
+
+def layers_for(pp: int, v: int) -> int:
+    """The smallest multiple of pp·v that is at least 4: every chunk gets the same blocks."""
+    chunks = pp * v
+    return chunks * -(-4 // chunks)
+
+
+def run_config(pp: int, m: int, schedule: str, v: int, layers: int) -> dict:
+    return {**MODEL, "pp": pp, "microbatches": m, "batch": m, "schedule": schedule,
+            "virtual_stages": v if schedule == "interleaved" else 0, "layers": layers,
+            "steps": STEPS, "reference": True}
+
+
+def label_of(schedule: str, v: int) -> str:
+    return f"interleaved (v = {v})" if schedule == "interleaved" else schedule
+
+
+def formula_latex(schedule: str, pp: int, m: int, v: int) -> str:
+    if schedule == "naive":
+        return rf"\frac{{p-1}}{{p}} = \frac{{{pp - 1}}}{{{pp}}}"
+    if schedule in ("gpipe", "1f1b"):
+        return rf"\frac{{p-1}}{{m+p-1}} = \frac{{{pp - 1}}}{{{m + pp - 1}}}"
+    if schedule == "interleaved":
+        return rf"\frac{{p-1}}{{v\,m+p-1}} = \frac{{{pp - 1}}}{{{v * m + pp - 1}}}"
+    if schedule == "zbv":
+        return r"\text{greedy order: no closed form; its unit-cost replay}"
+    # (p-1)(F+B-W) / ((p-1)(F+B-W) + m(F+B+W)), with F = B = W
+    return (rf"\frac{{p-1}}{{3m+p-1}} = \frac{{{pp - 1}}}{{{3 * m + pp - 1}}}"
+            rf"\quad (F = B = W)")
+
+
+def ops_per_rank(schedule: str, m: int, v: int) -> int:
+    chunks = v if schedule == "interleaved" else 2 if schedule == "zbv" else 1
+    return m * chunks * (3 if schedule in ("zb", "zbv") else 2)
+
+
+def timeline_layout(schedules: list[str], m: int, v: int) -> tuple[list, int]:
+    """Containers for the timelines (side by side, or one per row when they would be crowded)
+    and the chart width that fits them."""
+    if max(ops_per_rank(s, m, v) for s in schedules) <= SIDE_BY_SIDE_OPS:
+        return st.columns(len(schedules)), CHART_WIDTH
+    return [st.container() for _ in schedules], WIDE_WIDTH
+
+
+def timeline_chart(timed: list[dict], title: str, subtitle: list[str], seconds: bool, width: int,
+                   x_max: float):
+    """viz.pipeline_timeline, without the micro-batch labels when most bars are too narrow to
+    hold them (many micro-batches or chunks): the tooltip still names every op."""
+    chart = viz.pipeline_timeline(timed, title, subtitle=subtitle, seconds=seconds, width=width,
+                                  x_max=x_max)
+    ops = [t for t in timed if t["kind"] in ("F", "B", "W")]
+    several = len({t["chunk"] for t in ops}) > len({t["rank"] for t in ops})
+    unit = 1e3 if seconds else 1.0
+    fits = [(t["end"] - t["start"]) * unit / x_max * width
+            >= LABEL_CHAR_PX * (len(str(t["microbatch"])) + (2 if several else 0)) + 2 for t in ops]
+    if ops and sum(fits) < 0.8 * len(ops):
+        chart = chart.copy()
+        chart.layer = chart.layer[:1]
+        chart.title.subtitle = [*subtitle, "too many ops to label: hover a bar for its micro-batch"]
+    return chart
+
+
+def pipeline_experiment(key_json: str, attempt: int = 0) -> dict:
+    """Both schedules on real ranks (each run cached per config by live_runs.training_run), each
+    with the single-process reference."""
+    k = json.loads(key_json)
+    runs = {}
+    todo = list(dict.fromkeys(k["schedules"]))
+    bar = st.progress(0.0, text="starting the ranks…")
+    for i, schedule in enumerate(todo):
+        bar.progress(i / len(todo), text=f"{label_of(schedule, k['v'])}: {k['pp']} ranks, "
+                                         f"{k['m']} micro-batches, {STEPS} steps, and the "
+                                         f"single-process reference…")
+        cfg = run_config(k["pp"], k["m"], schedule, k["v"], k["layers"])
+        runs[schedule] = training_run(json.dumps(cfg, sort_keys=True), attempt)
+    bar.progress(1.0, text="done")
+    return {"key": k, "runs": runs}
+
+
+# ---------------------------------------------------------------------------------------------
+# small charts of this page (the timelines and the bubble bars come from parallel_mini.viz)
+# ---------------------------------------------------------------------------------------------
+def stage_bars(rows: list[dict], value: str, title: str, subtitle, y_title: str,
+               label: str | None = None, palette: list[str] | None = None) -> alt.LayerChart:
+    """Grouped bars per stage: one bar per `source` (a schedule, or measured / theory); bar labels
+    from the column `label`, else the value."""
+    df = pd.DataFrame(rows)
+    div, unit = viz.bytes_unit(df[value].max() if len(df) else 0)
+    df["y"] = df[value] / div
+    sources = list(dict.fromkeys(df["source"]))
+    palette = palette or ["#4c78a8", "#f58518", "#54a24b", "#b279a2"]
+    base = alt.Chart(df).encode(
+        x=alt.X("stage:N", title="pipeline stage (rank)", axis=alt.Axis(labelAngle=0)),
+        xOffset=alt.XOffset("source:N", sort=sources),
+        y=alt.Y("y:Q", title=f"{y_title} ({unit})"),
+        tooltip=["stage:N", "source:N", alt.Tooltip(f"{value}:Q", format=",.0f", title="bytes")]
+        + ([f"{label}:N"] if label else []))
+    return alt.layer(
+        base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
+                                               scale=alt.Scale(domain=sources,
+                                                               range=palette[:len(sources)]),
+                                               legend=alt.Legend(orient="bottom"))),
+        base.mark_text(dy=-5, fontSize=10).encode(
+            text=alt.Text(f"{label}:N") if label else alt.Text("y:Q", format=".3g")),
+    ).properties(autosize=viz.PAD, width=max(240, 48 * df["stage"].nunique() * len(sources)),
+                 height=240, title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
+
+
+def show_live(result: dict, current: bool) -> None:
+    """Sections 2-5: what both runs measured."""
+    k = result["key"]
+    if not current:
+        st.warning(f"The settings changed: press **Run live**. Below: the last run (p = {k['pp']}, "
+                   f"m = {k['m']}, {' vs '.join(label_of(s, k['v']) for s in k['schedules'])}).")
+    reports = {label_of(s, k["v"]): RunReport.from_dict(result["runs"][s]) for s in k["schedules"]}
+    bubbles = {lab: rep.extra["bubble"] for lab, rep in reports.items()}
+    step = next(iter(bubbles.values()))["steps"][0]
+
+    st.subheader("2 · One training step, measured")
+    view = st.radio("View", list(VIEWS.values()), horizontal=True,
+                    help="Own device: every op replayed in the order the rank ran it, with its "
+                         "recorded CPU time, each rank a device of its own. Wall clock: the times "
+                         "as measured, on cores the ranks share.")
+    views = {lab: (trace.own_device_replay(rep, step) if view == VIEWS["own"]
+                   else trace.wall_view(rep, step)) for lab, rep in reports.items()}
+    x_max = 1e3 * max(max(t["end"] for t in timed) for timed in views.values())
+    places, width = timeline_layout(k["schedules"], k["m"], k["v"])
+    for col, (lab, timed) in zip(places, views.items()):
+        b = bubbles[lab]
+        short = lab.split(" ")[0]
+        own = view == VIEWS["own"]
+        with col:
+            st.altair_chart(timeline_chart(
+                timed, f"{lab}: {view}",
+                subtitle=[f"step {step} of {STEPS} (0 warms up), {k['pp']} ranks, {k['m']} micro-batches; "
+                          f"bubble {b['measured'] if own else b['measured_wall']:.1%}",
+                          "replayed from each op's own CPU time (mean per kind and stage)" if own
+                          else "waits: a rank blocked on a neighbour's message (or on the core)"],
+                seconds=True, width=width, x_max=x_max), width="content")
+            m1, m2, m3 = st.columns(3)
+            m1.metric(f"Own device: {short}", f"{b['measured']:.1%}",
+                      help="Mean over ranks of the share of the replayed step each rank computed "
+                           "nothing (trace.bubble)")
+            m2.metric(f"Wall clock: {short}", f"{b['measured_wall']:.1%}",
+                      help="The same share on the wall clock, measured on shared cores")
+            m3.metric(f"Formula: {short}", f"{b['theory']:.1%}",
+                      help="theory.bubble_fraction" + (" with the measured F, B, W CPU times"
+                                                       if "W" in b["op_cpu_s"] else ""))
+            cpu = ", ".join(f"{kind} {1e3 * t:.2f} ms" for kind, t in b["op_cpu_s"].items())
+            st.caption(f"Mean CPU time per op (per chunk): {cpu}. Own-device idle share per rank: "
+                       + ", ".join(f"{x:.0%}" for x in b["measured_per_rank"]) + ".")
+
+    rows = [{"schedule": lab, "source": src, "bubble": b[field]} for lab, b in bubbles.items()
+            for src, field in (("measured (own device)", "measured"),
+                               ("measured (wall clock)", "measured_wall"), ("formula", "theory"))]
+    st.altair_chart(viz.bubble_bars(rows, subtitle=[
+        f"p = {k['pp']}, m = {k['m']}; measured: step {step}, mean over the ranks",
+        "formula: theory.bubble_fraction (zero bubble with the measured F, B, W times)"]),
+        width="content")
+    st.markdown(f"""
+    **Why two views.** On this machine {k['pp']} ranks share the CPU cores, so the operating system
+    interleaves them: on the wall clock a rank is also stalled while another rank has its core, and
+    those stalls look like bubble (the grey *waiting* bars, the long idle stretches). A GPU per rank
+    would not have them. So every op also records the rank's **own CPU time**, and the *own device*
+    view replays each rank's recorded order through the schedule's dependencies with those times:
+    the run as it would look with one device per rank and instant links. That is the bubble to read
+    against the formula. On a laptop it lands a few points above it: op times vary with what the
+    other ranks run at the same moment, and the stages are not quite equal (stage 0 also holds the
+    embeddings, the last stage the LM head and the loss), while the formula assumes equal stages.
+    """)
+
+    # --- 3. memory -------------------------------------------------------------------------------
+    st.subheader("3 · Activation memory per stage")
+    cols = st.columns(len(reports))
+    for col, (lab, rep) in zip(cols, reports.items()):
+        col.altair_chart(viz.in_flight_chart(
+            rep.to_dict(), title=f"Activations in flight per stage: {lab} (measured)",
+            subtitle=[f"step {STEPS - 1} under the memory meter: bytes held beyond the model states "
+                      "after each op"]), width="content")
+    mem_rows = []
+    for lab, rep in reports.items():
+        stages = rep.theory["stages"]
+        for r in rep.ranks:
+            s = r["coords"]["pp"]
+            n = stages[s]["microbatches_in_flight"]
+            mem_rows.append({"stage": f"rank {s}", "source": lab,
+                             "bytes": r["memory"]["activations_peak"], "in_flight": f"{n} in flight"})
+    st.altair_chart(stage_bars(
+        mem_rows, "bytes", "Activation peak per stage (measured)",
+        ["label: the most micro-batches (× chunks) the schedule keeps in flight on that stage "
+         "(schedules.in_flight, theory)"], "activations peak", label="in_flight"), width="content")
+    first_rank = {lab: rep.ranks[0] for lab, rep in reports.items()}
+    held = "; ".join(f"{lab}: {fmt_bytes(r['memory']['activations_peak'])} with "
+                     f"{reports[lab].theory['stages'][0]['microbatches_in_flight']} in flight"
+                     for lab, r in first_rank.items())
+    st.markdown(f"""
+    Stage 0 at its peak: {held}. A stage keeps each micro-batch's activations from its forward until
+    its backward (until W, for zero bubble). **GPipe** runs all m forwards first, so every stage holds
+    all m. **1F1B** starts backwards as soon as possible: stage r holds at most p − r. Its bubble is
+    the same as GPipe's (same (p − 1)/(m + p − 1)): 1F1B saves **memory, not time**. The bytes do not
+    scale exactly with the count: the batch, the messages received and the loss are held by every
+    schedule. **Zero bubble** keeps 1F1B's count, but a backward whose W is postponed still holds the
+    inputs and output gradients W will need.
+    """)
+
+    # --- 4. p2p bytes ----------------------------------------------------------------------------
+    st.subheader("4 · Point-to-point bytes per stage")
+    cols = st.columns(len(reports))
+    matched = {}
+    for col, (lab, rep) in zip(cols, reports.items()):
+        rows_b = []
+        for r in rep.ranks:
+            s = r["coords"]["pp"]
+            measured = rep.wire_bytes_per_step(r["rank"]).get("pp", 0.0)
+            predicted = rep.theory["stages"][s]["wire_bytes_per_step"]["pp"]
+            rows_b += [{"stage": f"rank {s}", "source": "measured", "bytes": measured},
+                       {"stage": f"rank {s}", "source": "theory", "bytes": float(predicted)}]
+            matched.setdefault(lab, []).append(measured == predicted)
+        col.altair_chart(stage_bars(
+            rows_b, "bytes", f"Bytes each stage sends per step: {lab}",
+            ["measured: the stage's send records; theory: theory.pipeline_p2p_bytes_per_step"],
+            "bytes sent per step", palette=["#4c78a8", "#bab0ac"]), width="content")
+        col.metric(f"Stages sending exactly the formula's bytes: {lab}",
+                   f"{sum(matched[lab])} of {len(matched[lab])}")
+    act = 4 * MODEL["seq"] * MODEL["d_model"]
+    st.markdown(f"""
+    Each micro-batch crosses every stage boundary twice: its activation [b, s, h] = [1, {MODEL['seq']},
+    {MODEL['d_model']}] in fp32 = **{fmt_count(act)} B** forward, and the gradient of the same shape
+    backward. Stage 0 only sends forward, the last stage only backward, the ones between both:
+    m × {fmt_count(act)} B or 2m × {fmt_count(act)} B per step. **Interleaved** cuts the model into
+    p·v chunks, so a micro-batch crosses p·v − 1 boundaries instead of p − 1: about v times the
+    messages for a bubble about v times smaller, (p − 1)/(v·m + p − 1).
+    """)
+
+    # --- 5. same training ------------------------------------------------------------------------
+    st.subheader("5 · Same training as one process?")
+    cols = st.columns(len(reports))
+    for col, (lab, rep) in zip(cols, reports.items()):
+        diff = rep.max_abs_diff
+        col.metric(f"max |run − reference| (losses, final params): {lab}", f"{diff:.2e}",
+                   delta="equal within 1e-5" if diff <= TOLERANCE else "DIFFERENT",
+                   delta_color="normal" if diff <= TOLERANCE else "inverse")
+        col.caption(f"Final loss: {rep.losses[-1]:.6f} on the pipeline, "
+                    f"{rep.reference_losses[-1]:.6f} on one process with the whole batch.")
+    st.caption("Every schedule computes the same gradients, summed over the micro-batches: only the "
+               "order of the ops differs, so the losses and the updated weights equal one process's.")
+
+
+# --- 6. what the schedules do ----------------------------------------------------------------
+def show_schedules() -> None:
+    st.subheader("The schedules, in short")
+    st.markdown(r"""
+- **Naive**: one micro-batch in the pipe at a time; every rank waits for all the others: idle
+  (p − 1)/p of the step, whatever m.
+- **GPipe** (Huang et al., 2019): all m forwards, then all m backwards. The bubble is p − 1
+  forwards and backwards at the ends of the step, so it shrinks as m grows:
+  (p − 1)/(m + p − 1). The price: every stage holds the activations of all m micro-batches.
+- **1F1B** (PipeDream-Flush, Narayanan et al., 2021): after p − 1 − r warm-up forwards, stage r
+  alternates one forward and one backward, so a micro-batch's activations are freed as early as
+  possible. Same bubble as GPipe, at most p − r micro-batches in flight: memory, not time.
+- **Interleaved 1F1B** (Narayanan et al., 2021): each rank holds v smaller chunks (rank r: chunks
+  r, r + p, …). The pipe fills and drains with ops v times shorter: bubble (p − 1)/(v·m + p − 1),
+  paid for with about v times the point-to-point messages. It needs m to be a multiple of p.
+- **Zero bubble, ZB-H1** (Qi et al., 2024): the backward is split in two. **B** computes the
+  gradient for the layer's input, which the previous stage waits for; **W** computes the gradient
+  for the weights, which nobody downstream needs before the optimizer step. Postponed W's fill
+  the cool-down where 1F1B idles: bubble (p − 1)(F + B − W) of time, with 1F1B's memory count.
+""")
+
+
+# ---------------------------------------------------------------------------------------------
+# the page
+# ---------------------------------------------------------------------------------------------
+st.title("Pipeline bubbles")
+st.markdown(r"""
+Pipeline parallelism gives each of **p** ranks a slice of the layers (a *stage*); activations
+flow forward from stage to stage, gradients flow back. A batch is cut into **m micro-batches** so
+that the stages can work on different micro-batches at once. At the start of a step the last
+stages have nothing to do yet, at the end the first ones have nothing left: that idle time is the
+**bubble**. It lasts about p − 1 ops of each kind whatever m is, so more micro-batches make it a
+smaller share of the step: (p − 1)/(m + p − 1) for GPipe and 1F1B.
+""")
+
+c1, c2, c3 = st.columns(3)
+pp = c1.radio("Pipeline stages (p)", [2, 4], index=1, horizontal=True,
+              help="One rank per stage; at most 4 ranks share this machine's cores.")
+m = c1.slider("Micro-batches per step (m)", 1, 16, 8,
+              help="One sequence of 32 tokens each: the batch is m sequences.")
+first = c2.selectbox("Schedule", SCHEDULES, index=SCHEDULES.index("gpipe"),
+                     format_func=lambda s: NAMES[s])
+second = c2.selectbox("Compare with", SCHEDULES, index=SCHEDULES.index("1f1b"),
+                      format_func=lambda s: NAMES[s])
+uses_v = "interleaved" in (first, second)
+v_choice = c3.radio("Virtual stages per rank (v, interleaved only)", [2, 3], horizontal=True,
+                    disabled=not uses_v,
+                    help="Interleaved gives each rank v smaller chunks of the model: rank r holds "
+                         "chunks r, r + p, …")
+v = v_choice if uses_v else 1
+layers = layers_for(pp, v * 2 // math.gcd(v, 2) if "zbv" in (first, second) else v)  # zbv: 2 chunks
+c3.caption(f"Model: {layers} layers × d{MODEL['d_model']}, vocabulary {MODEL['vocab']}, "
+           f"{STEPS} steps (the same model for both schedules: {layers // (pp * v)} "
+           f"layer(s) per chunk).")
+fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+
+chosen = list(dict.fromkeys([first, second]))
+errors = {}
+for s in chosen:
+    try:
+        RunConfig.from_dict(run_config(pp, m, s, v, layers))
+    except ConfigError as err:
+        errors[s] = str(err)
+
+# --- 1. as planned ---------------------------------------------------------------------------
+st.subheader("1 · The schedules as planned (theory only)")
+st.caption("Before any run: each schedule replayed with unit costs, every rank a device of its "
+           "own and transfers free (`schedules.simulate`). A forward takes 1 unit, a backward 2 "
+           "(zero bubble: F = B = W = 1, B and W together being the backward). The idle share of "
+           "such a plan is exactly the formula beside it.")
+plans = {}
+for s in chosen:
+    if s in errors:
+        continue
+    schedule = S.build_schedule(s, pp, m, v if s == "interleaved" else 0)
+    plans[s] = (schedule, trace.replay_ops(schedule, PLAN_COSTS_SPLIT if schedule.split_backward
+                                           else PLAN_COSTS))
+plan_max = max((max(t["end"] for t in timed) for _, timed in plans.values()), default=None)
+places, width = timeline_layout(chosen, m, v)
+for col, s in zip(places, chosen):
+    with col:
+        if s in errors:
+            st.error(f"{label_of(s, v)}: invalid settings: {errors[s]}")
+            continue
+        schedule, timed = plans[s]
+        formula = theory.bubble_fraction(s, pp, m, schedule.virtual)
+        st.altair_chart(timeline_chart(
+            timed, f"Planned: {label_of(s, v)}, p = {pp}, m = {m}",
+            subtitle=["unit costs " + ("F = B = W = 1" if schedule.split_backward
+                                       else "F = 1, B = 2") + ", each rank its own device",
+                      f"in flight at most (micro-batches × chunks): "
+                      f"{', '.join(map(str, S.in_flight(schedule)))} on ranks 0…{pp - 1}"],
+            seconds=False, width=width, x_max=plan_max), width="content")
+        f1, f2 = st.columns([2, 3])
+        f1.metric(f"Bubble (theory): {s}", f"{formula:.1%}",
+                  help="theory.bubble_fraction: the idle share of this plan"
+                  + (". Zero bubble in general: (p−1)(F+B−W) / ((p−1)(F+B−W) + m(F+B+W))"
+                     if s == "zb" else ""))
+        with f2:
+            st.latex(formula_latex(s, pp, m, v))
+        with st.expander("The schedule as text"):
+            st.code(S.format_schedule(schedule), language=None)
+
+# --- 2. live ---------------------------------------------------------------------------------
+key = {"pp": pp, "m": m, "schedules": chosen, "v": v, "layers": layers}
+run_clicked = st.button("Run live", type="primary", disabled=bool(errors),
+                        help="Fix the settings above first." if errors else
+                        f"Trains the toy on {pp} ranks with each schedule ({STEPS} steps) and "
+                        f"once on a single process.")
+if run_clicked and not errors:
+    run_live("pp", key, f"Running {' and '.join(label_of(s, v) for s in chosen)} on {pp} "
+                        f"ranks…", pipeline_experiment, json.dumps(key, sort_keys=True),
+             fresh=fresh)
+
+
+result, current = last_result("pp", key)
+if result is None:
+    st.info("Press **Run live** to run both schedules on real ranks (gloo on this machine's CPU) "
+            "and measure their bubbles.")
+else:
+    show_live(result, current)
+show_schedules()

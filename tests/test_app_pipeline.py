@@ -1,0 +1,214 @@
+"""The "Pipeline bubbles" page, driven headless with AppTest. Before any run the two schedules are
+drawn as planned, and the idle share of each drawn plan is the textbook formula (computed here by
+hand). A live run (two of them in this file: GPipe vs 1F1B on 4 stages, interleaved vs zero bubble
+on 2) puts the measured step on the page: the bubble shown is the idle share of the timeline drawn
+(recomputed here from the chart's own bars), the p2p bytes per stage equal the count by hand,
+GPipe keeps m micro-batches in flight on every stage and 1F1B p − r, and the losses equal the
+single-process reference. A bad combination shows the one-line ConfigError and starts nothing."""
+from __future__ import annotations
+
+import pytest
+import streamlit as st
+
+from parallel_mini import theory
+from test_app import _app, _assert_clean, _chart, _charts, _rows_with, _widget
+
+PAGE = "app_pages/pipeline.py"
+ACT = 4 * 32 * 64  # one micro-batch's activation [1, 32, 64] in fp32, bytes
+OWN, WALL = "as if each rank had its own device", "as measured (wall clock)"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+
+
+def _set(at, kind: str, label_start: str, value):
+    _widget(getattr(at, kind), label_start).set_value(value)
+    at.run()
+
+
+def _percent(at, label_start: str) -> float:
+    return float(_widget(at.metric, label_start).value.rstrip("%"))
+
+
+def _titles(at) -> list[str]:
+    return [c["spec"]["title"]["text"] for c in _charts(at)]
+
+
+def _timeline_rows(chart: dict) -> list[dict]:
+    """The bars of a pipeline_timeline (its largest dataset: the labels layer holds a subset)."""
+    return max((rows for rows in chart["datasets"].values() if rows and "x2" in rows[0]), key=len)
+
+
+def _idle_share(rows: list[dict]) -> float:
+    """Mean over ranks of the share of the span (first op's start to last op's end) in which the
+    rank ran no F, B or W: the bubble, read off the drawn bars."""
+    ops = [r for r in rows if r["kind"] in ("F", "B", "W")]
+    span = max(r["x2"] for r in ops) - min(r["x"] for r in ops)
+    ranks = sorted({r["rank"] for r in ops})
+    busy = {k: sum(r["x2"] - r["x"] for r in ops if r["rank"] == k) for k in ranks}
+    return sum(1 - busy[k] / span for k in ranks) / len(ranks)
+
+
+def test_pipeline_page_draws_the_plans_before_any_run():
+    at = _app(PAGE)
+    _assert_clean(at)
+    assert at.title[0].value == "Pipeline bubbles"
+    assert [b.label for b in at.button] == ["Run live"]
+    assert any("Press **Run live**" in i.value for i in at.info)
+    assert _titles(at) == ["Planned: gpipe, p = 4, m = 8", "Planned: 1f1b, p = 4, m = 8"]
+    # GPipe and 1F1B: (p-1)/(m+p-1) = 3/11; the drawn plan idles exactly that share
+    for s in ("gpipe", "1f1b"):
+        assert _widget(at.metric, f"Bubble (theory): {s}").value == f"{3 / 11:.1%}" == "27.3%"
+        rows = _timeline_rows(_chart(at, f"Planned: {s}"))
+        assert _idle_share(rows) == pytest.approx(3 / 11, abs=1e-12)
+        assert len([r for r in rows if r["kind"] == "F"]) == 4 * 8
+    # unit costs: GPipe's plan lasts (m + p - 1)(F + B) = 11 x 3 units, 1F1B's the same
+    assert max(r["x2"] for r in _timeline_rows(_chart(at, "Planned: gpipe"))) == 33
+
+    # interleaved (v = 2) beside zero bubble: no ranks start, only the plans change
+    _set(at, "selectbox", "Schedule", "interleaved")
+    _set(at, "selectbox", "Compare with", "zb")
+    _assert_clean(at)
+    assert not _widget(at.radio, "Virtual stages").disabled
+    # 4 stages x 2 chunks: the model gets 8 layers
+    assert any("Model: 8 layers" in c.value for c in at.caption)
+    assert _widget(at.metric, "Bubble (theory): interleaved").value == f"{3 / (2 * 8 + 3):.1%}"
+    assert _widget(at.metric, "Bubble (theory): zb").value == f"{3 / (3 * 8 + 3):.1%}"
+    inter = _timeline_rows(_chart(at, "Planned: interleaved (v = 2)"))
+    assert _idle_share(inter) == pytest.approx(3 / 19, abs=1e-12)
+    assert {r["label"] for r in inter if r["kind"] == "F" and r["rank"] == 0} >= {"0.0", "0.4"}
+    zb = _timeline_rows(_chart(at, "Planned: zb"))
+    assert _idle_share(zb) == pytest.approx(theory.bubble_fraction("zb", 4, 8), abs=1e-12)
+    assert len([r for r in zb if r["kind"] == "W"]) == 4 * 8
+    _set(at, "radio", "Virtual stages", 3)
+    assert any("Model: 12 layers" in c.value for c in at.caption)
+    assert _widget(at.metric, "Bubble (theory): interleaved").value == f"{3 / (3 * 8 + 3):.1%}"
+    # 16 micro-batches x 3 chunks: too narrow to label each bar; the bars are all still drawn
+    _set(at, "slider", "Micro-batches", 16)
+    _assert_clean(at)
+    crowded = _chart(at, "Planned: interleaved (v = 3)")
+    assert len(crowded["spec"]["layer"]) == 1
+    assert "too many ops to label" in crowded["spec"]["title"]["subtitle"][-1]
+    assert len([r for r in _timeline_rows(crowded) if r["kind"] == "F"]) == 4 * 16 * 3
+    assert _idle_share(_timeline_rows(crowded)) == pytest.approx(3 / (3 * 16 + 3), abs=1e-12)
+
+
+def test_bad_combination_shows_the_config_error_and_starts_nothing():
+    at = _app(PAGE)
+    _set(at, "selectbox", "Schedule", "interleaved")
+    _set(at, "slider", "Micro-batches", 6)  # not a multiple of p = 4
+    assert not at.exception
+    (err,) = at.error
+    assert err.value.startswith("interleaved (v = 2): invalid settings: --microbatches 6")
+    assert "use a multiple of 4" in err.value and "\n" not in err.value.strip()
+    assert at.button[0].disabled
+    assert _titles(at) == ["Planned: 1f1b, p = 4, m = 6"]  # the valid one is still drawn
+    _set(at, "selectbox", "Compare with", "zb")
+    _set(at, "slider", "Micro-batches", 2)  # zero bubble needs m >= p as well
+    assert not at.exception
+    assert len(at.error) == 2 and any("at least as many micro-batches" in e.value for e in at.error)
+    assert not at.get("vega_lite_chart")
+    _set(at, "radio", "Pipeline stages", 2)  # p = 2, m = 2: both are fine again
+    _assert_clean(at)
+    assert not at.button[0].disabled
+
+
+def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference():
+    at = _app(PAGE)
+    at.button[0].click().run()
+    _assert_clean(at)
+    p, m = 4, 8
+    for s in ("gpipe", "1f1b"):
+        assert float(_widget(at.metric, f"max |run − reference| (losses, final params): {s}")
+                     .value) <= 1e-5
+        # the bubble shown is the idle share of the timeline drawn (own-device replay)
+        own = _idle_share(_timeline_rows(_chart(at, f"{s}: {OWN}")))
+        assert 0 < own < 1
+        assert _percent(at, f"Own device: {s}") == pytest.approx(100 * own, abs=0.05 + 1e-9)
+        assert _widget(at.metric, f"Formula: {s}").value == "27.3%"
+        assert 0 < _percent(at, f"Wall clock: {s}") < 100
+    bars = {(r["schedule"], r["source"]): r["bubble"]
+            for r in _rows_with(_chart(at, "Pipeline bubble"), "source")}
+    assert set(bars) == {(s, src) for s in ("gpipe", "1f1b")
+                         for src in ("measured (own device)", "measured (wall clock)", "formula")}
+    for s in ("gpipe", "1f1b"):
+        assert bars[s, "formula"] == theory.bubble_fraction(s, p, m) == pytest.approx(3 / 11)
+        assert bars[s, "measured (own device)"] == pytest.approx(
+            _idle_share(_timeline_rows(_chart(at, f"{s}: {OWN}"))), abs=1e-9)
+        assert 0 < bars[s, "measured (wall clock)"] < 1
+    # two timelines on one time axis
+    domains = {c["spec"]["title"]["text"]: [lay["encoding"]["x"]["scale"]["domain"]
+                                            for lay in c["spec"]["layer"]][0]
+               for c in _charts(at) if OWN in c["spec"]["title"]["text"]}
+    assert len(domains) == 2 and len({tuple(d) for d in domains.values()}) == 1
+
+    # activations: GPipe keeps all m micro-batches on every stage, 1F1B p - r on stage r
+    mem = _rows_with(_chart(at, "Activation peak per stage"), "in_flight")
+    labels = {(r["source"], r["stage"]): r["in_flight"] for r in mem}
+    assert labels == {**{("gpipe", f"rank {r}"): f"{m} in flight" for r in range(p)},
+                      **{("1f1b", f"rank {r}"): f"{p - r} in flight" for r in range(p)}}
+    peak = {(r["source"], r["stage"]): r["bytes"] for r in mem}
+    for r in range(p):
+        assert peak["gpipe", f"rank {r}"] > peak["1f1b", f"rank {r}"]
+    assert peak["1f1b", "rank 0"] > peak["1f1b", "rank 3"]
+    assert _chart(at, "Activations in flight per stage: gpipe")
+    # p2p: stage 0 sends m activations, the last stage m gradients, the others both
+    by_hand = [m * ACT, 2 * m * ACT, 2 * m * ACT, m * ACT]
+    for s in ("gpipe", "1f1b"):
+        rows = _rows_with(_chart(at, f"Bytes each stage sends per step: {s}"), "source")
+        for src in ("measured", "theory"):
+            got = {r["stage"]: r["bytes"] for r in rows if r["source"] == src}
+            assert got == {f"rank {r}": by_hand[r] for r in range(p)}, (s, src)
+        assert _widget(at.metric, f"Stages sending exactly the formula's bytes: {s}").value == "4 of 4"
+
+    # the wall-clock view of the same step: no new run, the same numbers
+    _set(at, "radio", "View", WALL)
+    _assert_clean(at)
+    for s in ("gpipe", "1f1b"):
+        wall = _idle_share(_timeline_rows(_chart(at, f"{s}: {WALL}")))
+        assert _percent(at, f"Wall clock: {s}") == pytest.approx(100 * wall, abs=0.05 + 1e-9)
+    # a knob that changes the runs starts nothing: the page says the result is stale
+    _set(at, "slider", "Micro-batches", 4)
+    _assert_clean(at)
+    assert any("settings changed" in w.value for w in at.warning)
+    assert _chart(at, f"gpipe: {WALL}")
+
+
+def test_live_interleaved_vs_zero_bubble_on_two_stages():
+    at = _app(PAGE)
+    p, m, v = 2, 4, 2
+    _set(at, "radio", "Pipeline stages", p)
+    _set(at, "slider", "Micro-batches", m)
+    _set(at, "selectbox", "Schedule", "interleaved")
+    _set(at, "selectbox", "Compare with", "zb")
+    at.button[0].click().run()
+    _assert_clean(at)
+    assert float(_widget(at.metric, "max |run − reference| (losses, final params): interleaved")
+                 .value) <= 1e-5
+    assert float(_widget(at.metric, "max |run − reference| (losses, final params): zb")
+                 .value) <= 1e-5
+    assert _widget(at.metric, "Formula: interleaved").value == f"{1 / (v * m + 1):.1%}"
+    bars = {(r["schedule"], r["source"]): r["bubble"]
+            for r in _rows_with(_chart(at, "Pipeline bubble"), "source")}
+    assert bars["interleaved (v = 2)", "formula"] == pytest.approx(1 / 9)
+    # zero bubble's formula takes the measured F, B, W times: below 1F1B's (p-1)/(m+p-1)
+    assert 0 < bars["zb", "formula"] < theory.bubble_fraction("1f1b", p, m)
+    inter = _timeline_rows(_chart(at, f"interleaved (v = 2): {OWN}"))
+    assert {(r["rank"], r["chunk"]) for r in inter if r["kind"] == "F"} == {
+        (0, 0), (0, 2), (1, 1), (1, 3)}
+    zb = _timeline_rows(_chart(at, f"zb: {OWN}"))
+    assert len([r for r in zb if r["kind"] == "W"]) == p * m
+    for lab in ("interleaved (v = 2)", "zb"):
+        own = _idle_share(_timeline_rows(_chart(at, f"{lab}: {OWN}")))
+        assert bars[lab, "measured (own device)"] == pytest.approx(own, abs=1e-9)
+    # interleaved: 4 chunks on 2 ranks, 3 boundaries crossed twice by each micro-batch: 3m each
+    rows = _rows_with(_chart(at, "Bytes each stage sends per step: interleaved"), "source")
+    assert {(r["stage"], r["source"]): r["bytes"] for r in rows} == {
+        (f"rank {r}", src): 3 * m * ACT for r in range(p) for src in ("measured", "theory")}
+    labels = {(r["source"], r["stage"]): r["in_flight"]
+              for r in _rows_with(_chart(at, "Activation peak per stage"), "in_flight")}
+    assert labels["zb", "rank 0"] == f"{p} in flight"  # 1F1B's count, W's queued behind B
