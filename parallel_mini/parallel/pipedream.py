@@ -66,11 +66,7 @@ class PipeDreamRunner(PipelineRunner):
         self.peak_versions = max(self.peak_versions, len(self.saved))
 
     def _backward(self, op) -> None:
-        grad = None
-        if op.chunk < self.schedule.n_chunks - 1:
-            with self.timeline.op("wait", self.step, op.microbatch, op.chunk,
-                                  waiting_for=f"B{op.microbatch}.{op.chunk + 1}"):
-                grad = self.mailbox.receive(("grad", op.microbatch, op.chunk), self.step)
+        grad = self._output_grad(op)
         with self._sampling(), self._event(op):
             x, out, version, seen = self.saved.pop((op.microbatch, op.chunk))
             if not self.stash:  # no stash: backward multiplies by the current weights instead.

@@ -248,13 +248,17 @@ class PipelineRunner:
                 self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach(), self.step)
         self.saved[(op.microbatch, op.chunk)] = (x, out)
 
+    def _output_grad(self, op: Op):
+        """The gradient of this chunk's output, from the next chunk (None on the last: the loss)."""
+        if op.chunk == self.schedule.n_chunks - 1:
+            return None
+        with self.timeline.op("wait", self.step, op.microbatch, op.chunk,
+                              waiting_for=f"B{op.microbatch}.{op.chunk + 1}"):
+            return self.mailbox.receive(("grad", op.microbatch, op.chunk), self.step)
+
     def _backward(self, op: Op) -> None:
         key = (op.microbatch, op.chunk)
-        grad = None
-        if op.chunk < self.schedule.n_chunks - 1:
-            with self.timeline.op("wait", self.step, op.microbatch, op.chunk,
-                                  waiting_for=f"B{op.microbatch}.{op.chunk + 1}"):
-                grad = self.mailbox.receive(("grad", op.microbatch, op.chunk), self.step)
+        grad = self._output_grad(op)
         with self._sampling(), self._event(op):
             x, out = self.saved.pop(key)
             with self.store.collecting(key) if self.store else nullcontext():
