@@ -968,6 +968,16 @@ def pipeline_frame(timed: list[dict], seconds: bool = True) -> pd.DataFrame:
     return df
 
 
+def _labels_fit(df: pd.DataFrame, width: int, x_max: float | None) -> bool:
+    """Whether most op bars are wide enough for their label (a digit is about 6.5 px)."""
+    ops = df[df["label"] != ""]
+    span = x_max or (df["x2"].max() if len(df) else 0)
+    if not len(ops) or not span:
+        return True
+    wide = (ops["x2"] - ops["x"]) / span * width >= 6.5 * ops["label"].str.len() + 2
+    return wide.mean() >= 0.8
+
+
 def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] = "",
                       seconds: bool = True, width: int = 640, x_max: float | None = None) -> alt.LayerChart:
     """Gantt chart of a pipeline step, one lane per rank: F, B, W ops labelled with their
@@ -995,9 +1005,41 @@ def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] =
     labels = alt.Chart(df[df["label"] != ""]).mark_text(color="white", fontSize=10).encode(
         x=alt.X("mid:Q", scale=x_scale), y=alt.Y("lane:N", sort=lanes), text="label:N"
     ).transform_calculate(mid="(datum.x + datum.x2) / 2")
+    if not _labels_fit(df, width, x_max):  # crowded: the tooltip still names every op
+        subtitle = [*([subtitle] if isinstance(subtitle, str) and subtitle else subtitle or []),
+                    "too many ops to label: hover a bar for its micro-batch"]
+        return alt.layer(bars).properties(autosize=PAD, width=width, height=34 * len(lanes),
+                                          title=alt.TitleParams(title, subtitle=subtitle,
+                                                                anchor="start"))
     return alt.layer(bars, labels).properties(
         autosize=PAD, width=width, height=34 * len(lanes),
         title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
+
+
+def pipeline_stage_bars(rows: list[dict], value: str, title: str, subtitle, y_title: str,
+               label: str | None = None, palette: list[str] | None = None) -> alt.LayerChart:
+    """Grouped bars per stage: one bar per `source` (a schedule, or measured / theory); bar labels
+    from the column `label`, else the value."""
+    df = pd.DataFrame(rows)
+    div, unit = bytes_unit(df[value].max() if len(df) else 0)
+    df["y"] = df[value] / div
+    sources = list(dict.fromkeys(df["source"]))
+    palette = palette or ["#4c78a8", "#f58518", "#54a24b", "#b279a2"]
+    base = alt.Chart(df).encode(
+        x=alt.X("stage:N", title="pipeline stage (rank)", axis=alt.Axis(labelAngle=0)),
+        xOffset=alt.XOffset("source:N", sort=sources),
+        y=alt.Y("y:Q", title=f"{y_title} ({unit})"),
+        tooltip=["stage:N", "source:N", alt.Tooltip(f"{value}:Q", format=",.0f", title="bytes")]
+        + ([f"{label}:N"] if label else []))
+    return alt.layer(
+        base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
+                                               scale=alt.Scale(domain=sources,
+                                                               range=palette[:len(sources)]),
+                                               legend=alt.Legend(orient="bottom"))),
+        base.mark_text(dy=-5, fontSize=10).encode(
+            text=alt.Text(f"{label}:N") if label else alt.Text("y:Q", format=".3g")),
+    ).properties(autosize=PAD, width=max(240, 48 * df["stage"].nunique() * len(sources)),
+                 height=240, title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
 
 def bubble_bars(rows: list[dict], title: str = "Pipeline bubble: measured vs formula",

@@ -29,7 +29,6 @@ VIEWS = {"own": "as if each rank had its own device", "wall": "as measured (wall
 CHART_WIDTH = 440  # two timelines side by side in the wide layout
 WIDE_WIDTH = 960  # one timeline per row, when a rank runs too many ops to read them side by side
 SIDE_BY_SIDE_OPS = 24  # most ops per rank drawn side by side
-LABEL_CHAR_PX = 6.5  # the width of a digit of the bars' labels (fontSize 10)
 
 
 def layers_for(pp: int, v: int) -> int:
@@ -77,20 +76,8 @@ def timeline_layout(schedules: list[str], m: int, v: int) -> tuple[list, int]:
 
 def timeline_chart(timed: list[dict], title: str, subtitle: list[str], seconds: bool, width: int,
                    x_max: float):
-    """viz.pipeline_timeline, without the micro-batch labels when most bars are too narrow to
-    hold them (many micro-batches or chunks): the tooltip still names every op."""
-    chart = viz.pipeline_timeline(timed, title, subtitle=subtitle, seconds=seconds, width=width,
-                                  x_max=x_max)
-    ops = [t for t in timed if t["kind"] in ("F", "B", "W")]
-    several = len({t["chunk"] for t in ops}) > len({t["rank"] for t in ops})
-    unit = 1e3 if seconds else 1.0
-    fits = [(t["end"] - t["start"]) * unit / x_max * width
-            >= LABEL_CHAR_PX * (len(str(t["microbatch"])) + (2 if several else 0)) + 2 for t in ops]
-    if ops and sum(fits) < 0.8 * len(ops):
-        chart = chart.copy()
-        chart.layer = chart.layer[:1]
-        chart.title.subtitle = [*subtitle, "too many ops to label: hover a bar for its micro-batch"]
-    return chart
+    return viz.pipeline_timeline(timed, title, subtitle=subtitle, seconds=seconds, width=width,
+                                 x_max=x_max)
 
 
 def pipeline_experiment(key_json: str, attempt: int = 0) -> dict:
@@ -108,35 +95,6 @@ def pipeline_experiment(key_json: str, attempt: int = 0) -> dict:
         runs[schedule] = training_run(json.dumps(cfg, sort_keys=True), attempt)
     bar.progress(1.0, text="done")
     return {"key": k, "runs": runs}
-
-
-# ---------------------------------------------------------------------------------------------
-# small charts of this page (the timelines and the bubble bars come from parallel_mini.viz)
-# ---------------------------------------------------------------------------------------------
-def stage_bars(rows: list[dict], value: str, title: str, subtitle, y_title: str,
-               label: str | None = None, palette: list[str] | None = None) -> alt.LayerChart:
-    """Grouped bars per stage: one bar per `source` (a schedule, or measured / theory); bar labels
-    from the column `label`, else the value."""
-    df = pd.DataFrame(rows)
-    div, unit = viz.bytes_unit(df[value].max() if len(df) else 0)
-    df["y"] = df[value] / div
-    sources = list(dict.fromkeys(df["source"]))
-    palette = palette or ["#4c78a8", "#f58518", "#54a24b", "#b279a2"]
-    base = alt.Chart(df).encode(
-        x=alt.X("stage:N", title="pipeline stage (rank)", axis=alt.Axis(labelAngle=0)),
-        xOffset=alt.XOffset("source:N", sort=sources),
-        y=alt.Y("y:Q", title=f"{y_title} ({unit})"),
-        tooltip=["stage:N", "source:N", alt.Tooltip(f"{value}:Q", format=",.0f", title="bytes")]
-        + ([f"{label}:N"] if label else []))
-    return alt.layer(
-        base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
-                                               scale=alt.Scale(domain=sources,
-                                                               range=palette[:len(sources)]),
-                                               legend=alt.Legend(orient="bottom"))),
-        base.mark_text(dy=-5, fontSize=10).encode(
-            text=alt.Text(f"{label}:N") if label else alt.Text("y:Q", format=".3g")),
-    ).properties(autosize=viz.PAD, width=max(240, 48 * df["stage"].nunique() * len(sources)),
-                 height=240, title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
 
 def show_live(result: dict, current: bool) -> None:
@@ -218,7 +176,7 @@ def show_live(result: dict, current: bool) -> None:
             n = stages[s]["microbatches_in_flight"]
             mem_rows.append({"stage": f"rank {s}", "source": lab,
                              "bytes": r["memory"]["activations_peak"], "in_flight": f"{n} in flight"})
-    st.altair_chart(stage_bars(
+    st.altair_chart(viz.pipeline_stage_bars(
         mem_rows, "bytes", "Activation peak per stage (measured)",
         ["label: the most micro-batches (× chunks) the schedule keeps in flight on that stage "
          "(schedules.in_flight, theory)"], "activations peak", label="in_flight"), width="content")
@@ -249,7 +207,7 @@ def show_live(result: dict, current: bool) -> None:
             rows_b += [{"stage": f"rank {s}", "source": "measured", "bytes": measured},
                        {"stage": f"rank {s}", "source": "theory", "bytes": float(predicted)}]
             matched.setdefault(lab, []).append(measured == predicted)
-        col.altair_chart(stage_bars(
+        col.altair_chart(viz.pipeline_stage_bars(
             rows_b, "bytes", f"Bytes each stage sends per step: {lab}",
             ["measured: the stage's send records; theory: theory.pipeline_p2p_bytes_per_step"],
             "bytes sent per step", palette=["#4c78a8", "#bab0ac"]), width="content")
