@@ -61,7 +61,7 @@ class PipeDreamRunner(PipelineRunner):
             if last:
                 self.loss += out.item() / self.schedule.microbatches  # the step's mean, for the log
             else:
-                self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach(), self.step)
+                self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach())
         self.saved[(op.microbatch, op.chunk)] = (x, out, version, self.updates)
         self.peak_versions = max(self.peak_versions, len(self.saved))
 
@@ -74,7 +74,7 @@ class PipeDreamRunner(PipelineRunner):
                     v.data.copy_(self.weights[n].data)
             torch.autograd.backward(out, grad)
             if op.chunk > 0:
-                self.mailbox.send(("grad", op.microbatch, op.chunk - 1), x.grad, self.step)
+                self.mailbox.send(("grad", op.microbatch, op.chunk - 1), x.grad)
             for n, w in self.weights.items():
                 w.grad = version[n].grad
             self.optimizer.step()  # one update per micro-batch: PipeDream's

@@ -91,9 +91,6 @@ class WeightGradStore:
     def put(self, linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
         self.pending.setdefault(self.key, []).append((linear, x, grad_out))
 
-    def held_bytes(self) -> int:
-        return tensors_bytes(t for items in self.pending.values() for _, x, g in items for t in (x, g))
-
     def compute(self, key) -> None:
         for linear, x, grad_out in self.pending.pop(key):
             x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
@@ -162,7 +159,7 @@ class Mailbox:
             elif op.kind == "B" and c > 0 and self.owner[c - 1] == self.rank:
                 yield ("grad", op.microbatch, c - 1)
 
-    def send(self, key: tuple, tensor: torch.Tensor, step: int) -> None:
+    def send(self, key: tuple, tensor: torch.Tensor) -> None:
         kind, micro, chunk = key
         dst = self.owner[chunk]
         if dst == self.rank:
@@ -172,7 +169,7 @@ class Mailbox:
         self.sends.append((self.comm.isend(tensor, dst, AXIS, message=kind, microbatch=micro,
                                            chunk=chunk), tensor))
 
-    def receive(self, key: tuple, step: int) -> torch.Tensor:
+    def receive(self, key: tuple) -> torch.Tensor:
         kind, micro, chunk = key
         src = self.owner[chunk - 1] if kind == "act" else self.owner[chunk + 1]
         while key not in self.inbox:
@@ -232,7 +229,7 @@ class PipelineRunner:
         if op.chunk == 0:
             return self.inputs[op.microbatch]
         with self.timeline.op("wait", self.step, op.microbatch, op.chunk, waiting_for=f"F{op.microbatch}.{op.chunk - 1}"):
-            x = self.mailbox.receive(("act", op.microbatch, op.chunk), self.step)
+            x = self.mailbox.receive(("act", op.microbatch, op.chunk))
         return x.detach().requires_grad_()  # a leaf: B reads its .grad and sends it back
 
     def _forward(self, op: Op) -> None:
@@ -245,7 +242,7 @@ class PipelineRunner:
                 out = out / self.schedule.microbatches  # the whole batch's loss is the mean
                 self.loss += out.item()
             else:
-                self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach(), self.step)
+                self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach())
         self.saved[(op.microbatch, op.chunk)] = (x, out)
 
     def _output_grad(self, op: Op):
@@ -254,7 +251,7 @@ class PipelineRunner:
             return None
         with self.timeline.op("wait", self.step, op.microbatch, op.chunk,
                               waiting_for=f"B{op.microbatch}.{op.chunk + 1}"):
-            return self.mailbox.receive(("grad", op.microbatch, op.chunk), self.step)
+            return self.mailbox.receive(("grad", op.microbatch, op.chunk))
 
     def _backward(self, op: Op) -> None:
         key = (op.microbatch, op.chunk)
@@ -264,7 +261,7 @@ class PipelineRunner:
             with self.store.collecting(key) if self.store else nullcontext():
                 torch.autograd.backward(out, grad)
             if op.chunk > 0:
-                self.mailbox.send(("grad", op.microbatch, op.chunk - 1), x.grad, self.step)
+                self.mailbox.send(("grad", op.microbatch, op.chunk - 1), x.grad)
 
     def _weights(self, op: Op) -> None:
         with self._sampling(), self._event(op):
