@@ -66,7 +66,7 @@ def wall_view(report, step: int, pipeline: list[dict] | None = None) -> list[dic
     out = []
     for stage, r in enumerate(pipeline):
         for e in r["events"]:
-            if e["step"] == step and (e["kind"] in COMPUTE or e["kind"] == "wait"):
+            if e["step"] == step and (e["kind"] in COMPUTE or e["kind"] in ("send", "wait")):
                 out.append({"rank": stage, "kind": e["kind"], "microbatch": e["microbatch"],
                             "chunk": e["stage"], "start": e["start"], "end": e["end"]})
     t0 = min(e["start"] for e in out)

@@ -929,8 +929,9 @@ def tp_link_times(rows: list[dict], compute_s: float | None = None,
 # the bubble measured vs the formula, the bytes each stage holds in flight
 # ---------------------------------------------------------------------------------------------
 PIPE_KINDS = {"F": "F: forward", "B": "B: backward", "W": "W: weight gradients",
-              "wait": "waiting for a neighbour", "idle": "idle (bubble)"}
-PIPE_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#bab0ac", "#fbe3e3"]
+              "send": "sending to a neighbour", "wait": "waiting for a neighbour",
+              "idle": "idle (bubble)"}
+PIPE_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#79706e", "#bab0ac", "#fbe3e3"]
 
 
 def _idle_gaps(timed: list[dict], end: float) -> list[dict]:
@@ -962,7 +963,7 @@ def pipeline_frame(timed: list[dict], seconds: bool = True) -> pd.DataFrame:
     df["what"] = df["kind"].map(PIPE_KINDS)
     chunks = df["chunk"].dropna()
     several = len(chunks) and chunks.nunique() > df["rank"].nunique()
-    df["label"] = [("" if k in ("idle", "wait") or m is None or m != m else
+    df["label"] = [("" if k in ("idle", "wait", "send") or m is None or m != m else
                     f"{int(m)}" + (f".{int(c)}" if several else ""))
                    for k, m, c in zip(df["kind"], df["microbatch"], df["chunk"])]
     return df
@@ -981,7 +982,7 @@ def _labels_fit(df: pd.DataFrame, width: int, x_max: float | None) -> bool:
 def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] = "",
                       seconds: bool = True, width: int = 640, x_max: float | None = None) -> alt.LayerChart:
     """Gantt chart of a pipeline step, one lane per rank: F, B, W ops labelled with their
-    micro-batch (".chunk" when a rank holds several chunks), waits (wall view) and the idle gaps.
+    micro-batch (".chunk" when a rank holds several chunks), sends and waits (wall view), idle gaps.
     `timed`: records {rank, kind, microbatch, chunk, start, end} from schedules.simulate,
     trace.own_device_replay or trace.wall_view. `seconds=False` for unit-cost schedules.
     `x_max`: a common time axis, to set two charts side by side on one scale."""

@@ -141,6 +141,10 @@ def test_replay_trace_and_cli(tmp_path):
     f00 = next(t for t in timed if t["rank"] == 0 and t["kind"] == "F" and t["microbatch"] == 0)
     f01 = next(t for t in timed if t["rank"] == 1 and t["kind"] == "F" and t["microbatch"] == 0)
     assert f01["start"] == f00["end"]
+    # the hand-off to the link is its own "send" event, outside the F or B that made the message
+    for r, (message, to) in enumerate((("act", 1), ("grad", 0))):
+        sends = [e for e in report.ranks[r]["events"] if e["kind"] == "send"]
+        assert len(sends) == 4 * 3 and {(e["message"], e["to_chunk"]) for e in sends} == {(message, to)}
     trace = chrome_trace(report)
     ops = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0 and e["cat"] in "FB"]
     assert len(ops) == 2 * 2 * 4 * 3  # ranks x kinds x micro-batches x steps

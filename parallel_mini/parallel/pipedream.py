@@ -60,8 +60,8 @@ class PipeDreamRunner(PipelineRunner):
                                   (x, self.targets[op.microbatch] if last else None))
             if last:
                 self.loss += out.item() / self.schedule.microbatches  # the step's mean, for the log
-            else:
-                self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach())
+        if not last:
+            self._send(("act", op.microbatch, op.chunk + 1), out.detach())
         self.saved[(op.microbatch, op.chunk)] = (x, out, version, self.updates)
         self.peak_versions = max(self.peak_versions, len(self.saved))
 
@@ -73,12 +73,12 @@ class PipeDreamRunner(PipelineRunner):
                 for n, v in version.items():  # .data: autograd does not see this swap
                     v.data.copy_(self.weights[n].data)
             torch.autograd.backward(out, grad)
-            if op.chunk > 0:
-                self.mailbox.send(("grad", op.microbatch, op.chunk - 1), x.grad)
             for n, w in self.weights.items():
                 w.grad = version[n].grad
             self.optimizer.step()  # one update per micro-batch: PipeDream's
             self.optimizer.zero_grad()
+        if op.chunk > 0:
+            self._send(("grad", op.microbatch, op.chunk - 1), x.grad)
         self.staleness.append({"step": self.step, "microbatch": op.microbatch,
                                "updates_between": self.updates - seen})
         self.updates += 1

@@ -10,7 +10,8 @@ and weight-gradient (W) ops to run in which order. This file is the one runner f
    output's gradient, runs autograd through the chunk and sends the input's gradient back.
 3. Messages between neighbours are matched by order, not by tags: both sides read the same schedule,
    so the receiver knows the order in which its neighbour will send (`Mailbox`). Sends never block
-   (isend); a receive blocks, and the time it blocks is the bubble, recorded as a "wait" event.
+   (isend) and are "send" events of their own, outside the F or B that made the message; a receive
+   blocks, and the time it blocks is the bubble, recorded as a "wait" event.
 4. Zero-bubble schedules split B: every Linear's weight gradient X^T dY is queued during B and
    computed by W (`WeightGradStore`, after Qi et al., 2024); all other gradients are cheap and are
    computed in B.
@@ -225,6 +226,14 @@ class PipelineRunner:
     def _event(self, op: Op):
         return self.timeline.op(op.kind, self.step, op.microbatch, op.chunk, rank=self.rank)
 
+    def _send(self, key: tuple, tensor: torch.Tensor) -> None:
+        """Hand a message to the link: its own "send" event, outside the F or B that made it (on a
+        GPU the copy runs on a communication stream while the next op computes)."""
+        kind, micro, to = key
+        with self.timeline.op("send", self.step, micro, to - 1 if kind == "act" else to + 1,
+                              message=kind, to_chunk=to):
+            self.mailbox.send(key, tensor)
+
     def _input(self, op: Op) -> torch.Tensor:
         if op.chunk == 0:
             return self.inputs[op.microbatch]
@@ -241,8 +250,8 @@ class PipelineRunner:
             if last:
                 out = out / self.schedule.microbatches  # the whole batch's loss is the mean
                 self.loss += out.item()
-            else:
-                self.mailbox.send(("act", op.microbatch, op.chunk + 1), out.detach())
+        if not last:
+            self._send(("act", op.microbatch, op.chunk + 1), out.detach())
         self.saved[(op.microbatch, op.chunk)] = (x, out)
 
     def _output_grad(self, op: Op):
@@ -260,8 +269,8 @@ class PipelineRunner:
             x, out = self.saved.pop(key)
             with self.store.collecting(key) if self.store else nullcontext():
                 torch.autograd.backward(out, grad)
-            if op.chunk > 0:
-                self.mailbox.send(("grad", op.microbatch, op.chunk - 1), x.grad)
+        if op.chunk > 0:
+            self._send(("grad", op.microbatch, op.chunk - 1), x.grad)
 
     def _weights(self, op: Op) -> None:
         with self._sampling(), self._event(op):
