@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                              if f.name == "reference" else None)
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
-            default = None if f.name == "layers" else f.default  # None: see _default_layers
+            default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
             run.add_argument(flag, type=typ, default=default, help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
@@ -74,25 +74,35 @@ def _summary(report) -> str:
     return "\n".join(lines)
 
 
-def _default_layers(values: dict) -> int:
-    """RunConfig's 4 layers, or, when the pipeline needs more chunks than that (interleaved over
-    4 stages: 8 chunks), the fewest layers that give every chunk one block, said on stderr."""
-    layers = RunConfig.layers
+def _pipeline_defaults(values: dict) -> None:
+    """Without --layers and --steps: RunConfig's 4 layers and 3 steps, or, for a pipeline,
+    schedules.BLOCKS_PER_CHUNK blocks in every chunk (the embeddings and the head then weigh
+    little beside a stage's blocks) and trace.PIPELINE_STEPS steps (the bubble's op costs come
+    from 4 timed steps), said on stderr."""
+    chosen = []
     if values["pp"] > 1:
-        from .parallel.schedules import virtual_stages
-        chunks = values["pp"] * virtual_stages(values["schedule"], values["virtual_stages"])
-        if layers % chunks:
-            layers = chunks * -(-layers // chunks)
-            print(f"note: --layers {layers} ({values['pp']} stages x {chunks // values['pp']} "
-                  f"chunks need a multiple of {chunks}; give --layers to choose)", file=sys.stderr)
-    return layers
+        from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers, virtual_stages
+        from .trace import PIPELINE_STEPS
+        if values["layers"] is None:
+            v = virtual_stages(values["schedule"], values["virtual_stages"])
+            values["layers"] = pipeline_layers(values["pp"], v)
+            chosen.append(f"--layers {values['layers']}")
+        if values["steps"] is None:
+            values["steps"] = PIPELINE_STEPS
+            chosen.append(f"--steps {PIPELINE_STEPS}")
+        if chosen:
+            print(f"note: {' '.join(chosen)} (a pipeline's defaults: {BLOCKS_PER_CHUNK} blocks per "
+                  f"chunk, {PIPELINE_STEPS - 2} timed steps; give them to choose)", file=sys.stderr)
+    for name in ("layers", "steps"):
+        if values[name] is None:
+            values[name] = getattr(RunConfig, name)
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    values["layers"] = values["layers"] or _default_layers(values)
+    _pipeline_defaults(values)
     try:
         cfg = RunConfig(**values, extra={"progress": args.progress}).validate()
     except ConfigError as e:

@@ -29,35 +29,57 @@ def _pipelines(report) -> list[list[dict]]:
     return [sorted(rs, key=lambda r: r["coords"]["pp"]) for rs in by_replica.values()]
 
 
+# A pipeline run that does not choose its steps runs this many: steps 1-4 are timed (step 0 warms
+# caches up and the last step runs under the memory meter, every op slower), 32 samples of every
+# op kind on every stage at 8 micro-batches.
+PIPELINE_STEPS = 6
+OWN_DEVICE_QUANTILE = 0.1  # see own_device_costs
+
+
 def _steps_to_measure(steps: int) -> list[int]:
     """Step 0 warms caches up and the last step runs under the memory meter (every op slower):
     the steps between are measured when there are any."""
     return list(range(1, steps - 1)) if steps >= 3 else list(range(steps))
 
 
-def own_device_replay(report, step: int, pipeline: list[dict] | None = None,
-                      durations: str = "mean") -> list[dict]:
-    """One step of one pipeline replayed on "own devices" (see the module docstring). Records:
-    {rank (the stage), kind, microbatch, chunk, start, end} in seconds from the step's start.
+def own_device_costs(report, pipeline: list[dict] | None = None) -> dict[tuple, float]:
+    """What each op costs on a device of its own: {(stage, kind, chunk): CPU seconds}, the 10th
+    percentile of that op's CPU times over the timed steps' micro-batches.
 
-    durations="mean": every op takes the mean CPU time of its kind on its chunk over the measured
-    steps. A device of its own runs the same op on a same-shaped micro-batch in the same time; on
-    shared cores one op's CPU time varies by about 30% with what the other ranks run at that moment
-    (shared caches, sibling hyper-threads), and that noise would lengthen every critical path.
-    Differences between stages (the first holds the embeddings, the last the head and the loss)
-    are kept. durations="each": every op its own measured CPU time, noise included."""
-    schedule = for_config(report.config)
+    Not the mean: on shared cores an op runs slower whenever another rank disturbs it (its core
+    switched to another rank mid-op and the caches went cold; on a VM one virtual core at times
+    runs ~2x slower than the other for a whole step). Measured here: one op's CPU time varies by
+    ~30%, and every such disturbance lengthens the replayed critical path, GPipe's most (it pays
+    the slowest stage once per micro-batch in each phase). A device of its own runs the same op on
+    a same-shaped micro-batch in the same time, which the undisturbed samples show: the low
+    percentile (like timeit's best-of) drops the disturbed ones and keeps differences between
+    stages (the first holds the embeddings, the last the head and the loss)."""
     pipeline = pipeline or _pipelines(report)[0]
-    steps = {step} if durations == "each" else set(_steps_to_measure(report.config["steps"]))
+    steps = set(_steps_to_measure(report.config["steps"]))
     samples: dict[tuple, list[float]] = {}
     for stage, r in enumerate(pipeline):
         for e in r["events"]:
             if e["kind"] in COMPUTE and e["step"] in steps:
-                micro = e["microbatch"] if durations == "each" else None
-                samples.setdefault((stage, e["kind"], micro, e["stage"]), []).append(e["cpu"])
-    cpu = {k: statistics.fmean(v) for k, v in samples.items()}
-    return simulate(schedule, lambda rank, op: cpu[(rank, op.kind, op.microbatch if durations ==
-                                                     "each" else None, op.chunk)])
+                samples.setdefault((stage, e["kind"], e["stage"]), []).append(e["cpu"])
+    return {k: sorted(v)[int(OWN_DEVICE_QUANTILE * len(v))] for k, v in samples.items()}
+
+
+def own_device_replay(report, step: int, pipeline: list[dict] | None = None,
+                      durations: str = "typical") -> list[dict]:
+    """One step of one pipeline replayed on "own devices" (see the module docstring). Records:
+    {rank (the stage), kind, microbatch, chunk, start, end} in seconds from the step's start.
+
+    durations="typical": every op takes its own_device_costs (the same for every step).
+    durations="each": every op of `step` its own measured CPU time, disturbances included."""
+    schedule = for_config(report.config)
+    pipeline = pipeline or _pipelines(report)[0]
+    if durations == "typical":
+        cost = own_device_costs(report, pipeline)
+        return simulate(schedule, lambda rank, op: cost[(rank, op.kind, op.chunk)])
+    cpu = {(stage, e["kind"], e["microbatch"], e["stage"]): e["cpu"]
+           for stage, r in enumerate(pipeline) for e in r["events"]
+           if e["kind"] in COMPUTE and e["step"] == step}
+    return simulate(schedule, lambda rank, op: cpu[(rank, op.kind, op.microbatch, op.chunk)])
 
 
 def wall_view(report, step: int, pipeline: list[dict] | None = None) -> list[dict]:
@@ -77,14 +99,12 @@ def wall_view(report, step: int, pipeline: list[dict] | None = None) -> list[dic
 
 
 def op_costs(report) -> dict[str, float]:
-    """Mean CPU seconds of F, B and W (per chunk) over the measured steps: the zero-bubble
-    formula's inputs."""
-    steps = set(_steps_to_measure(report.config["steps"]))
+    """F, B and W's own-device CPU seconds (per chunk; own_device_costs averaged over stages and
+    pipelines): the zero-bubble formula's inputs."""
     by_kind: dict[str, list[float]] = {}
-    for r in report.ranks:
-        for e in r["events"]:
-            if e["kind"] in COMPUTE and e["step"] in steps:
-                by_kind.setdefault(e["kind"], []).append(e["cpu"])
+    for pipeline in _pipelines(report):
+        for (_, kind, _), seconds in own_device_costs(report, pipeline).items():
+            by_kind.setdefault(kind, []).append(seconds)
     return {k: statistics.fmean(v) for k, v in by_kind.items()}
 
 

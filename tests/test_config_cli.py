@@ -211,3 +211,24 @@ def test_cli_json_report_has_the_run_contract(cli_runs):
     th = report["theory"]
     assert th["memory"]["params"] == report["ranks"][0]["memory"]["params"]
     assert th["wire_bytes_per_step"]["dp"] > 0
+
+
+def test_pipeline_defaults_for_layers_and_steps(capsys):
+    """Without --layers/--steps a pipeline gets 4 blocks per chunk and 6 steps (said on stderr);
+    what the learner gives is kept, and a run without --pp keeps RunConfig's defaults silently."""
+    from parallel_mini.__main__ import _pipeline_defaults
+
+    def chosen(**given):
+        values = {"pp": 1, "schedule": "gpipe", "virtual_stages": 0, "layers": None, "steps": None,
+                  **given}
+        _pipeline_defaults(values)
+        return values["layers"], values["steps"], capsys.readouterr().err
+
+    assert chosen() == (RunConfig.layers, RunConfig.steps, "")
+    layers, steps, note = chosen(pp=4)
+    assert (layers, steps) == (16, 6) and "--layers 16 --steps 6" in note
+    assert chosen(pp=4, schedule="interleaved")[0] == 32  # 2 chunks per rank
+    assert chosen(pp=2, schedule="interleaved", virtual_stages=3)[0] == 24
+    layers, steps, note = chosen(pp=4, layers=4, steps=3)
+    assert (layers, steps, note) == (4, 3, "")
+    assert chosen(pp=4, layers=8)[2].startswith("note: --steps 6 ")

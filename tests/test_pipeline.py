@@ -1,5 +1,6 @@
 """Pipeline parallel: schedules as data (pure), the runner on real ranks against the reference,
 measured bytes and memory against theory, the bubble, the trace."""
+import copy
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.parallel import schedules as S
-from parallel_mini.trace import chrome_trace, own_device_replay
+from parallel_mini.trace import chrome_trace, own_device_costs, own_device_replay
 
 
 # -- schedules, no ranks ------------------------------------------------------------------------
@@ -141,6 +142,15 @@ def test_replay_trace_and_cli(tmp_path):
     f00 = next(t for t in timed if t["rank"] == 0 and t["kind"] == "F" and t["microbatch"] == 0)
     f01 = next(t for t in timed if t["rank"] == 1 and t["kind"] == "F" and t["microbatch"] == 0)
     assert f01["start"] == f00["end"]
+    # a disturbed op (the core taken mid-op) does not move the own-device costs: the low percentile
+    costs = own_device_costs(report)
+    slowed = copy.deepcopy(report)
+    for r in slowed.ranks:
+        for kind in "FB":
+            ops = [e for e in r["events"] if e["kind"] == kind and e["step"] == 1]
+            max(ops, key=lambda e: e["cpu"])["cpu"] *= 3
+    assert own_device_costs(slowed) == costs
+    assert set(costs) == {(r, k, r) for r in (0, 1) for k in "FB"}
     # the hand-off to the link is its own "send" event, outside the F or B that made the message
     for r, (message, to) in enumerate((("act", 1), ("grad", 0))):
         sends = [e for e in report.ranks[r]["events"] if e["kind"] == "send"]
