@@ -113,19 +113,21 @@ def bubble(report) -> dict:
     cfg = report.config
     schedule = for_config(cfg)
     steps = _steps_to_measure(cfg["steps"])
-    own, each, wall = [], [], []
+    own, each, wall = [], [], {step: [] for step in steps}
     for pipeline in _pipelines(report):
         own.append(idle_fractions(own_device_replay(report, steps[0], pipeline), cfg["pp"]))
         for step in steps:
             each.append(idle_fractions(own_device_replay(report, step, pipeline, "each"), cfg["pp"]))
             timed = [e for e in wall_view(report, step, pipeline) if e["kind"] in COMPUTE]
-            wall.append(idle_fractions(timed, cfg["pp"]))
+            wall[step] += idle_fractions(timed, cfg["pp"])
     per_rank = [statistics.fmean(f[r] for f in own) for r in range(cfg["pp"])]
+    wall_per_step = [statistics.fmean(wall[step]) for step in steps]
     costs = op_costs(report)
     return {"measured": statistics.fmean(per_rank),
             "measured_per_rank": per_rank,
             "measured_each_op": statistics.fmean(x for f in each for x in f),
-            "measured_wall": statistics.fmean(x for f in wall for x in f),
+            "measured_wall": statistics.fmean(wall_per_step),
+            "measured_wall_per_step": wall_per_step,
             "theory": theory.bubble_fraction(cfg["schedule"], cfg["pp"], cfg["microbatches"],
                                              schedule.virtual, costs if "W" in costs else None),
             "steps": steps, "op_cpu_s": costs}

@@ -74,8 +74,8 @@ def test_pipeline_page_draws_the_plans_before_any_run():
     _set(at, "selectbox", "Compare with", "zb")
     _assert_clean(at)
     assert not _widget(at.radio, "Virtual stages").disabled
-    # 4 stages x 2 chunks: the model gets 8 layers
-    assert any("Model: 8 layers" in c.value for c in at.caption)
+    # 4 stages x 2 chunks x 4 blocks (schedules.BLOCKS_PER_CHUNK): the model gets 32 layers
+    assert any("Model: 32 layers" in c.value for c in at.caption)
     assert _widget(at.metric, "Bubble (theory): interleaved").value == f"{3 / (2 * 8 + 3):.1%}"
     assert _widget(at.metric, "Bubble (theory): zb").value == f"{3 / (3 * 8 + 3):.1%}"
     inter = _timeline_rows(_chart(at, "Planned: interleaved (v = 2)"))
@@ -85,7 +85,7 @@ def test_pipeline_page_draws_the_plans_before_any_run():
     assert _idle_share(zb) == pytest.approx(theory.bubble_fraction("zb", 4, 8), abs=1e-12)
     assert len([r for r in zb if r["kind"] == "W"]) == 4 * 8
     _set(at, "radio", "Virtual stages", 3)
-    assert any("Model: 12 layers" in c.value for c in at.caption)
+    assert any("Model: 48 layers" in c.value for c in at.caption)
     assert _widget(at.metric, "Bubble (theory): interleaved").value == f"{3 / (3 * 8 + 3):.1%}"
     # 16 micro-batches x 3 chunks: too narrow to label each bar; the bars are all still drawn
     _set(at, "slider", "Micro-batches", 16)

@@ -22,7 +22,7 @@ NAMES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe (all F, t
          "zb": "zero bubble (ZB-H1, B and W split)",
          "zbv": "V-shaped zero bubble (2 chunks per rank in a V)"}
 MODEL = {"d_model": 64, "heads": 4, "seq": 32, "vocab": 128}  # the toy; one sequence per micro-batch
-STEPS = 3  # step 0 warms up, step 1 is timed, step 2 runs under the memory meter
+STEPS = trace.PIPELINE_STEPS  # step 0 warms up, steps 1-4 are timed, the last is memory-metered
 PLAN_COSTS = {"F": 1.0, "B": 2.0}  # a backward costs about two forwards
 PLAN_COSTS_SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}  # B + W = the unsplit backward
 VIEWS = {"own": "as if each rank had its own device", "wall": "as measured (wall clock)"}
@@ -32,9 +32,9 @@ SIDE_BY_SIDE_OPS = 24  # most ops per rank drawn side by side
 
 
 def layers_for(pp: int, v: int) -> int:
-    """The smallest multiple of pp·v that is at least 4: every chunk gets the same blocks."""
-    chunks = pp * v
-    return chunks * -(-4 // chunks)
+    """The CLI's choice (schedules.pipeline_layers): the same blocks in every chunk, enough that
+    the embeddings and the LM head weigh little beside a stage."""
+    return S.pipeline_layers(pp, v)
 
 
 def run_config(pp: int, m: int, schedule: str, v: int, layers: int) -> dict:
@@ -123,29 +123,30 @@ def show_live(result: dict, current: bool) -> None:
         with col:
             st.altair_chart(timeline_chart(
                 timed, f"{lab}: {view}",
-                subtitle=[f"step {step} of {STEPS} (0 warms up), {k['pp']} ranks, {k['m']} micro-batches; "
-                          f"bubble {b['measured'] if own else b['measured_wall']:.1%}",
-                          "replayed from each op's own CPU time (mean per kind and stage)" if own
+                subtitle=[f"{'a typical step' if own else f'step {step}'} of {STEPS} (0 warms up), {k['pp']} ranks, {k['m']} micro-batches; "
+                          f"bubble {b['measured'] if own else b['measured_wall_per_step'][0]:.1%}",
+                          f"each op its stage's own CPU time (10th percentile over steps {step}-{b['steps'][-1]})" if own
                           else "waits: a rank blocked on a neighbour's message (or on the core)"],
                 seconds=True, width=width, x_max=x_max), width="content")
             m1, m2, m3 = st.columns(3)
             m1.metric(f"Own device: {short}", f"{b['measured']:.1%}",
                       help="Mean over ranks of the share of the replayed step each rank computed "
                            "nothing (trace.bubble)")
-            m2.metric(f"Wall clock: {short}", f"{b['measured_wall']:.1%}",
-                      help="The same share on the wall clock, measured on shared cores")
+            m2.metric(f"Wall clock: {short}", f"{b['measured_wall_per_step'][0]:.1%}",
+                      help=f"The same share on the wall clock in step {step}, measured on shared "
+                           f"cores (mean over the timed steps: {b['measured_wall']:.1%})")
             m3.metric(f"Formula: {short}", f"{b['theory']:.1%}",
                       help="theory.bubble_fraction" + (" with the measured F, B, W CPU times"
                                                        if "W" in b["op_cpu_s"] else ""))
             cpu = ", ".join(f"{kind} {1e3 * t:.2f} ms" for kind, t in b["op_cpu_s"].items())
-            st.caption(f"Mean CPU time per op (per chunk): {cpu}. Own-device idle share per rank: "
+            st.caption(f"Own-device CPU time per op (per chunk, mean over stages): {cpu}. Own-device idle share per rank: "
                        + ", ".join(f"{x:.0%}" for x in b["measured_per_rank"]) + ".")
 
     rows = [{"schedule": lab, "source": src, "bubble": b[field]} for lab, b in bubbles.items()
             for src, field in (("measured (own device)", "measured"),
                                ("measured (wall clock)", "measured_wall"), ("formula", "theory"))]
     st.altair_chart(viz.bubble_bars(rows, subtitle=[
-        f"p = {k['pp']}, m = {k['m']}; measured: step {step}, mean over the ranks",
+        f"p = {k['pp']}, m = {k['m']}; measured: steps {step}-{bubbles[next(iter(bubbles))]['steps'][-1]}, mean over the ranks",
         "formula: theory.bubble_fraction (zero bubble with the measured F, B, W times)"]),
         width="content")
     st.markdown(f"""
@@ -154,10 +155,12 @@ def show_live(result: dict, current: bool) -> None:
     those stalls look like bubble (the grey *waiting* bars, the long idle stretches). A GPU per rank
     would not have them. So every op also records the rank's **own CPU time**, and the *own device*
     view replays each rank's recorded order through the schedule's dependencies with those times:
-    the run as it would look with one device per rank and instant links. That is the bubble to read
-    against the formula. On a laptop it lands a few points above it: op times vary with what the
-    other ranks run at the same moment, and the stages are not quite equal (stage 0 also holds the
-    embeddings, the last stage the LM head and the loss), while the formula assumes equal stages.
+    the run as it would look with one device per rank and instant links. An op takes the 10th
+    percentile of its measured CPU times: on shared cores an op runs slower whenever another rank
+    disturbs it, and a device of its own would not. That is the bubble to read against the formula.
+    It lands a point or two above it: the stages are not quite equal (stage 0 also holds the
+    embeddings, the last stage the LM head and the loss, hence {S.BLOCKS_PER_CHUNK} blocks per chunk),
+    while the formula assumes equal stages.
     """)
 
     # --- 3. memory -------------------------------------------------------------------------------
