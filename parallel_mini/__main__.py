@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from .config import ConfigError, RunConfig
@@ -98,6 +99,23 @@ def _pipeline_defaults(values: dict) -> None:
             values[name] = getattr(RunConfig, name)
 
 
+def _write_stdout(text: str) -> None:
+    """All of `text` on stdout, even when it is a pipe whose reader is slow. The ranks' processes
+    share that pipe (and its file status flags) with this one; twice in ~80 runs of
+    `run --json - | python -c ...` the report arrived cut after a multiple of 4 KiB, as a write to a
+    pipe in non-blocking mode cuts it. So: blocking mode, and a loop over partial writes."""
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError):  # not a file (a test's capture, a notebook)
+        sys.stdout.write(text)
+        return
+    os.set_blocking(fd, True)
+    data = memoryview(text.encode())
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
@@ -124,7 +142,7 @@ def main(argv=None) -> int:
         from .trace import write_chrome_trace
         write_chrome_trace(report, args.trace)
     if args.json == "-":
-        print(report.to_json())
+        _write_stdout(report.to_json() + "\n")
     elif args.json:
         with open(args.json, "w") as fh:
             fh.write(report.to_json(indent=1))
