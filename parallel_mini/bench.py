@@ -6,6 +6,7 @@
     python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
     python -m parallel_mini.bench tp      # (d) our tensor (+ sequence) parallel vs DTensor
     python -m parallel_mini.bench pp      # (e) our pipeline schedules vs torch.distributed.pipelining
+    python -m parallel_mini.bench bubble  # (f) measured (own-device) pipeline bubble vs the formula
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -26,7 +27,10 @@
     Schedule1F1B, ScheduleInterleaved1F1B, each a PipelineStage per chunk of the same split
     (`TorchPipeline`: our `partition` and `forward_chunk` inside, torch's schedule and p2p around),
     same data and Adam arithmetic, steps interleaved as in (a).
-(a) to (e) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(f) The pipeline's "done means" run repeated: `run --pp 4 --microbatches 8 --schedule S --reference`
+    with the CLI's pipeline defaults, N times per schedule; the own-device bubble minus the formula
+    (points), how many runs land within 3 points, and the largest |ours - reference|.
+(a) to (f) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed.
 """
@@ -561,6 +565,39 @@ def bench_warm(repeats: int = 10, dp: int = 4, steps: int = 2) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# (f) the bubble, measured against the formula, over repeated runs
+# ---------------------------------------------------------------------------------------------
+def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), pp: int = 4, m: int = 8,
+                 repeats: int = 5) -> list[dict]:
+    from .engine import run
+    from .parallel.schedules import pipeline_layers, virtual_stages
+    from .trace import PIPELINE_STEPS
+
+    rows = []
+    for name in schedules:
+        cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
+                        layers=pipeline_layers(pp, virtual_stages(name)),
+                        steps=PIPELINE_STEPS).validate()
+        runs = []
+        for i in range(repeats):
+            report = run(cfg)
+            b = report.extra["bubble"]
+            runs.append({"measured": b["measured"], "theory": b["theory"],
+                         "points": 100 * (b["measured"] - b["theory"]),
+                         "max_abs_diff": report.max_abs_diff})
+            print(f"  {name} run {i + 1}/{repeats}: bubble {b['measured']:.1%} vs formula "
+                  f"{b['theory']:.1%}", file=sys.stderr, flush=True)
+        points = [r["points"] for r in runs]
+        rows.append({"schedule": name, "pp": pp, "microbatches": m, "layers": cfg.layers,
+                     "steps": cfg.steps, "repeats": repeats, "runs": runs,
+                     "median_points": statistics.median(points),
+                     "max_abs_points": max(abs(x) for x in points),
+                     "within_3_points": sum(abs(x) <= 3 for x in points),
+                     "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
 def _table(headers, rows) -> str:
@@ -621,6 +658,20 @@ def _print_pp(rows):
                    f"{r['last_loss_diff']:.1e}"] for r in rows]))
 
 
+def _print_bubble(rows):
+    r0 = rows[0]
+    print(f"(f) pipeline bubble, own-device replay minus the formula (points), pp {r0['pp']}, "
+          f"{r0['microbatches']} micro-batches, {r0['steps']} steps, {r0['repeats']} runs each")
+    print(_table(["schedule", "layers", "formula", "measured (each run)", "median", "max |.|",
+                  "within 3", "max |ours - ref|"],
+                 [[r["schedule"], r["layers"], f"{r['runs'][0]['theory']:.1%}",
+                   " ".join(f"{x['measured']:.1%}" for x in r["runs"]),
+                   f"{r['median_points']:+.1f}", f"{r['max_abs_points']:.1f}",
+                   f"{r['within_3_points']}/{r['repeats']}", f"{r['max_abs_diff']:.1e}"]
+                  for r in rows]))
+    print("    zb's formula takes each run's measured F, B, W costs")
+
+
 def _print_warm(w):
     print(f"warm path: engine.run(dp={w['dp']}, steps={w['steps']}) x {w['repeats']}: "
           f"p50 {w['p50_s']:.2f} s  p90 {w['p90_s']:.2f} s  (first call {w['first_s']:.2f} s)")
@@ -629,7 +680,7 @@ def _print_warm(w):
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "all"])
+    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -640,6 +691,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats for (b)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pp degrees for (e)")
     ap.add_argument("--warm-repeats", type=int, default=10, help="repeated runs for warm")
+    ap.add_argument("--bubble-repeats", type=int, default=5, help="runs per schedule for (f)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     return ap
 
@@ -666,6 +718,9 @@ def main(argv=None) -> int:
     if args.what in ("pp", "all"):
         out["pp"] = bench_pp(tuple(args.pp))
         show(_print_pp, out["pp"])
+    if args.what in ("bubble", "all"):
+        out["bubble"] = bench_bubble(repeats=args.bubble_repeats)
+        show(_print_bubble, out["bubble"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])
