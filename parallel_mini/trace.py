@@ -44,7 +44,8 @@ def _steps_to_measure(steps: int) -> list[int]:
 
 def own_device_costs(report, pipeline: list[dict] | None = None) -> dict[tuple, float]:
     """What each op costs on a device of its own: {(stage, kind, chunk): CPU seconds}, the 10th
-    percentile of that op's CPU times over the timed steps' micro-batches.
+    percentile of that op's CPU times over the timed steps' micro-batches (with fewer than 10
+    samples, e.g. one timed step of 8 micro-batches, the fastest).
 
     Not the mean: on shared cores an op runs slower whenever another rank disturbs it (its core
     switched to another rank mid-op and the caches went cold; on a VM one virtual core at times
