@@ -92,6 +92,7 @@ class WeightGradStore:
     def put(self, linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
         self.pending.setdefault(self.key, []).append((linear, x, grad_out))
 
+    @torch.no_grad()  # X was saved by autograd and still requires grad: dW must not record a graph
     def compute(self, key) -> None:
         for linear, x, grad_out in self.pending.pop(key):
             x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
