@@ -217,8 +217,15 @@ class RunConfig:
                 for_config(self)
             except (ValueError, TypeError) as e:
                 raise ConfigError(f"the schedule's ops: {e}") from None
+        if self.zero and self.schedule.startswith("pipedream"):
+            raise ConfigError(f"--zero {self.zero} with --schedule {self.schedule}: PipeDream steps "
+                              f"each stage's own optimizer after every micro-batch; use --zero 0")
+        if self.zero == 3 and self.schedule in ("zb", "zbv"):  # W runs outside autograd's hooks
+            raise ConfigError(f"--zero 3 with --schedule {self.schedule}: ZeRO-3 reduce-scatters "
+                              f"each layer's gradient from an autograd hook, and {self.schedule}'s W "
+                              f"ops compute weight gradients outside autograd; use --zero 1 or 2, "
+                              f"or --schedule 1f1b")
         for name, value, why in (("tp", self.tp > 1, "tensor parallel inside pipeline stages"),
-                                 ("zero", self.zero > 0, "ZeRO over pipeline stages"),
                                  ("fp32-grad-accum", self.fp32_grad_accum, "fp32 gradient buffers")):
             if value:
                 raise ConfigError(f"--{name} with --pp {self.pp}: {why} is not available yet in "

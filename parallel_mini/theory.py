@@ -224,6 +224,7 @@ def run_theory(cfg, n_params: int) -> dict:
 def _rank_theory(cfg, units: list[int]) -> dict:
     """Model states and data-parallel traffic of one rank holding `units` (parameters per unit)."""
     n_params = sum(units)  # what one rank holds: all of it, its tensor-parallel slices, its stage
+    micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # forward+backward passes
     shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp  # ZeRO's shard group size
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
                                cfg.offload, cfg.fp32_grad_accum)
@@ -235,10 +236,10 @@ def _rank_theory(cfg, units: list[int]) -> dict:
     else:
         group = "dp" if shard == cfg.dp else "dp_shard"
         wire[group] = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, shard, units,
-                                               cfg.grad_accum)
+                                               micro_steps)
         if shard < cfg.dp:
             wire["dp_rep"] = hybrid_replica_wire_bytes(cfg.zero, n_params, cfg.precision, shard,
-                                                       cfg.dp // shard, units, cfg.grad_accum)
+                                                       cfg.dp // shard, units, micro_steps)
         padding = (padded(n_params, shard) - n_params if cfg.zero < 3
                    else sum(padded(u, shard) - u for u in units))
         if cfg.offload:  # gradient slice to the host, updated parameter slice back, every step

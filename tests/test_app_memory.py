@@ -2,7 +2,7 @@
 the fits / does-not-fit verdict against the GPU's capacity, a live toy run at all four ZeRO
 stages whose measured model states equal the formula to the byte, the same with tensor + sequence
 parallel (each rank's TP slices sharded by ZeRO), and the pipeline degree (theory: model states
-/ PP; live: refused with a note until the pipeline lands). Expected numbers are computed here by
+/ PP; live: each stage's states sharded by ZeRO, equal to that stage's formula to the byte). Expected numbers are computed here by
 hand (bytes per parameter x parameters / N), not read back from the library."""
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_live_toy_run_measures_model_states_equal_to_theory_at_every_stage():
     assert list(table["stage"]) == STAGES
     for cat in ("params", "grads", "optimizer"):
         assert list(table[f"{cat}: measured − predicted (B)"]) == [0, 0, 0, 0]
-    assert list(table["every rank the same"]) == ["yes"] * 4
+    assert list(table["every rank = its formula"]) == ["yes"] * 4
     peak = float(_widget(at.metric, "Total live peak").value.split()[0])
     assert peak > 0
 
@@ -222,7 +222,7 @@ def test_live_tp2_with_sp_shards_each_ranks_slices_to_the_byte_and_shrinks_activ
         assert 0 < live[stage, "activations", "measured"] < 0.6 * acts_tp1[stage], stage
     assert "equal to the byte" in at.success[0].value
     table = at.dataframe[0].value
-    assert list(table["every rank the same"]) == ["yes"] * 4  # all 4 ranks (2 dp x 2 tp)
+    assert list(table["every rank = its formula"]) == ["yes"] * 4  # all 4 ranks (2 dp x 2 tp)
     for cat in ("params", "grads", "optimizer"):
         assert list(table[f"{cat}: measured − predicted (B)"]) == [0, 0, 0, 0]
 
@@ -262,18 +262,45 @@ def test_pp_and_tp_divide_a_big_presets_model_states_and_pp_keeps_its_activation
     assert any("**32 GPU(s)** = N × TP × PP = 8 × 2 × 2" in m.value for m in at.markdown)
 
 
-def test_layouts_that_cannot_run_live_on_a_toy_show_theory_and_why():
+def test_live_pp2_each_stage_is_sharded_by_zero_and_equals_its_formula_to_the_byte():
     at = _page()
+    _set(at, "select_slider", "GPUs", 2)
+    _set(at, "radio", "Precision", "fp32")
+    _set(at, "radio", "Optimizer", "adam")
     _set(at, "radio", "Pipeline parallel", 2)
-    assert not at.button  # nothing to press: the bars are theory
-    assert [c["spec"]["title"]["text"] for c in _charts(at)] == ["Memory per GPU by ZeRO stage (theory)"]
-    notes = [i.value for i in at.info
-             if "live runs with pp arrive with the pipeline page" in i.value.lower()]
-    assert len(notes) == 2  # in the model's box and under "Live"
-    # Ψ/PP per GPU (218,496 / 2), then ZeRO-0 over N = 2: fp32 Adam, 16 bytes each
+    assert any("runs live here on 4 rank(s) (N × TP × PP = 2 × 1 × 2)" in i.value for i in at.info)
+    # theory above: Ψ/PP per GPU (218,496 / 2), then ZeRO-0 over N = 2: fp32 Adam, 16 bytes each
     bars = _stage_bars(at)
     assert (bars["ZeRO-0", "params"], bars["ZeRO-0", "optimizer"]) == (
         4 * TOY_PARAMS // 2, 8 * TOY_PARAMS // 2)
+    at.button[0].click().run()
+    _assert_clean(at)
+    # rank 0 holds stage 0: the embeddings and blocks 0-1 (the head is on stage 1), even: no padding
+    p = V * H + S * H + 2 * (12 * H * H + 13 * H)
+    expected = {"ZeRO-0": (4 * p, 4 * p, 8 * p), "ZeRO-1": (4 * p, 4 * p, 8 * p // 2),
+                "ZeRO-2": (4 * p, 4 * p // 2, 8 * p // 2), "ZeRO-3": (4 * p // 2, 4 * p // 2, 8 * p // 2)}
+    live = _live(at)
+    for stage, want in expected.items():
+        for cat, b in zip(("params", "grads", "optimizer"), want):
+            assert live[stage, cat, "measured"] == live[stage, cat, "predicted"] == b, (stage, cat)
+    assert "equal to the byte" in at.success[0].value
+    table = at.dataframe[0].value
+    # every rank, stage 1 (the head, no embeddings) too, equals its own stage's formula
+    assert list(table["every rank = its formula"]) == ["yes"] * 4
+
+
+def test_layouts_that_cannot_run_live_on_a_toy_show_theory_and_why():
+    at = _page()
+    _set(at, "radio", "Pipeline parallel", 2)
+    _set(at, "radio", "Tensor parallel", 2)
+    assert not at.button  # nothing to press: the bars are theory
+    assert [c["spec"]["title"]["text"] for c in _charts(at)] == ["Memory per GPU by ZeRO stage (theory)"]
+    notes = [i.value for i in at.info if "tensor parallel inside pipeline stages" in i.value]
+    assert len(notes) == 2  # in the model's box and under "Live"
+    # Ψ/(TP·PP) per GPU, then ZeRO-0 over N = 2: fp32 Adam, 16 bytes each
+    bars = _stage_bars(at)
+    assert (bars["ZeRO-0", "params"], bars["ZeRO-0", "optimizer"]) == (
+        4 * TOY_PARAMS // 4, 8 * TOY_PARAMS // 4)
     # TP = 8 cannot split the toy's 4 heads: RunConfig's own message says so
     _set(at, "radio", "Pipeline parallel", 1)
     _set(at, "radio", "Tensor parallel", 8)

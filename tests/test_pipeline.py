@@ -80,7 +80,8 @@ def test_check_refuses_broken_schedules():
     (dict(pp=2, schedule="1f1b", virtual_stages=2), "need --schedule interleaved"),
     (dict(pp=2, grad_accum=2), "grad-accum"),
     (dict(pp=2, tp=2), "tensor parallel inside pipeline stages"),
-    (dict(pp=2, dp=2, zero=1), "ZeRO over pipeline stages"),
+    (dict(pp=2, dp=2, zero=3, schedule="zb"), "outside autograd"),
+    (dict(pp=2, zero=1, schedule="pipedream"), "use --zero 0"),
 ])
 def test_bad_pipeline_configs_are_refused(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -167,6 +168,21 @@ def test_replay_trace_and_cli(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "bubble: measured" in out.stdout
     assert any(e.get("cat") == "send" or e.get("name") == "send" for e in json.loads(path.read_text())["traceEvents"])
+
+
+@pytest.mark.parametrize("zero,schedule", [(1, "1f1b"), (2, "zb"), (2, "interleaved"), (3, "gpipe"),
+                                           (3, "1f1b")])
+def test_zero_inside_pipeline_stages(zero, schedule):
+    """dp 2 x pp 2: each stage's states sharded over its dp pair (ZeRO-1/2: once per step, after
+    the flush; ZeRO-3: every layer gathered again for each micro-batch's forward and backward, so
+    m times the traffic), equal to the reference, every rank's bytes to the stage's formula."""
+    report = run(RunConfig(dp=2, pp=2, zero=zero, microbatches=4, schedule=schedule, steps=2,
+                           layers=8 if schedule == "interleaved" else 4, reference=True))
+    _check_against_theory(report)
+    plain = theory.run_theory(RunConfig.from_dict({**report.config, "zero": 0}).validate(), 0)
+    for r in report.ranks:  # Adam's moments are split over the dp pair: half (+ padding) each
+        full = plain["stages"][r["coords"]["pp"]]["memory"]["optimizer"]
+        assert full / 2 <= r["memory"]["optimizer"] < full
 
 
 # -- PipeDream: asynchronous 1F1B ---------------------------------------------------------------

@@ -119,16 +119,12 @@ def first_config_error(cfgs: list[dict]) -> ConfigError | None:
 
 def why_not_live() -> str | None:
     """The one place that decides whether this layout runs live here: None when it does, else the
-    reason, one line. RunConfig's own validation speaks first (pipeline parallel is refused until
-    the pipeline lands: then PP > 1 runs live with no change here), then this machine's rank cap."""
+    reason, one line. RunConfig's own validation speaks first (e.g. TP inside pipeline stages is
+    not available yet), then this machine's rank cap."""
     if not toy:
         return "theory only: the model is far beyond what runs on this machine"
     err = first_config_error(configs)
     if err is not None:
-        without_pp = [{k: v for k, v in cfg.items() if k not in pipe} | {"batch": cfg["batch"] // pp}
-                      for cfg in configs]
-        if pp > 1 and first_config_error(without_pp) is None:  # PP alone is what RunConfig refuses
-            return f"live runs with PP arrive with the pipeline page (`{err}`)"
         return f"this layout does not run live: `{err}`"
     if world > MAX_LIVE_RANKS:
         return (f"live runs take at most {MAX_LIVE_RANKS} ranks on this machine, and N × TP × PP "
@@ -271,7 +267,8 @@ def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
         bar.progress(i / len(cfgs), text=f"ZeRO-{cfg['zero']}: training on {ranks} rank(s)…")
         rep = training_run(json.dumps(cfg, sort_keys=True), attempt)
         out.append({"config": rep["config"], "theory": rep["theory"],
-                    "ranks": [{"rank": r["rank"], "memory": r["memory"]} for r in rep["ranks"]]})
+                    "ranks": [{"rank": r["rank"], "coords": r["coords"], "memory": r["memory"]}
+                              for r in rep["ranks"]]})
     bar.progress(1.0, text="all four stages measured")
     return out
 
@@ -298,7 +295,7 @@ for run in runs:
     c = run["config"]
     k = c["zero"]
     name = f"ZeRO-{k}" + (" + offload" if c["offload"] else "")
-    mine = run["ranks"][0]["memory"]  # rank 0; every rank is checked for equal model states below
+    mine = run["ranks"][0]["memory"]  # rank 0; every rank is checked against its formula below
     # the run report's own theory (run_theory): model states exact per rank (its TP slices, padded
     # ZeRO shards), Korthikanti per layer with this run's tp and sp
     korthikanti = c["layers"] * run["theory"]["activations_per_layer"]["korthikanti"]
@@ -310,13 +307,17 @@ for run in runs:
     for cat, v in want.items():
         live_rows.append({"stage": name, "category": cat, "source": "predicted", "bytes": v})
     peaks.append({"stage": name, "bytes": mine["total_peak"]})
-    same_on_every_rank = all(r["memory"][cat] == mine[cat] for r in run["ranks"]
-                             for cat in run["theory"]["memory"])
+    # every rank against its own formula: with PP the stages differ (embeddings on the first,
+    # the head on the last), so each rank is checked against its stage's entry
+    stages = run["theory"].get("stages")
+    same_on_every_rank = all(
+        r["memory"][cat] == (stages[r["coords"]["pp"]] if stages else run["theory"])["memory"][cat]
+        for r in run["ranks"] for cat in run["theory"]["memory"])
     row = {"stage": name}
     for cat in STATE_CATS:
         if cat in want:
             row[f"{cat}: measured − predicted (B)"] = got[cat] - want[cat]
-    row.update({"every rank the same": "yes" if same_on_every_rank else "NO",
+    row.update({"every rank = its formula": "yes" if same_on_every_rank else "NO",
                 "transient comm buffers (B)": got["transient"],
                 "activations: measured peak (B)": got["activations"],
                 "activations: Korthikanti (B)": korthikanti,
@@ -325,12 +326,15 @@ for run in runs:
 
 c0 = runs[0]["config"]
 diffs = [v for row in table for col, v in row.items() if "measured − predicted" in col]
-exact = all(v == 0 for v in diffs) and all(r["every rank the same"] == "yes" for r in table)
+exact = all(v == 0 for v in diffs) and all(r["every rank = its formula"] == "yes" for r in table)
 st.altair_chart(viz.memory_measured_vs_theory(
     live_rows, peaks,
-    subtitle=[f"dp {c0['dp']} × tp {c0['tp']}{' + sp' if c0['sp'] else ''} = "
-              f"{c0['dp'] * c0['tp']} rank(s), rank 0 shown; predicted: the run report's theory "
-              f"(model states per rank, padded shards; activations: Korthikanti)",
+    subtitle=[f"dp {c0['dp']} × tp {c0['tp']}{' + sp' if c0['sp'] else ''} × pp {c0['pp']} = "
+              f"{c0['dp'] * c0['tp'] * c0['pp']} rank(s), rank 0 shown"
+              + (" (pipeline stage 0: embeddings + the first layers; 1F1B, pp micro-batches)"
+                 if c0["pp"] > 1 else "")
+              + "; predicted: the run report's theory (model states per rank, padded shards; "
+              "activations: Korthikanti)",
               "transient: comm buffers (ZeRO-0's gradient buckets, ZeRO-3's gathered layer), not "
               "in the formula",
               "tick: measured peak of all live bytes at once; the categories peak at different "
