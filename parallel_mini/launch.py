@@ -188,8 +188,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
     try:
         return _launch(payload, world_size, timeout, pg_timeout, backend, echo)
     except _StartFailed as e:
-        # Gloo's full-mesh connect on loopback fails now and then ("Connection closed by peer",
-        # seen once in ~15 suites of ~1,000 launches): nothing of `fn` has run, so start again once.
+        # Gloo's full-mesh connect on loopback can fail ("Connection closed by peer": seen once,
+        # in a fresh-clone CI run of the suite): nothing of `fn` has run, so start again once.
         if "connectFullMesh" not in e.details:
             raise
         print(f"note: rank {e.rank} could not connect to its peers; starting the ranks again",
