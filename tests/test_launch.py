@@ -301,6 +301,16 @@ def test_a_failed_gloo_connect_at_start_is_retried_once(monkeypatch, capsys):
         calls.append(1)
         raise launch._StartFailed(0, "RuntimeError: some other start-up error")
 
+    def never(*a, **kw):
+        calls.append(1)
+        raise launch._StartFailed(1, "RuntimeError: Gloo connectFullMesh failed again")
+
+    calls.clear()
+    monkeypatch.setattr(launch, "_launch", never)
+    with pytest.raises(RankError, match="failed again"):
+        run_ranks(_module_fn, 2, 1)
+    assert len(calls) == 2  # one retry, not more
+
     calls.clear()
     monkeypatch.setattr(launch, "_launch", broken)
     with pytest.raises(RankError, match="some other start-up error"):

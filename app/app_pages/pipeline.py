@@ -31,12 +31,6 @@ WIDE_WIDTH = 960  # one timeline per row, when a rank runs too many ops to read 
 SIDE_BY_SIDE_OPS = 24  # most ops per rank drawn side by side
 
 
-def layers_for(pp: int, v: int) -> int:
-    """The CLI's choice (schedules.pipeline_layers): the same blocks in every chunk, enough that
-    the embeddings and the LM head weigh little beside a stage."""
-    return S.pipeline_layers(pp, v)
-
-
 def run_config(pp: int, m: int, schedule: str, v: int, layers: int) -> dict:
     return {**MODEL, "pp": pp, "microbatches": m, "batch": m, "schedule": schedule,
             "virtual_stages": v if schedule == "interleaved" else 0, "layers": layers,
@@ -290,7 +284,9 @@ v_choice = c3.radio("Virtual stages per rank (v, interleaved only)", [2, 3], hor
                     help="Interleaved gives each rank v smaller chunks of the model: rank r holds "
                          "chunks r, r + p, …")
 v = v_choice if uses_v else 1
-layers = layers_for(pp, v * 2 // math.gcd(v, 2) if "zbv" in (first, second) else v)  # zbv: 2 chunks
+# the CLI's choice: the same blocks in every chunk, enough that the embeddings and the head weigh
+# little beside a stage (zbv needs 2 chunks per rank: both schedules get lcm(v, 2))
+layers = S.pipeline_layers(pp, v * 2 // math.gcd(v, 2) if "zbv" in (first, second) else v)
 c3.caption(f"Model: {layers} layers × d{MODEL['d_model']}, vocabulary {MODEL['vocab']}, "
            f"{STEPS} steps (the same model for both schedules: {layers // (pp * v)} "
            f"layer(s) per chunk).")
