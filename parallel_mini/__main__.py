@@ -154,10 +154,19 @@ def main(argv=None) -> int:
 
 def _entry() -> None:
     try:
-        sys.exit(main())
+        rc = main()
     except BrokenPipeError:  # e.g. `... --json - | head`: the reader left, nothing to report
         sys.stderr.close()
         sys.exit(0)
+    from .launch import under_torchrun
+    if under_torchrun():
+        # A gloo worker thread can drop its last tensor reference while the interpreter shuts
+        # down and abort the process ("terminate called without an active exception", pytorch
+        # issue 190489). The report is out: flush it and end the process without that shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

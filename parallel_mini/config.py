@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .launch import MAX_LOCAL_RANKS
+from .launch import MAX_LOCAL_RANKS, under_torchrun
 
 
 class ConfigError(ValueError):
@@ -75,7 +75,8 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp * self.ep
+        """dp x tp x pp x cp: expert parallel is carved out of the dp x cp ranks (mesh.py)."""
+        return self.dp * self.tp * self.pp * self.cp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -142,8 +143,8 @@ class RunConfig:
             if getattr(self, name) != default:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)}: {topic} is not available "
                                   f"yet in this version; use {_flag(name)} {default}")
-        if self.world_size > MAX_LOCAL_RANKS:
-            raise ConfigError(f"world size {self.world_size} (dp*tp*pp*cp*ep): local runs take at "
+        if self.world_size > MAX_LOCAL_RANKS and not under_torchrun():  # torchrun: no local cap
+            raise ConfigError(f"world size {self.world_size} (dp*tp*pp*cp): local runs take at "
                               f"most {MAX_LOCAL_RANKS} ranks on one machine; lower the degrees "
                               f"or launch with torchrun")
         if self.batch % (self.dp * self.grad_accum):
@@ -225,11 +226,9 @@ class RunConfig:
                               f"each layer's gradient from an autograd hook, and {self.schedule}'s W "
                               f"ops compute weight gradients outside autograd; use --zero 1 or 2, "
                               f"or --schedule 1f1b")
-        for name, value, why in (("tp", self.tp > 1, "tensor parallel inside pipeline stages"),
-                                 ("fp32-grad-accum", self.fp32_grad_accum, "fp32 gradient buffers")):
-            if value:
-                raise ConfigError(f"--{name} with --pp {self.pp}: {why} is not available yet in "
-                                  f"this version; use one of them at a time")
+        if self.fp32_grad_accum:
+            raise ConfigError(f"--fp32-grad-accum with --pp {self.pp}: fp32 gradient buffers inside "
+                              f"pipeline stages are not available yet; use one of them at a time")
 
 
 def _flag(name: str) -> str:

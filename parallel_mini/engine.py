@@ -1,9 +1,21 @@
 """One training run, composed from the parallel/ pieces for a RunConfig.
 
-`train_rank` is what each rank executes: build the mesh, the model and the parallel wrapper, run the
-steps while the meters watch, and return this rank's measurements. `run` launches the ranks (or,
-under torchrun, is one of them) and merges the per-rank results into a RunReport.
-Composition order, as it grows (torchtitan's order): TP/SP -> PP -> CP -> EP -> ZeRO/DP.
+`train_rank` is what each rank executes; `run` launches the ranks (or, under torchrun, is one of
+them) and merges the per-rank results into a RunReport.
+
+The composition, in this fixed order (torchtitan's: model changes first, data parallel last):
+    1. mesh        the rank grid and its named axes (mesh.py)
+    2. model       the same seeded GPT on every rank (model.py)
+    3. recompute   activation checkpointing: a block's seam, or a checkpointed attention core
+    4. tensor      TP/SP: embedding, head and the blocks' Linear layers replaced by parallel ones
+    5. runner      the StepRunner: plain micro-steps, or a pipeline schedule that keeps only this
+                   rank's stage (so that what follows sees only the stage's parameters)
+    6. strategy    the GradientStrategy over the parameters left: plain data parallel, ZeRO-1/2,
+                   ZeRO-3 (FSDP), over the mesh's batch / shard / replicate axes
+    7. attach      the runner drives the strategy: zero_grad, sync, finish_gradient_sync, step
+Each step is then `runner.train_step(step, batch)`; the two interfaces are in interfaces.py and the
+engine calls nothing else on them. Context and expert parallel will slot in at 4 (attention core,
+MLP), between TP and the runner.
 """
 from __future__ import annotations
 
@@ -17,27 +29,29 @@ import torch.distributed as dist
 from .comm import Comm
 from .config import RunConfig
 from .data import global_batch, shard
+from .interfaces import GradientStrategy, StepRunner
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
-from .mesh import build_mesh
+from .mesh import Mesh, build_mesh
 from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.data import DataParallel, accumulate_grads_in_fp32
 from .parallel.pipedream import PipeDreamRunner
 from .parallel.pipeline import PipelineRunner, gather_stage_parameters
+from .parallel.recompute import apply_checkpointing
 from .parallel.schedules import for_config
-from .parallel.recompute import apply_checkpointing, backward
 from .parallel.tensor import apply_tensor_parallel, gather_full_parameters
 from .parallel.zero import ZeroDataParallel
 from .parallel.zero3 import Zero3DataParallel
 from .reference import max_abs_diff, train_reference
 from .report import RunReport, merge_rank_results
+from .step import PlainStep
 
 
 class PlainDataParallel:
-    """DataParallel plus its optimizer behind the same loop interface as the ZeRO strategies."""
+    """GradientStrategy: DataParallel (gradient averaging) plus a whole optimizer on every rank."""
 
-    def __init__(self, model, comm, cfg, average_fn=None):
+    def __init__(self, model, comm, cfg, axis: str = "dp", average_fn=None):
         self.model = model
         if cfg.fp32_grad_accum:
             accumulate_grads_in_fp32(model.parameters())
@@ -57,81 +71,48 @@ class PlainDataParallel:
                 "optimizer": self.optimizer.state_tensors()}
 
     def buffers(self) -> list[torch.Tensor]:
-        """Transient-but-allocated-once buffers (the gradient buckets)."""
+        """The gradient buckets: allocated once, held across steps."""
         return [b.flat for b in self.dp.buckets]
+
+    def transient_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
 
-def parallelize(model, comm, cfg, average_fn=None):
-    """Apply the strategies for `cfg` (torchtitan's fixed order as topics land: TP/SP, PP, CP, EP,
-    then data parallel last). Today: data parallel, plain or ZeRO stage 1/2/3."""
-    dtype = PARAM_DTYPE[cfg.precision]
+def parallelize(model, comm, cfg, average_fn=None) -> GradientStrategy:
+    """The gradient strategy for `cfg` over the mesh's data-parallel axes (step 6 above)."""
+    mesh = comm.mesh
     if cfg.zero == 0:
-        return PlainDataParallel(model, comm, cfg, average_fn)
-    hybrid = 0 < cfg.dp_shard < cfg.dp  # FSDP's HYBRID_SHARD: shard in groups, replicate across
-    axes = dict(shard_axis="dp_shard", replicate_axis="dp_rep") if hybrid else {}
+        return PlainDataParallel(model, comm, cfg, mesh.axis_for("batch"), average_fn)
+    dtype = PARAM_DTYPE[cfg.precision]
+    axes = dict(shard_axis=mesh.axis_for("shard"), replicate_axis=mesh.axis_for("replicate"))
     if cfg.zero in (1, 2):
         return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,
                                 offload=cfg.offload, **axes)
     return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, **axes)
 
 
-def _mean_over_dp(value: float, mesh) -> float:
+def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
+    """The step runner for `cfg` (step 5 above). A pipeline keeps only this rank's stage."""
+    if cfg.pp == 1:
+        return PlainStep(model, cfg.grad_accum, timeline, act)
+    schedule = for_config(cfg)
+    if cfg.schedule.startswith("pipedream"):
+        return PipeDreamRunner(model, comm, schedule, timeline, live,
+                               stash=cfg.schedule == "pipedream")
+    return PipelineRunner(model, comm, schedule, timeline, live,
+                          seq_shards=cfg.tp if cfg.sp else 1)
+
+
+def _mean_over(value: float, mesh: Mesh, axis: str) -> float:
     """Global loss for the log: a metric, not training traffic, so it bypasses the comm records."""
-    if mesh.size("dp") == 1:
+    if mesh.size(axis) == 1:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=rank_device())
-    dist.all_reduce(t, group=mesh.groups["dp"])
-    return t.item() / mesh.size("dp")
-
-
-def _train_step(cfg, step, model, strategy, act, timeline, mesh, recompute) -> float:
-    """Forward/backward over the grad-accumulation micro-batches, gradient sync, optimizer step."""
-    dp_rank, dp_size, k = mesh.local_rank("dp"), mesh.size("dp"), cfg.grad_accum
-    local = shard(global_batch(cfg, step), dp_rank, dp_size)  # [b/dp, s] x 2
-    step_loss = 0.0
-    strategy.zero_grad()
-    for micro in range(k):
-        x, y = (t.to(rank_device()) for t in shard(local, micro, k))  # [b/(dp*k), s]
-        with strategy.sync(micro == k - 1):
-            with timeline.op("forward", step, micro), act.forward():
-                loss = model(x, y) / k  # mean over the micro-batch, scaled for accumulation
-            with timeline.op("backward", step, micro):
-                backward(loss, recompute)
-        step_loss += loss.item()
-    with timeline.op("grad_sync", step):
-        strategy.finish_gradient_sync()
-    with timeline.op("optimizer", step):
-        strategy.step()
-    return _mean_over_dp(step_loss, mesh)
-
-
-def _pipeline_step(cfg, step, runner, strategy, timeline, mesh) -> float:
-    """One step through the pipeline: the schedule's ops over m micro-batches, then (after the
-    flush) gradient sync over dp and the optimizer step, as in _train_step."""
-    local = shard(global_batch(cfg, step), mesh.local_rank("dp"), mesh.size("dp"))  # [b/dp, s] x 2
-    m = cfg.microbatches
-    micro = [shard(local, i, m) for i in range(m)]  # m x ([b/(dp*m), s] x 2)
-    strategy.zero_grad()
-    with strategy.sync(False):  # gradients accumulate over the micro-batches ...
-        loss = runner.run(step, [x.to(rank_device()) for x, _ in micro],
-                          [y.to(rank_device()) for _, y in micro])
-    with timeline.op("grad_sync", step):  # ... and are averaged over dp after the flush
-        strategy.finish_gradient_sync()
-    if not isinstance(runner, PipeDreamRunner):  # PipeDream has updated after every backward
-        with timeline.op("optimizer", step):
-            strategy.step()
-    return _mean_over_dp(_from_last_stage(loss, runner, mesh), mesh)
-
-
-def _from_last_stage(value: float, runner, mesh) -> float:
-    """The loss is known where the last chunk runs; a metric, so not a recorded collective."""
-    t = torch.tensor([value], dtype=torch.float64, device=rank_device())
-    src = mesh.global_rank("pp", runner.schedule.owner[-1])
-    dist.broadcast(t, src, group=mesh.groups["pp"])
-    return t.item()
+    dist.all_reduce(t, group=mesh.groups[axis])
+    return t.item() / mesh.size(axis)
 
 
 def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> dict:
@@ -139,27 +120,44 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     that the start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
     naive mode's gradient averaging (a learner's exercise runs through here)."""
     cfg = RunConfig.from_dict(cfg_dict)
-    mesh = build_mesh(cfg)
-    comm, timeline = Comm(mesh), Timeline()
-    device = rank_device()
-    model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)
-    recompute = apply_checkpointing(model, cfg.checkpointing)
-    apply_tensor_parallel(model, comm, cfg.sp)  # TP first, then data parallel over the shards
-    live = LiveBytes()
+    mesh = build_mesh(cfg)  # 1
+    comm, timeline, live = Comm(mesh), Timeline(), LiveBytes()
     act = ActivationMeter(live)
-    runner = None
-    if cfg.pp > 1:  # keeps this rank's stage only; data parallel then runs over its parameters
-        if cfg.schedule.startswith("pipedream"):
-            runner = PipeDreamRunner(model, comm, for_config(cfg), timeline, live,
-                                     stash=cfg.schedule == "pipedream")
-        else:
-            runner = PipelineRunner(model, comm, for_config(cfg), timeline, live)
-    strategy = parallelize(model, comm, cfg, average_fn)
-    if runner is not None:
-        runner.state_tensors = lambda: [t for ts in strategy.state_tensors().values() for t in ts]
-        runner.optimizer = strategy.optimizer  # PipeDream steps it after every backward
+    device = rank_device()
+    model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
+    recompute = apply_checkpointing(model, cfg.checkpointing)  # 3
+    apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 4
+    runner = make_runner(cfg, model, comm, timeline, live, act)  # 5
+    strategy = parallelize(model, comm, cfg, average_fn)  # 6
+    runner.attach(strategy)  # 7
 
-    losses = []
+    losses, wall = _train(cfg, runner, strategy, comm, live, mesh)
+    memory = model_state_bytes(strategy.state_tensors())
+    memory["transient"] = strategy.transient_bytes()
+    memory["activations_peak"] = runner.activation_peak()
+    memory["total_peak"] = live.peak
+    comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
+    full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
+    full = gather_full_parameters(model, full, comm, axis="tp")  # over tp: slices -> whole weights
+    full = gather_stage_parameters(full, mesh, axis="pp")  # over pp: stages -> the whole model
+    out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
+           "comm": comm.records, "events": timeline.events, "wall_s": wall,
+           "n_params": sum(p.numel() for p in full.values()),
+           "recompute": {"segment_forwards": recompute.forward_calls,
+                         "recomputed_forwards": recompute.recomputed_calls},
+           **runner.report()}
+    if cfg.reference and mesh.rank == 0:  # PipeDream: the same micro-batches, one update each
+        ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
+        out["reference_losses"] = ref_losses
+        out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses, ref_params)
+    return out
+
+
+def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live: LiveBytes,
+           mesh: Mesh) -> tuple[list[float], float]:
+    """The steps; the last one under the live-bytes meter. Returns the global loss per step and
+    the wall-clock seconds of all steps."""
+    batch_axis, losses = mesh.axis_for("batch"), []
     dist.barrier()  # line the ranks up so their timelines share a start
     t_start = time.perf_counter()
     for step in range(cfg.steps):
@@ -169,48 +167,14 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
         metered = step == cfg.steps - 1
         if metered:
             states = strategy.state_tensors()
-            live.add_existing(states["params"] + states["optimizer"] + _buffers(strategy))
+            live.add_existing(states["params"] + states["optimizer"] + strategy.buffers())
+        batch = shard(global_batch(cfg, step), mesh.local_rank(batch_axis), mesh.size(batch_axis))
         with live if metered else nullcontext():
-            if runner is None:
-                losses.append(_train_step(cfg, step, model, strategy, act, timeline, mesh, recompute))
-            else:
-                losses.append(_pipeline_step(cfg, step, runner, strategy, timeline, mesh))
+            local = runner.train_step(step, batch)  # this rank's share: [b/dp, s] x 2
+        losses.append(_mean_over(local, mesh, mesh.axis_for("loss")))
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
-    wall = time.perf_counter() - t_start
-
-    memory = model_state_bytes(strategy.state_tensors())
-    memory["transient"] = _transient_bytes(strategy)
-    memory["activations_peak"] = act.peak if runner is None else runner.peak_held
-    memory["total_peak"] = live.peak
-    comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
-    full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
-    full = gather_full_parameters(model, full, comm)  # and over tp: slices -> whole weights
-    full = gather_stage_parameters(full, mesh)  # and over pp: stages -> the whole model
-    out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
-           "comm": comm.records, "events": timeline.events, "wall_s": wall,
-           "n_params": sum(p.numel() for p in full.values()),
-           "recompute": {"segment_forwards": recompute.forward_calls,
-                         "recomputed_forwards": recompute.recomputed_calls}}
-    if isinstance(runner, PipeDreamRunner):
-        out["pipedream"] = {"staleness": runner.staleness, "peak_versions": runner.peak_versions}
-    if cfg.reference and mesh.rank == 0:  # PipeDream: the same micro-batches, one update each
-        ref_losses, ref_params = train_reference(cfg, device, per_microbatch=isinstance(
-            runner, PipeDreamRunner))
-        out["reference_losses"] = ref_losses
-        out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses, ref_params)
-    return out
-
-
-def _buffers(strategy) -> list[torch.Tensor]:
-    return strategy.buffers() if hasattr(strategy, "buffers") else []
-
-
-def _transient_bytes(strategy) -> int:
-    """Bytes a strategy holds only around communication: DP's buckets, ZeRO-3's gathered layers."""
-    if hasattr(strategy, "peak_gathered_bytes"):
-        return strategy.peak_gathered_bytes
-    return sum(t.numel() * t.element_size() for t in _buffers(strategy))
+    return losses, time.perf_counter() - t_start
 
 
 def run(cfg: RunConfig, average_fn=None) -> RunReport:

@@ -1,6 +1,18 @@
 """A tiny GPT (Radford et al., 2019; layout after nanoGPT): token + position embeddings, L pre-LN
 blocks of causal multi-head attention and a 4h MLP, a final LayerNorm and an untied LM head.
 
+The model is three kinds of module with seams between them, so that every strategy changes the
+model by replacing a module or passing an argument, never by rewriting a forward:
+    embed  (Embedding: tokens + positions)       [b, s] ids      -> [b, s, h]
+    blocks (Block x L)                           [b, s, h]       -> [b, s, h]
+    head   (LMHead: final LayerNorm, logits, loss) [b, s, h]     -> loss (or [b, s, v] logits)
+- tensor parallel replaces embed, head and the Linear layers inside the blocks by their parallel
+  versions (parallel/tensor.py);
+- a pipeline stage runs a slice of the same modules: `model(x, targets, blocks=(i, j))` runs the
+  embedding only when i == 0 and the head only when j == L (parallel/pipeline.py);
+- checkpointing sets a block's `checkpoint` function or replaces the attention core
+  (parallel/recompute.py); context parallel will replace the attention core, expert parallel the MLP.
+
 Parameter count: see `theory.gpt_param_count` (tested). Attention is written out (scores, mask,
 softmax) rather than fused, so its activations are visible to the memory meter and match the
 Korthikanti et al. accounting the memory lesson uses.
@@ -28,9 +40,43 @@ class GPTConfig:
         return cls(cfg.vocab, cfg.seq, cfg.d_model, cfg.heads, cfg.layers)
 
 
+class Linear(nn.Linear):
+    """nn.Linear with one seam: zero-bubble pipelines set `weight_grads` (a WeightGradStore) so
+    that backward computes only the input's gradient now and queues the weight's for a later W op.
+    Tensor parallel's column/row-parallel layers have the same seam."""
+
+    weight_grads = None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self)
+
+
+def linear(x, weight, bias, layer):
+    """x W^T + b, through `layer.weight_grads` when a zero-bubble schedule split its backward."""
+    if layer.weight_grads is None:
+        return F.linear(x, weight, bias)
+    return layer.weight_grads.linear(x, weight, bias, layer)
+
+
+class Embedding(nn.Module):
+    """Token plus position embeddings. `positions` says which positions the tokens are at (default
+    0..s-1): sequence and context parallel give a rank only some of the sequence."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(c.vocab, c.d_model)
+        self.pos = nn.Embedding(c.seq, c.d_model)
+
+    def forward(self, idx, positions=None):  # idx: [b, s] -> [b, s, h]
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
 class AttentionCore(nn.Module):
     """softmax(Q K^T / sqrt(d), causal) V. No parameters; its own module so that selective
-    checkpointing can recompute exactly this part (it holds the [b, a, s, s] tensors)."""
+    checkpointing (and, later, context parallel) can replace exactly this part: it holds the
+    [b, a, s, s] tensors."""
 
     def forward(self, q, k, v):  # q, k, v: [b, a, s, d]
         s = q.shape[-2]
@@ -43,9 +89,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.heads, self.head_dim = c.heads, c.d_model // c.heads
-        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.qkv = Linear(c.d_model, 3 * c.d_model)
         self.core = AttentionCore()
-        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.proj = Linear(c.d_model, c.d_model)
 
     def forward(self, x):  # x: [b, s, h]
         qkv = self.qkv(x)  # [b, s, 3h]; under tensor parallel [b, s, 3h/tp]: this rank's heads
@@ -59,45 +105,74 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(c.d_model, 4 * c.d_model)
-        self.proj = nn.Linear(4 * c.d_model, c.d_model)
+        self.fc = Linear(c.d_model, 4 * c.d_model)
+        self.proj = Linear(4 * c.d_model, c.d_model)
 
     def forward(self, x):  # [b, s, h] -> [b, s, 4h] -> [b, s, h]
         return self.proj(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
+    """Pre-LN transformer block. `checkpoint`, when set (full activation checkpointing), runs the
+    block's body through torch.utils.checkpoint: only the input is kept for backward."""
+
+    checkpoint = None
+
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(c.d_model), CausalSelfAttention(c)
         self.ln2, self.mlp = nn.LayerNorm(c.d_model), MLP(c)
 
-    def forward(self, x):
+    def forward(self, x):  # [b, s, h] -> [b, s, h]
+        if self.checkpoint is not None:
+            return self.checkpoint(self.body, x)
+        return self.body(x)
+
+    def body(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+
+class LMHead(nn.Module):
+    """Final LayerNorm, logits over the vocabulary and the mean cross-entropy."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(c.d_model)
+        self.out = Linear(c.d_model, c.vocab, bias=False)
+
+    def forward(self, x, targets=None):  # x: [b, s, h]
+        logits = self.out(self.norm(x))  # [b, s, v]
+        if targets is None:
+            return logits
+        return self.loss(logits, targets)
+
+    def loss(self, logits, targets):
+        # mean over b*s tokens, computed in fp32 even when the model runs in bf16
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 class GPT(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.config = c
-        self.tok_emb = nn.Embedding(c.vocab, c.d_model)
-        self.pos_emb = nn.Embedding(c.seq, c.d_model)
+        self.embed = Embedding(c)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
-        self.ln_f = nn.LayerNorm(c.d_model)
-        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
+        self.head = LMHead(c)
         self.apply(_init_weights)
 
-    def forward(self, idx, targets=None):  # idx: [b, s] token ids
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)  # [b, s, h]
-        for block in self.blocks:
+    def forward(self, x, targets=None, blocks: tuple[int, int] | None = None):
+        """The whole model, or the slice of it one pipeline chunk runs: blocks [i, j), with the
+        embedding when i == 0 (x: token ids [b, s]; else x: activations [b, s, h]) and the head
+        when j == L (returns the loss given targets, else the logits; else activations)."""
+        i, j = blocks if blocks is not None else (0, len(self.blocks))
+        if i == 0:
+            x = self.embed(x)  # [b, s, h]
+        for block in self.blocks[i:j]:
             x = block(x)
-        logits = self.head(self.ln_f(x))  # [b, s, v]
-        if targets is None:
-            return logits
-        # mean over b*s tokens, computed in fp32 even when the model runs in bf16
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if j < len(self.blocks):
+            return x
+        return self.head(x, targets)
 
 
 def _init_weights(m):

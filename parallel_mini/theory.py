@@ -106,13 +106,13 @@ def padded(numel: int, n: int) -> int:
 
 
 def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1) -> list[int]:
-    """Parameters per ZeRO-3 unit on one rank (each gathered as one flat buffer): token embedding,
-    position embedding, each block, final LayerNorm, LM head. With tensor parallel t the vocabulary
-    tables and the blocks' matrices (and column-parallel biases) hold 1/t; per block
-    (12h^2 + 7h)/t + 6h: row-parallel biases and LayerNorms stay whole on every rank."""
+    """Parameters per ZeRO-3 unit on one rank (each gathered as one flat buffer): the embedding
+    (token and position tables), each block, the head (final LayerNorm and output layer). With
+    tensor parallel t the vocabulary tables and the blocks' matrices (and column-parallel biases)
+    hold 1/t; per block (12h^2 + 7h)/t + 6h: row-parallel biases and LayerNorms stay whole."""
     h = d_model
     block = (12 * h * h + 7 * h) // tp + 6 * h
-    return [vocab * h // tp, seq * h] + [block] * layers + [2 * h, h * vocab // tp]
+    return [vocab * h // tp + seq * h] + [block] * layers + [2 * h + h * vocab // tp]
 
 
 def gpt_local_param_count(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1) -> int:
@@ -120,7 +120,8 @@ def gpt_local_param_count(vocab: int, seq: int, d_model: int, layers: int, tp: i
     return sum(gpt_unit_sizes(vocab, seq, d_model, layers, tp))
 
 
-def tp_wire_bytes_per_step(cfg) -> float:
+def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, head: bool = True
+                           ) -> float:
     """Megatron TP without sequence parallel, per micro-step: forward all-reduces after each
     row-parallel layer (attention out, MLP proj: 2 per block) and after the vocabulary-parallel
     embedding (1); backward all-reduces before each column-parallel layer (QKV, fc: 2 per block)
@@ -129,12 +130,16 @@ def tp_wire_bytes_per_step(cfg) -> float:
     as every tensor backward needs is back: the MLP's closing all-reduce feeds nothing that is
     saved, so only the attention one runs again: L more (measured, not assumed). The
     vocabulary-parallel cross-entropy adds 3 all-reduces of b*s fp32 numbers (max, target logit,
-    sum of exponentials)."""
-    micro = cfg.batch // (cfg.dp * cfg.grad_accum)
+    sum of exponentials).
+    A pipeline stage holds `blocks` of the blocks, the embedding only on the first stage and the
+    head only on the last, and runs m micro-batches of b/(dp m) sequences per step."""
+    steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # micro-steps per step
+    micro = cfg.batch // (cfg.dp * steps)
     act = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]
-    t, L, h = cfg.tp, cfg.layers, cfg.d_model
-    per_micro = (4 * L + 2) * wire_bytes("all_reduce", act, t) \
-        + 3 * wire_bytes("all_reduce", micro * cfg.seq * 4, t)
+    t, h = cfg.tp, cfg.d_model
+    L = cfg.layers if blocks is None else blocks
+    per_micro = (4 * L + embed + head) * wire_bytes("all_reduce", act, t) \
+        + head * 3 * wire_bytes("all_reduce", micro * cfg.seq * 4, t)
     if cfg.checkpointing == "full":
         # re-run up to the last saved tensor (the MLP's GELU output): without SP the attention
         # all-reduce; with SP the two all-gathers (before QKV and fc) and the attention
@@ -145,9 +150,9 @@ def tp_wire_bytes_per_step(cfg) -> float:
         # SP swaps each all-reduce for an all-gather + reduce-scatter: the same bytes. Added: the
         # gradients of the parameters used on sequence shards (position embeddings, 2 LayerNorms
         # and 2 row-parallel biases per block, the final LayerNorm), summed over tp per micro-step
-        sp_params = cfg.seq * h + 6 * h * L + 2 * h
+        sp_params = embed * cfg.seq * h + 6 * h * L + head * 2 * h
         per_micro += wire_bytes("all_reduce", sp_params * BYTES_PER_PARAM[cfg.precision], t)
-    return cfg.grad_accum * per_micro
+    return steps * per_micro
 
 
 BYTES_PER_PARAM = {"fp32": 4, "bf16-mixed": 2}  # parameters and gradients in compute precision
@@ -263,13 +268,20 @@ def _pipeline_theory(cfg) -> dict:
 
     schedule = for_config(cfg)
     micro = cfg.batch // (cfg.dp * cfg.microbatches)  # sequences per micro-batch
-    boundary = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]  # [b, s, h]
+    seq = cfg.seq // cfg.tp if cfg.sp else cfg.seq  # SP: stages pass [b, s/tp, h]
+    boundary = micro * seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]  # [b, s, h]
     stages = []
     for r in range(cfg.pp):
-        units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r)
+        units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
+                                     cfg.tp)
         stage = _rank_theory(cfg, units)
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
             schedule.owner, r, cfg.microbatches, boundary)
+        if cfg.tp > 1:
+            chunks = [c for c, o in enumerate(schedule.owner) if o == r]
+            stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
+                cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner), embed=0 in chunks,
+                head=len(schedule.owner) - 1 in chunks)
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers), **stages[0],
@@ -407,12 +419,12 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
 
 
 def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner: list[int],
-                         rank: int) -> list[int]:
+                         rank: int, tp: int = 1) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
     one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier."""
-    units = gpt_unit_sizes(vocab, seq, d_model, layers)
-    embeddings, blocks, head = units[:2], units[2:2 + layers], units[2 + layers:]
+    units = gpt_unit_sizes(vocab, seq, d_model, layers, tp)
+    embeddings, blocks, head = units[:1], units[1:1 + layers], units[1 + layers:]
     n_chunks, per = len(owner), layers // len(owner)
     mine = []
     for c in range(n_chunks):

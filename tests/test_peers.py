@@ -152,7 +152,7 @@ def test_ddp_and_ours_agree_on_the_tiny_gpt(n):
 
 
 def test_frozen_parameters_never_move_and_never_communicate():
-    frozen = ("pos_emb.weight", "blocks.0.ln1.weight")
+    frozen = ("embed.pos.weight", "blocks.0.ln1.weight")
     cfg = RunConfig(**SMALL).validate()
     outs = [res.value for res in run_ranks(_train_both, 2, cfg.to_dict(), ("naive", "bucketed"),
                                            frozen)]

@@ -20,32 +20,21 @@ compared one by one; inside a step the 1F1B steady state runs as PipeDream's doe
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 from torch.func import functional_call
 
-from .pipeline import PipelineRunner, forward_chunk
-
-
-class _Chunk(nn.Module):
-    """forward_chunk as a module, so functional_call can run it with any version of the weights."""
-
-    def __init__(self, model, chunk: int, n_chunks: int):
-        super().__init__()
-        self.model, self.chunk, self.n_chunks = model, chunk, n_chunks
-
-    def forward(self, x, targets=None):
-        return forward_chunk(self.model, self.chunk, self.n_chunks, x, targets)
+from .pipeline import PipelineRunner, chunk_layers
 
 
 class PipeDreamRunner(PipelineRunner):
     """The 1F1B runner with an optimizer step after every backward (`stash`: weight stashing)."""
 
-    def __init__(self, model, comm, schedule, timeline, live=None, stash: bool = True):
-        super().__init__(model, comm, schedule, timeline, live)
+    reference_per_microbatch = True  # compare with one update per micro-batch, in order
+
+    def __init__(self, model, comm, schedule, timeline, live=None, stash: bool = True,
+                 axis: str = "pp"):
+        super().__init__(model, comm, schedule, timeline, live, axis=axis)
         self.stash = stash
-        self.optimizer = None  # the stage's optimizer, set by the engine
         self.weights = dict(model.named_parameters())  # the live (latest) version
-        self.calls = {c: _Chunk(model, c, schedule.n_chunks) for c in self.chunks}
         self.updates = 0  # optimizer steps this stage has taken
         self.staleness: list[dict] = []  # per micro-batch: updates between its F and its B
         self.peak_versions = 0  # most weight versions held at once (stashed copies)
@@ -56,8 +45,10 @@ class PipeDreamRunner(PipelineRunner):
         # the version this forward sees: a copy, so later in-place updates cannot touch it
         version = {n: w.detach().clone().requires_grad_() for n, w in self.weights.items()}
         with self._sampling(), self._event(op):
-            out = functional_call(self.calls[op.chunk], {"model." + n: v for n, v in version.items()},
-                                  (x, self.targets[op.microbatch] if last else None))
+            layers = chunk_layers(op.chunk, self.schedule.n_chunks, len(self.model.blocks))
+            out = functional_call(self.model, version,  # the chunk, run with that version's weights
+                                  (x, self.targets[op.microbatch] if last else None),
+                                  {"blocks": (layers.start, layers.stop)})
             if last:
                 self.loss += out.item() / self.schedule.microbatches  # the step's mean, for the log
         if not last:
@@ -75,13 +66,20 @@ class PipeDreamRunner(PipelineRunner):
             torch.autograd.backward(out, grad)
             for n, w in self.weights.items():
                 w.grad = version[n].grad
-            self.optimizer.step()  # one update per micro-batch: PipeDream's
-            self.optimizer.zero_grad()
+            self.strategy.optimizer.step()  # one update per micro-batch: PipeDream's
+            self.strategy.optimizer.zero_grad()
         if op.chunk > 0:
             self._send(("grad", op.microbatch, op.chunk - 1), x.grad)
         self.staleness.append({"step": self.step, "microbatch": op.microbatch,
                                "updates_between": self.updates - seen})
         self.updates += 1
+
+
+    def _update(self, step: int) -> None:
+        pass  # every backward has already updated its stage
+
+    def report(self) -> dict:
+        return {"pipedream": {"staleness": self.staleness, "peak_versions": self.peak_versions}}
 
 
 def expected_staleness(pp: int, rank: int, microbatch: int) -> int:

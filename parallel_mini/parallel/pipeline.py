@@ -4,7 +4,9 @@ Read parallel/schedules.py first: a schedule says, for each rank, which forward 
 and weight-gradient (W) ops to run in which order. This file is the one runner for all of them:
 1. `partition` keeps on this rank only the chunks the schedule gives it (blocks
    [c L/n, (c+1) L/n) of chunk c; the embeddings go with chunk 0, the final LayerNorm, LM head and
-   loss with the last chunk, as in Megatron-LM). Names stay those of the full model.
+   loss with the last chunk, as in Megatron-LM). Names stay those of the full model. A chunk runs
+   the same modules as the whole model: `model(x, targets, blocks=(i, j))`, so whatever replaced
+   a module before (tensor parallel's layers, checkpointing) runs inside the stage unchanged.
 2. `PipelineRunner.run` executes the rank's ops. F receives its input (the previous chunk's output
    [b, s, h], or token ids on chunk 0), runs the chunk, and sends the output on. B receives the
    output's gradient, runs autograd through the chunk and sends the input's gradient back.
@@ -12,9 +14,10 @@ and weight-gradient (W) ops to run in which order. This file is the one runner f
    so the receiver knows the order in which its neighbour will send (`Mailbox`). Sends never block
    (isend) and are "send" events of their own, outside the F or B that made the message; a receive
    blocks, and the time it blocks is the bubble, recorded as a "wait" event.
-4. Zero-bubble schedules split B: every Linear's weight gradient X^T dY is queued during B and
-   computed by W (`WeightGradStore`, after Qi et al., 2024); all other gradients are cheap and are
-   computed in B.
+4. Zero-bubble schedules split B: every linear layer's weight gradient X^T dY (nn.Linear's and
+   tensor parallel's column/row-parallel slices alike, through their `weight_grads` seam) is queued
+   during B and computed by W (`WeightGradStore`, after Qi et al., 2024); all other gradients are
+   cheap and are computed in B.
 Gradients accumulate over the micro-batches (each loss is divided by m), so after the flush every
 parameter's .grad equals the whole batch's: the optimizer step is the single-process one.
 """
@@ -25,13 +28,16 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm import Comm
+from ..data import shard
+from ..launch import rank_device
 from ..meters import tensors_bytes
+from ..model import Linear
 from .schedules import Op, Schedule
-
-AXIS = "pp"
+from .tensor import ColumnParallelLinear, RowParallelLinear
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,23 +57,18 @@ def partition(model, schedule: Schedule, rank: int) -> list[int]:
         if i not in kept:
             model.blocks[i] = nn.Identity()  # keeps the indices, hence the parameter names
     if 0 not in mine:
-        model.tok_emb = model.pos_emb = None
+        model.embed = None
     if n - 1 not in mine:
-        model.ln_f = model.head = None
+        model.head = None
     return mine
 
 
 def forward_chunk(model, chunk: int, n_chunks: int, x: torch.Tensor, targets=None):
-    """The part of GPT.forward that chunk `chunk` owns: the same ops, so the same numbers."""
-    if chunk == 0:  # x: token ids [b, s]
-        pos = torch.arange(x.shape[1], device=x.device)
-        x = model.tok_emb(x) + model.pos_emb(pos)  # [b, s, h]
-    for i in chunk_layers(chunk, n_chunks, len(model.blocks)):
-        x = model.blocks[i](x)  # [b, s, h]
-    if chunk < n_chunks - 1:
-        return x
-    logits = model.head(model.ln_f(x))  # [b, s, v]
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """The part of the model that chunk `chunk` owns: its slice of the same modules, so the same
+    numbers. x: token ids [b, s] on chunk 0, else activations [b, s, h]; returns [b, s, h], or the
+    loss on the last chunk."""
+    layers = chunk_layers(chunk, n_chunks, len(model.blocks))
+    return model(x, targets, blocks=(layers.start, layers.stop))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,16 +90,22 @@ class WeightGradStore:
         finally:
             self.key = None
 
-    def put(self, linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> None:
-        self.pending.setdefault(self.key, []).append((linear, x, grad_out))
+    def put(self, weight, bias, x: torch.Tensor, grad_out: torch.Tensor) -> None:
+        """The parameters the op used (a row-parallel layer adds its bias after the all-reduce,
+        outside the op: that bias's gradient is autograd's, not W's)."""
+        self.pending.setdefault(self.key, []).append((weight, bias, x, grad_out))
+
+    def linear(self, x, weight, bias, layer):
+        """x W^T + b for a layer whose weight gradient this store computes later (in W)."""
+        return _LinearInputGradOnly.apply(x, weight, bias, self)
 
     @torch.no_grad()  # X was saved by autograd and still requires grad: dW must not record a graph
     def compute(self, key) -> None:
-        for linear, x, grad_out in self.pending.pop(key):
+        for weight, bias, x, grad_out in self.pending.pop(key):
             x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
-            _accumulate(linear.weight, g2.t() @ x2)  # [out, in]
-            if linear.bias is not None:
-                _accumulate(linear.bias, g2.sum(0))  # [out]
+            _accumulate(weight, g2.t() @ x2)  # [out, in]
+            if bias is not None:
+                _accumulate(bias, g2.sum(0))  # [out]
 
 
 def _accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -112,24 +119,24 @@ class _LinearInputGradOnly(torch.autograd.Function):
     """y = x W^T + b whose backward returns only dX = dY W and leaves dW, db to the store."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear, store):
+    def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
-        ctx.linear, ctx.store = linear, store
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: [..., out]
         x, weight = ctx.saved_tensors
-        ctx.store.put(ctx.linear, x, grad_out)
-        return grad_out @ weight, None, None, None, None  # dX: [..., in]
+        ctx.store.put(ctx.weight, ctx.bias, x, grad_out)
+        return grad_out @ weight, None, None, None  # dX: [..., in]
 
 
 def split_weight_gradients(model, store: WeightGradStore) -> None:
-    """Route every Linear of the (partitioned) model through `_LinearInputGradOnly`."""
+    """Route every linear layer of the (partitioned) model through `_LinearInputGradOnly`, by
+    setting its `weight_grads` seam (model.Linear, tensor parallel's column/row-parallel layers)."""
     for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.forward = (lambda x, m=module: _LinearInputGradOnly.apply(
-                x, m.weight, m.bias, m, store))
+        if isinstance(module, (Linear, ColumnParallelLinear, RowParallelLinear)):
+            module.weight_grads = store
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,8 +150,10 @@ class Mailbox:
     each neighbour will send it, and receives them in that order, keeping early ones in `inbox`
     until their op runs. Messages between two chunks on the same rank are handed over in memory."""
 
-    def __init__(self, comm: Comm, schedule: Schedule, rank: int, shape, dtype, device):
+    def __init__(self, comm: Comm, schedule: Schedule, rank: int, shape, dtype, device,
+                 axis: str = "pp"):
         self.comm, self.rank, self.shape, self.dtype, self.device = comm, rank, shape, dtype, device
+        self.axis = axis
         self.owner = schedule.owner
         self.expected = {src: deque(self._sent_by(schedule, src)) for src in range(schedule.pp)
                          if src != rank}
@@ -168,7 +177,7 @@ class Mailbox:
             self.inbox[key] = tensor
             return
         tensor = tensor.contiguous()
-        self.sends.append((self.comm.isend(tensor, dst, AXIS, message=kind, microbatch=micro,
+        self.sends.append((self.comm.isend(tensor, dst, self.axis, message=kind, microbatch=micro,
                                            chunk=chunk), tensor))
 
     def receive(self, key: tuple) -> torch.Tensor:
@@ -179,7 +188,7 @@ class Mailbox:
                 raise RuntimeError(f"rank {self.rank} waits for {key} that no schedule op sends")
             next_key = self.expected[src].popleft()
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.comm.recv(buf, src, AXIS, message=next_key[0], microbatch=next_key[1],
+            self.comm.recv(buf, src, self.axis, message=next_key[0], microbatch=next_key[1],
                            chunk=next_key[2])
             self.inbox[next_key] = buf
         return self.inbox.pop(key)
@@ -194,26 +203,71 @@ class Mailbox:
 # 4. the runner
 # ---------------------------------------------------------------------------------------------
 class PipelineRunner:
-    """Runs one rank's ops of `schedule` for each training step."""
+    """Runs one rank's ops of `schedule` for each training step (a StepRunner, interfaces.py)."""
 
-    def __init__(self, model, comm: Comm, schedule: Schedule, timeline, live=None):
+    reference_per_microbatch = False
+
+    def __init__(self, model, comm: Comm, schedule: Schedule, timeline, live=None,
+                 axis: str = "pp", seq_shards: int = 1):
+        """`seq_shards`: over how many ranks the sequence of a stage's output is split (tensor
+        parallel's sequence parallel keeps [b, s/tp, h] between blocks), to size the messages."""
         self.model, self.comm, self.schedule, self.timeline = model, comm, schedule, timeline
-        self.rank = comm.rank(AXIS)
+        self.axis, self.seq_shards = axis, seq_shards
+        self.rank = comm.rank(axis)
         self.chunks = partition(model, schedule, self.rank)
         self.store = WeightGradStore() if schedule.split_backward else None
         if self.store is not None:
             split_weight_gradients(model, self.store)
         self.live = live  # LiveBytes meter, to sample the bytes in flight after every op
-        self.state_tensors = None  # set by the engine: model states, to subtract from live bytes
+        self.strategy = None  # the gradient strategy (attach): steps, and the model states' bytes
         self.peak_held = 0
 
+    # -- the StepRunner interface ---------------------------------------------------------------
+    def attach(self, strategy) -> None:
+        self.strategy = strategy
+
+    def train_step(self, step: int, batch) -> float:
+        """The schedule's ops over m micro-batches of this rank's share [b/dp, s], then, after the
+        flush, the gradient sync over data parallel and the optimizer step."""
+        m = self.schedule.microbatches
+        micro = [shard(batch, i, m) for i in range(m)]  # m x ([b/(dp*m), s] x 2)
+        device = rank_device()
+        self.strategy.zero_grad()
+        with self.strategy.sync(False):  # gradients accumulate over the micro-batches ...
+            loss = self.run(step, [x.to(device) for x, _ in micro], [y.to(device) for _, y in micro])
+        with self.timeline.op("grad_sync", step):  # ... and are averaged over dp after the flush
+            self.strategy.finish_gradient_sync()
+        self._update(step)
+        return self._from_last_stage(loss)
+
+    def _update(self, step: int) -> None:
+        with self.timeline.op("optimizer", step):
+            self.strategy.step()
+
+    def _from_last_stage(self, value: float) -> float:
+        """The loss is known where the last chunk runs; a metric, so not a recorded collective."""
+        mesh = self.comm.mesh
+        if mesh.size(self.axis) == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=rank_device())
+        src = mesh.global_rank(self.axis, self.schedule.owner[-1])
+        dist.broadcast(t, src, group=mesh.groups[self.axis])
+        return t.item()
+
+    def activation_peak(self) -> int:
+        return self.peak_held
+
+    def report(self) -> dict:
+        return {}
+
+    # -- one step's ops -------------------------------------------------------------------------
     def run(self, step: int, micro_inputs: list, micro_targets: list) -> float:
         """All ops of this rank for one step; returns the summed micro-batch losses (last stage)."""
         s, m = self.schedule, self.schedule.microbatches
         x0 = micro_inputs[0]
-        shape = (x0.shape[0], x0.shape[1], self.model.config.d_model)  # [b/m, s, h]
+        shape = (x0.shape[0], x0.shape[1] // self.seq_shards, self.model.config.d_model)  # [b/m, s, h]
         dtype = next(self.model.parameters()).dtype
-        self.mailbox = Mailbox(self.comm, s, self.rank, shape, dtype, x0.device)
+        self.mailbox = Mailbox(self.comm, s, self.rank, shape, dtype, x0.device, self.axis)
         self.inputs, self.targets = micro_inputs, micro_targets
         self.saved: dict[tuple, tuple] = {}  # (micro-batch, chunk) -> (input, output)
         self.loss = 0.0
@@ -282,19 +336,20 @@ class PipelineRunner:
         """After the op: the bytes held beyond the model states (activations waiting for their
         backward, queued weight-gradient inputs, messages) when the live meter runs."""
         yield
-        if self.live is not None and self.live.active and self.state_tensors is not None:
-            held = self.live.current - tensors_bytes(self.state_tensors())
+        if self.live is not None and self.live.active and self.strategy is not None:
+            states = [t for ts in self.strategy.state_tensors().values() for t in ts]
+            held = self.live.current - tensors_bytes(states)
             self.timeline.events[-1]["held_bytes"] = held  # the op that just ended
             self.peak_held = max(self.peak_held, held)
 
 
-def gather_stage_parameters(params: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+def gather_stage_parameters(params: dict[str, torch.Tensor], mesh, axis: str = "pp"
+                            ) -> dict[str, torch.Tensor]:
     """Every stage's parameters on every rank of the pipeline (to compare with the reference).
     Bookkeeping outside training: an object all-gather, not a recorded collective."""
-    import torch.distributed as dist
-    if mesh.size(AXIS) == 1:
+    if mesh.size(axis) == 1:
         return params
-    parts = [None] * mesh.size(AXIS)
+    parts = [None] * mesh.size(axis)
     dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in params.items()},
-                           group=mesh.groups[AXIS])
+                           group=mesh.groups[axis])
     return {k: v for part in parts for k, v in part.items()}

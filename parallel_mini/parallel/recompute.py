@@ -10,9 +10,11 @@ backward.
   Models"): only the attention core (scores, mask, softmax, weighted sum) is recomputed. It holds
   the [b, a, s, s] tensors, the 5as/h term of the activation formula, yet costs few FLOPs to redo.
 
-Built on torch.utils.checkpoint (non-reentrant). The segment's forward is replaced on the instance,
-so module and parameter names do not change and every other strategy applies unchanged.
-Recomputation is measured, not assumed: segments count their forward calls made during backward.
+Built on torch.utils.checkpoint (non-reentrant). Full sets each block's `checkpoint` seam;
+selective replaces each attention core by a checkpointed one (it has no parameters, so no name
+changes): every other strategy applies unchanged. Recomputation is measured, not assumed: each
+checkpointed call counts how often its segment ran; the second run of the same call is the
+recomputation, whoever drives backward (a plain step or a pipeline schedule).
 """
 from __future__ import annotations
 
@@ -23,31 +25,37 @@ from ..model import GPT
 
 
 class RecomputeCounter:
-    """Counts forward calls of checkpointed segments: first passes and recomputations."""
+    """Counts forward runs of checkpointed segments: first passes and recomputations."""
 
     def __init__(self):
         self.forward_calls = 0
         self.recomputed_calls = 0
-        self.in_backward = False
 
-    def hit(self) -> None:
-        if self.in_backward:
-            self.recomputed_calls += 1
-        else:
-            self.forward_calls += 1
+    def checkpoint(self, body, *args):
+        """body(*args) under torch.utils.checkpoint, counting its first run and its rerun."""
+        runs = 0
+
+        def counted(*a):
+            nonlocal runs
+            runs += 1
+            if runs == 1:
+                self.forward_calls += 1
+            else:  # autograd re-running the segment to rebuild what backward needs
+                self.recomputed_calls += 1
+            return body(*a)
+
+        return checkpoint(counted, *args, use_reentrant=False)
 
 
-def _checkpoint_forward(module: torch.nn.Module, counter: RecomputeCounter) -> None:
-    inner = module.forward  # the original bound forward
+class CheckpointedCore(torch.nn.Module):
+    """An attention core whose scores and softmax are recomputed in backward (selective)."""
 
-    def run(*args):
-        counter.hit()
-        return inner(*args)
+    def __init__(self, core: torch.nn.Module, counter: RecomputeCounter):
+        super().__init__()
+        self.inner, self.counter = core, counter
 
-    def forward(*args):
-        return checkpoint(run, *args, use_reentrant=False)
-
-    module.forward = forward
+    def forward(self, q, k, v):  # [b, a, s, d] x 3 -> [b, a, s, d]
+        return self.counter.checkpoint(self.inner, q, k, v)
 
 
 def apply_checkpointing(model: GPT, mode: str) -> RecomputeCounter:
@@ -57,16 +65,7 @@ def apply_checkpointing(model: GPT, mode: str) -> RecomputeCounter:
         raise ValueError(f"checkpointing {mode!r}: choose none, full or selective")
     for block in model.blocks:
         if mode == "full":
-            _checkpoint_forward(block, counter)
+            block.checkpoint = counter.checkpoint
         elif mode == "selective":
-            _checkpoint_forward(block.attn.core, counter)
+            block.attn.core = CheckpointedCore(block.attn.core, counter)
     return counter
-
-
-def backward(loss: torch.Tensor, counter: RecomputeCounter) -> None:
-    """loss.backward(), with the counter told that backward is running."""
-    counter.in_backward = True
-    try:
-        loss.backward()
-    finally:
-        counter.in_backward = False

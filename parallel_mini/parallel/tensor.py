@@ -25,6 +25,9 @@ summed over tp.
 
 Every rank first builds the full model from the same seed, then keeps its slices: the shards are
 exactly the reference's weights, which is what makes equality with one process testable.
+`apply_tensor_parallel` changes the model only by replacing modules (the embedding, the head, the
+blocks' Linear layers): pipeline stages, checkpointing and data parallel then apply unchanged.
+The mesh axis (normally "tp") is passed by name to everything that communicates.
 """
 from __future__ import annotations
 
@@ -33,9 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..model import GPT
-
-AXIS = "tp"
+from ..model import GPT, Embedding, LMHead, linear
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,29 +46,29 @@ class _CopyToTP(torch.autograd.Function):
     """f: identity forward; backward sums the input-gradients of the column-parallel slices."""
 
     @staticmethod
-    def forward(ctx, x, comm, module):
-        ctx.comm, ctx.module = comm, module
+    def forward(ctx, x, comm, axis, module):
+        ctx.comm, ctx.axis, ctx.module = comm, axis, module
         return x
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        ctx.comm.all_reduce(grad, AXIS, layer="f", module=ctx.module)
-        return grad, None, None
+        ctx.comm.all_reduce(grad, ctx.axis, layer="f", module=ctx.module)
+        return grad, None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """g: forward sums the row-parallel partial products; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, comm, module):
+    def forward(ctx, x, comm, axis, module):
         x = x.contiguous()
-        comm.all_reduce(x, AXIS, layer="g", module=module)
+        comm.all_reduce(x, axis, layer="g", module=module)
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -75,13 +76,13 @@ class _GatherSequence(torch.autograd.Function):
     reduce-scatters the gradient back to sequence shards."""
 
     @staticmethod
-    def forward(ctx, x, comm, module):
-        ctx.comm, ctx.module = comm, module
-        return _seq_all_gather(x, comm, module)
+    def forward(ctx, x, comm, axis, module):
+        ctx.comm, ctx.axis, ctx.module = comm, axis, module
+        return _seq_all_gather(x, comm, axis, module)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_reduce_scatter(grad, ctx.comm, ctx.module), None, None
+        return _seq_reduce_scatter(grad, ctx.comm, ctx.axis, ctx.module), None, None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -89,38 +90,39 @@ class _ReduceScatterSequence(torch.autograd.Function):
     backward all-gathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x, comm, module):
-        ctx.comm, ctx.module = comm, module
-        return _seq_reduce_scatter(x, comm, module)
+    def forward(ctx, x, comm, axis, module):
+        ctx.comm, ctx.axis, ctx.module = comm, axis, module
+        return _seq_reduce_scatter(x, comm, axis, module)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_all_gather(grad, ctx.comm, ctx.module), None, None
+        return _seq_all_gather(grad, ctx.comm, ctx.axis, ctx.module), None, None, None
 
 
-def _seq_all_gather(x, comm, module=""):  # [b, s/t, h] -> [b, s, h]
+def _seq_all_gather(x, comm, axis, module=""):  # [b, s/t, h] -> [b, s, h]
     xt = x.transpose(0, 1).contiguous()  # sequence first: collectives concatenate along dim 0
-    out = torch.empty((xt.shape[0] * comm.size(AXIS),) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    comm.all_gather(out, xt, AXIS, layer="sp", module=module)
+    out = torch.empty((xt.shape[0] * comm.size(axis),) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    comm.all_gather(out, xt, axis, layer="sp", module=module)
     return out.transpose(0, 1)
 
 
-def _seq_reduce_scatter(x, comm, module=""):  # [b, s, h] -> [b, s/t, h], summed over tp
+def _seq_reduce_scatter(x, comm, axis, module=""):  # [b, s, h] -> [b, s/t, h], summed over tp
     xt = x.transpose(0, 1).contiguous()
-    out = torch.empty((xt.shape[0] // comm.size(AXIS),) + xt.shape[1:], dtype=x.dtype,
+    out = torch.empty((xt.shape[0] // comm.size(axis),) + xt.shape[1:], dtype=x.dtype,
                       device=x.device)
-    comm.reduce_scatter(out, xt, AXIS, layer="sp", module=module)
+    comm.reduce_scatter(out, xt, axis, layer="sp", module=module)
     return out.transpose(0, 1)
 
 
-def copy_to_tp(x, comm, sp=False, module=""):
+def copy_to_tp(x, comm, sp=False, module="", axis="tp"):
     """`module` names the layer in the comm records (per-layer accounting)."""
-    return _GatherSequence.apply(x, comm, module) if sp else _CopyToTP.apply(x, comm, module)
+    op = _GatherSequence if sp else _CopyToTP
+    return op.apply(x, comm, axis, module)
 
 
-def reduce_from_tp(x, comm, sp=False, module=""):
-    return (_ReduceScatterSequence.apply(x, comm, module) if sp
-            else _ReduceFromTP.apply(x, comm, module))
+def reduce_from_tp(x, comm, sp=False, module="", axis="tp"):
+    op = _ReduceScatterSequence if sp else _ReduceFromTP
+    return op.apply(x, comm, axis, module)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,35 +136,42 @@ def _rows(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y[..., out/tp] = f(x)[..., in] @ W_r^T + b_r, W_r = rows r of W [out, in] (a slice of outputs)."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm, row_order=None, sp: bool = False):
+    weight_grads = None  # the zero-bubble seam, as model.Linear's
+
+    def __init__(self, layer: nn.Linear, comm: Comm, axis: str = "tp", row_order=None,
+                 sp: bool = False):
         super().__init__()
-        self.sp = sp
-        n, r = comm.size(AXIS), comm.rank(AXIS)
-        w, b = linear.weight, linear.bias
+        self.comm, self.axis, self.sp = comm, axis, sp
+        n, r = comm.size(axis), comm.rank(axis)
+        w, b = layer.weight, layer.bias
         if row_order is not None:  # e.g. QKV: take each of q, k, v's slice r, not the r-th third
             w = row_order(w)
             b = row_order(b) if b is not None else None
         self.weight = nn.Parameter(_rows(w, r, n))  # [out/tp, in]
         self.bias = nn.Parameter(_rows(b, r, n)) if b is not None else None  # [out/tp]
-        self.comm, self.name = comm, ""  # name: set by apply_tensor_parallel
+        self.name = ""  # set by apply_tensor_parallel: the layer's name in the comm records
 
     def forward(self, x):  # x: [b, s, in] (SP: [b, s/tp, in]) -> [b, s, out/tp]
-        return F.linear(copy_to_tp(x, self.comm, self.sp, self.name), self.weight, self.bias)
+        x = copy_to_tp(x, self.comm, self.sp, self.name, self.axis)
+        return linear(x, self.weight, self.bias, self)
 
 
 class RowParallelLinear(nn.Module):
     """y[..., out] = g(x_r[..., in/tp] @ W_r^T) + b, W_r = columns r of W [out, in]."""
 
-    def __init__(self, linear: nn.Linear, comm: Comm, sp: bool = False):
+    weight_grads = None
+
+    def __init__(self, layer: nn.Linear, comm: Comm, axis: str = "tp", sp: bool = False):
         super().__init__()
-        n, r = comm.size(AXIS), comm.rank(AXIS)
-        self.sp = sp
-        self.weight = nn.Parameter(linear.weight.detach().chunk(n, dim=1)[r].clone())  # [out, in/tp]
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        self.comm, self.name = comm, ""  # name: set by apply_tensor_parallel
+        self.comm, self.axis, self.sp = comm, axis, sp
+        n, r = comm.size(axis), comm.rank(axis)
+        self.weight = nn.Parameter(layer.weight.detach().chunk(n, dim=1)[r].clone())  # [out, in/tp]
+        self.bias = nn.Parameter(layer.bias.detach().clone()) if layer.bias is not None else None
+        self.name = ""
 
     def forward(self, x):  # x: [b, s, in/tp] -> [b, s, out] (SP: [b, s/tp, out])
-        y = reduce_from_tp(F.linear(x, self.weight), self.comm, self.sp, self.name)  # sum
+        partial = linear(x, self.weight, None, self)
+        y = reduce_from_tp(partial, self.comm, self.sp, self.name, self.axis)  # sum over tp
         return y + self.bias if self.bias is not None else y  # bias once, after the sum
 
 
@@ -170,21 +179,39 @@ class VocabParallelEmbedding(nn.Module):
     """Rank r holds embedding rows [r*v/tp, (r+1)*v/tp); tokens outside its range embed to zero,
     and an all-reduce assembles every token's row."""
 
-    def __init__(self, emb: nn.Embedding, comm: Comm, sp: bool = False):
+    def __init__(self, emb: nn.Embedding, comm: Comm, axis: str = "tp", sp: bool = False):
         super().__init__()
-        n, r = comm.size(AXIS), comm.rank(AXIS)
-        self.sp = sp
+        self.comm, self.axis, self.sp = comm, axis, sp
+        n, r = comm.size(axis), comm.rank(axis)
         self.per_rank = emb.num_embeddings // n
         self.start = r * self.per_rank
         self.weight = nn.Parameter(_rows(emb.weight, r, n))  # [v/tp, h]
-        self.comm, self.name = comm, ""  # name: set by apply_tensor_parallel
+        self.name = ""
 
     def forward(self, idx):  # idx: [b, s] -> [b, s, h] (SP: [b, s/tp, h])
         local = idx - self.start
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.comm, self.sp, self.name)
+        return reduce_from_tp(out, self.comm, self.sp, self.name, self.axis)
+
+
+class ParallelEmbedding(nn.Module):
+    """The model's Embedding with the token table split over the vocabulary. With SP the output is
+    this rank's slice of the sequence, so it adds the position rows of that slice only."""
+
+    def __init__(self, embed: Embedding, comm: Comm, axis: str = "tp", sp: bool = False):
+        super().__init__()
+        self.comm, self.axis, self.sp = comm, axis, sp
+        self.tok = VocabParallelEmbedding(embed.tok, comm, axis, sp)
+        self.pos = embed.pos
+
+    def forward(self, idx, positions=None):  # idx: [b, s] -> [b, s, h] (SP: [b, s/tp, h])
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        if self.sp:  # this rank's slice of the positions
+            positions = positions.chunk(self.comm.size(self.axis))[self.comm.rank(self.axis)]
+        return self.tok(idx) + self.pos(positions)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -194,19 +221,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     logit are each combined with one all-reduce over tp (of N numbers, not N*v)."""
 
     @staticmethod
-    def forward(ctx, logits, target, start, comm):  # logits [N, v/tp], target [N]
+    def forward(ctx, logits, target, start, comm, axis):  # logits [N, v/tp], target [N]
         logits = logits.float()
         zmax = logits.max(dim=-1).values  # [N]
-        comm.all_reduce(zmax, AXIS, op=torch.distributed.ReduceOp.MAX, layer="ce")
+        comm.all_reduce(zmax, axis, op=torch.distributed.ReduceOp.MAX, layer="ce")
         z = logits - zmax.unsqueeze(-1)
         local_t = target - start
         mine = (local_t >= 0) & (local_t < logits.shape[-1])
         idx = local_t.clamp(0, logits.shape[-1] - 1)
         z_target = torch.where(mine, z.gather(1, idx.unsqueeze(1)).squeeze(1), torch.zeros_like(zmax))
-        comm.all_reduce(z_target, AXIS, layer="ce")
+        comm.all_reduce(z_target, axis, layer="ce")
         exp = z.exp()
         sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, AXIS, layer="ce")
+        comm.all_reduce(sum_exp, axis, layer="ce")
         ctx.save_for_backward(exp, sum_exp, idx, mine)
         return (sum_exp.log() - z_target).mean()
 
@@ -215,7 +242,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp, sum_exp, idx, mine = ctx.saved_tensors
         p = exp / sum_exp.unsqueeze(-1)  # softmax slice [N, v/tp]
         p[mine, idx[mine]] -= 1.0  # minus the one-hot target, where the target is in my slice
-        return p * (grad / p.shape[0]), None, None, None
+        return p * (grad / p.shape[0]), None, None, None, None
+
+
+class ParallelLMHead(nn.Module):
+    """The model's LMHead with a column-parallel output layer and a vocabulary-parallel loss: no
+    rank ever materialises the full [b, s, v] logits."""
+
+    def __init__(self, head: LMHead, comm: Comm, axis: str = "tp", sp: bool = False):
+        super().__init__()
+        self.comm, self.axis = comm, axis
+        self.norm = head.norm
+        self.out = ColumnParallelLinear(head.out, comm, axis, sp=sp)
+        self.vocab_start = comm.rank(axis) * (head.out.out_features // comm.size(axis))
+
+    def forward(self, x, targets=None):  # x: [b, s, h] (SP: [b, s/tp, h])
+        logits = self.out(self.norm(x))  # [b, s, v/tp]: never the full vocabulary
+        if targets is None:
+            return logits
+        return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
+                                                self.vocab_start, self.comm, self.axis)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,80 +276,56 @@ def qkv_rows_by_rank(n):
     return order
 
 
-class _TPHeadLoss:
-    """GPT.forward with a vocabulary-parallel head and loss (and, with SP, sequence shards)."""
-
-    def __init__(self, model, comm, sp):
-        self.model, self.comm, self.sp = model, comm, sp
-
-    def __call__(self, idx, targets=None):
-        m = self.model
-        s = idx.shape[1]
-        pos = torch.arange(s, device=idx.device)
-        if self.sp:  # this rank's slice of the positions
-            n, r = self.comm.size(AXIS), self.comm.rank(AXIS)
-            pos = pos[r * s // n:(r + 1) * s // n]
-        x = m.tok_emb(idx) + m.pos_emb(pos)  # [b, s, h] (SP: [b, s/tp, h])
-        for block in m.blocks:
-            x = block(x)
-        logits = m.head(m.ln_f(x))  # [b, s, v/tp]: never the full vocabulary
-        if targets is None:
-            return logits
-        return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(),
-                                                m.head_start, self.comm)
-
-
-def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False) -> GPT:
-    """Shard `model` in place over the mesh's tp axis (with sequence parallel when `sp`).
-    Layout errors were refused by RunConfig."""
-    n = comm.size(AXIS)
+def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False, axis: str = "tp") -> GPT:
+    """Shard `model` in place over the mesh axis `axis` (with sequence parallel when `sp`), by
+    replacing modules. Layout errors were refused by RunConfig."""
+    n = comm.size(axis)
     if n == 1:
         return model
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(attn.qkv, comm, row_order=qkv_rows_by_rank(n), sp=sp)
-        attn.proj = RowParallelLinear(attn.proj, comm, sp=sp)  # attention infers its a/tp heads
-        mlp.fc = ColumnParallelLinear(mlp.fc, comm, sp=sp)
-        mlp.proj = RowParallelLinear(mlp.proj, comm, sp=sp)
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, comm, sp=sp)
-    model.head = ColumnParallelLinear(model.head, comm, sp=sp)
-    model.head_start = comm.rank(AXIS) * (model.config.vocab // n)
-    model.forward = _TPHeadLoss(model, comm, sp)
+        attn.qkv = ColumnParallelLinear(attn.qkv, comm, axis, row_order=qkv_rows_by_rank(n), sp=sp)
+        attn.proj = RowParallelLinear(attn.proj, comm, axis, sp=sp)  # attention infers a/tp heads
+        mlp.fc = ColumnParallelLinear(mlp.fc, comm, axis, sp=sp)
+        mlp.proj = RowParallelLinear(mlp.proj, comm, axis, sp=sp)
+    model.embed = ParallelEmbedding(model.embed, comm, axis, sp=sp)
+    model.head = ParallelLMHead(model.head, comm, axis, sp=sp)
     for name, module in model.named_modules():  # each layer names itself in its comm records
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             module.name = name
     if sp:
         for p in sequence_parallel_params(model):
-            p.register_hook(lambda grad: _sum_over_tp(grad, comm))
+            p.register_hook(lambda grad: _sum_over_tp(grad, comm, axis))
     return model
 
 
 def sequence_parallel_params(model: GPT) -> list[nn.Parameter]:
     """Replicated parameters that SP applies to sequence shards: each rank's gradient covers only
     its part of the sequence, the true gradient is the sum over tp."""
-    params = list(model.pos_emb.parameters()) + list(model.ln_f.parameters())
+    params = list(model.embed.pos.parameters()) + list(model.head.norm.parameters())
     for block in model.blocks:
         params += list(block.ln1.parameters()) + list(block.ln2.parameters())
         params += [block.attn.proj.bias, block.mlp.proj.bias]
     return [p for p in params if p is not None]
 
 
-def _sum_over_tp(grad: torch.Tensor, comm: Comm) -> torch.Tensor:
+def _sum_over_tp(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     """Runs on the gradient *before* it is accumulated, once per backward (so accumulation and
     any data-parallel sync downstream see the full gradient)."""
     grad = grad.contiguous()
-    comm.all_reduce(grad, AXIS, layer="sp-grads")
+    comm.all_reduce(grad, axis, layer="sp-grads")
     return grad
 
 
 # ---------------------------------------------------------------------------------------------
 # reassembling full weights (to compare with the reference)
 # ---------------------------------------------------------------------------------------------
-def gather_full_parameters(model: GPT, local: dict[str, torch.Tensor], comm: Comm) -> dict:
+def gather_full_parameters(model: GPT, local: dict[str, torch.Tensor], comm: Comm,
+                           axis: str = "tp") -> dict:
     """Full tensors from every rank's slices (collective over tp). Column-parallel weights and the
     vocabulary-split tables concatenate along dim 0 (QKV then un-reordered), row-parallel weights
     along dim 1; replicated parameters are returned as they are."""
-    n = comm.size(AXIS)
+    n = comm.size(axis)
     if n == 1:
         return local
     out = {}
@@ -315,7 +337,7 @@ def gather_full_parameters(model: GPT, local: dict[str, torch.Tensor], comm: Com
             out[name] = t
             continue
         parts = [torch.empty_like(t) for _ in range(n)]
-        torch.distributed.all_gather(parts, t.contiguous(), group=comm.mesh.groups[AXIS])
+        torch.distributed.all_gather(parts, t.contiguous(), group=comm.mesh.groups[axis])
         full = torch.cat(parts, dim=dim)
         if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # undo qkv_rows_by_rank
             per = full.shape[0] // (3 * n)

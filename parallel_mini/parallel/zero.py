@@ -159,5 +159,11 @@ class ZeroDataParallel:
             return {"params": [self.flat_params], "grads": grads, "optimizer": [], "host": opt}
         return {"params": [self.flat_params], "grads": grads, "optimizer": opt}
 
+    def buffers(self) -> list[torch.Tensor]:
+        return []  # the flat buffers are model states, counted by state_tensors
+
+    def transient_bytes(self) -> int:
+        return 0
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}

@@ -165,6 +165,13 @@ class Zero3DataParallel:
                 "grads": [u.grad_shard for u in self.units if u.grad_shard is not None],
                 "optimizer": opt}
 
+    def buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def transient_bytes(self) -> int:
+        """The most gathered (full) units alive at once, in bytes."""
+        return self.peak_gathered_bytes
+
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter in full (collective: all ranks call it), e.g. to compare with the reference."""
