@@ -133,7 +133,7 @@ def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, h
     sum of exponentials).
     A pipeline stage holds `blocks` of the blocks, the embedding only on the first stage and the
     head only on the last, and runs m micro-batches of b/(dp m) sequences per step."""
-    steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # micro-steps per step
+    steps = cfg.microbatches if getattr(cfg, "pp", 1) > 1 else cfg.grad_accum  # micro-steps
     micro = cfg.batch // (cfg.dp * steps)
     act = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]
     t, h = cfg.tp, cfg.d_model
