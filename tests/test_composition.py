@@ -141,3 +141,12 @@ def test_refused_combinations_name_their_reason(kw, reason):
     with pytest.raises(ConfigError, match=reason) as e:
         RunConfig(**kw).validate()
     assert "\n" not in str(e.value)
+
+
+def test_no_local_cap_under_torchrun(monkeypatch):
+    """Locally at most 16 ranks (a laptop only thrashes beyond); under torchrun the cluster decides."""
+    with pytest.raises(ConfigError, match="torchrun"):
+        RunConfig(dp=32, batch=32).validate()
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "32"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    assert RunConfig(dp=32, batch=32).validate().world_size == 32
