@@ -295,12 +295,17 @@ def test_layouts_that_cannot_run_live_on_a_toy_show_theory_and_why():
     _set(at, "radio", "Tensor parallel", 2)
     assert not at.button  # nothing to press: the bars are theory
     assert [c["spec"]["title"]["text"] for c in _charts(at)] == ["Memory per GPU by ZeRO stage (theory)"]
-    notes = [i.value for i in at.info if "tensor parallel inside pipeline stages" in i.value]
+    # N = 2 x TP = 2 x PP = 2 = 8 ranks: more than this machine runs live
+    notes = [i.value for i in at.info if "N × TP × PP = 8" in i.value]
     assert len(notes) == 2  # in the model's box and under "Live"
     # Ψ/(TP·PP) per GPU, then ZeRO-0 over N = 2: fp32 Adam, 16 bytes each
     bars = _stage_bars(at)
     assert (bars["ZeRO-0", "params"], bars["ZeRO-0", "optimizer"]) == (
         4 * TOY_PARAMS // 4, 8 * TOY_PARAMS // 4)
+    # with N = 1 the same TP x PP layout runs live: tensor parallel inside pipeline stages
+    _set(at, "select_slider", "GPUs", 1)
+    assert [b.label for b in at.button] == ["Run live"]
+    _set(at, "select_slider", "GPUs", 2)
     # TP = 8 cannot split the toy's 4 heads: RunConfig's own message says so
     _set(at, "radio", "Pipeline parallel", 1)
     _set(at, "radio", "Tensor parallel", 8)

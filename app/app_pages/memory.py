@@ -119,8 +119,8 @@ def first_config_error(cfgs: list[dict]) -> ConfigError | None:
 
 def why_not_live() -> str | None:
     """The one place that decides whether this layout runs live here: None when it does, else the
-    reason, one line. RunConfig's own validation speaks first (e.g. TP inside pipeline stages is
-    not available yet), then this machine's rank cap."""
+    reason, one line. RunConfig's own validation speaks first (e.g. heads that TP cannot split
+    evenly), then this machine's rank cap."""
     if not toy:
         return "theory only: the model is far beyond what runs on this machine"
     err = first_config_error(configs)
