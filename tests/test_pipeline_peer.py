@@ -1,7 +1,7 @@
 """Our pipeline parallel against PyTorch's own: torch.distributed.pipelining's ScheduleGPipe,
 Schedule1F1B, ScheduleInterleaved1F1B and ScheduleZBVZeroBubble on the same stage split (a
-PipelineStage per chunk, built from our `partition` / `forward_chunk`: `bench.TorchPipeline`), the
-same data and Adam arithmetic. In one launch, torch's schedule and ours (`bench.OurPipeline`) train
+PipelineStage per chunk, built from our `partition` / `forward_chunk`: `peers.TorchPipeline`), the
+same data and Adam arithmetic. In one launch, torch's schedule and ours (`peers.OurPipeline`) train
 side by side; both must equal the single-process reference (losses and every final parameter to
 1e-5), and each other.
 
@@ -19,7 +19,7 @@ from parallel_mini.launch import run_ranks
 
 def _peer_rank(cfg_dict, torch_name, our_name):
     import torch.distributed as dist
-    from parallel_mini.bench import OurPipeline, TorchPipeline
+    from parallel_mini.peers import OurPipeline, TorchPipeline
     from parallel_mini.data import global_batch
 
     cfg = RunConfig.from_dict(cfg_dict)

@@ -2,7 +2,7 @@
 RowwiseParallel on the same tiny GPT's blocks (QKV and fc column-wise, the projections row-wise),
 same data and Adam arithmetic, at tp=2; and our sequence parallel (--sp) against the same plan with
 SequenceParallel LayerNorms and the sequence gathered / reduce-scattered around the matmuls
-(torchtitan's plan, `bench.dtensor_tp_plan`). Both must equal the single-process reference."""
+(torchtitan's plan, `peers.dtensor_tp_plan`). Both must equal the single-process reference."""
 import pytest
 from torch.distributed.tensor import Shard
 
@@ -14,7 +14,7 @@ from parallel_mini.launch import run_ranks
 def _dtensor_rank(cfg_dict, sp=False):
     import torch
     from torch.distributed.tensor import DTensor
-    from parallel_mini.bench import dtensor_tp_model
+    from parallel_mini.peers import dtensor_tp_model
     from parallel_mini.config import RunConfig
     from parallel_mini.data import global_batch
 

@@ -1,40 +1,25 @@
 """ZeRO against PyTorch's own: ZeroRedundancyOptimizer (stage 1) and FSDP2 fully_shard (stage 3, and
-stage 2 via reshard_after_forward=False), same model, data and Adam arithmetic (torch.optim.Adam
-with our eps), at 2 ranks."""
+stage 2 via reshard_after_forward=False), as `peers.zero_peer` builds them for the benchmark too:
+same model, data and Adam arithmetic (torch.optim.Adam with our eps), at 2 ranks."""
 import pytest
 
 from parallel_mini.config import RunConfig
 from parallel_mini.launch import run_ranks
+from parallel_mini.peers import ZERO_PEERS
 
 CFG = RunConfig(dp=2, steps=3)
 
 
 def _peer_rank(cfg_dict, peer):
-    import torch
     import torch.distributed as dist
     from parallel_mini.config import RunConfig
     from parallel_mini.data import global_batch, shard
-    from parallel_mini.model import build_model
+    from parallel_mini.peers import zero_peer
 
     cfg = RunConfig.from_dict(cfg_dict)
     r, n = dist.get_rank(), dist.get_world_size()
-    model = build_model(cfg)
-    adam = dict(lr=cfg.lr, eps=1e-5, foreach=False)
-    if peer == "zero_redundancy":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        module = DDP(model)
-        opt = ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.Adam, **adam)
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (n,))
-        reshard = peer == "fsdp2"
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        module = model
-        opt = torch.optim.Adam(module.parameters(), **adam)
+    module, opt = zero_peer(cfg, peer)
+    model = module.module if peer == "ZeroRedundancyOptimizer" else module  # DDP wraps it
     losses = []
     for step in range(cfg.steps):
         x, y = shard(global_batch(cfg, step), r, n)
@@ -45,7 +30,7 @@ def _peer_rank(cfg_dict, peer):
         t = loss.detach().clone()
         dist.all_reduce(t)
         losses.append(t.item() / n)
-    if peer == "zero_redundancy":
+    if peer == "ZeroRedundancyOptimizer":
         params = {k: p.detach().clone() for k, p in model.named_parameters()}
     else:
         params = {k: p.full_tensor().detach().clone() for k, p in model.named_parameters()}
@@ -60,7 +45,7 @@ def _local_state_bytes(model, opt, peer) -> dict:
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
-    inner = opt.optim if peer == "zero_redundancy" else opt
+    inner = opt.optim if peer == "ZeroRedundancyOptimizer" else opt
     opt_tensors = [local(v) for st in inner.state.values() for v in st.values()
                    if isinstance(v, torch.Tensor)]
     return {"params": tensors_bytes(local(p) for p in model.parameters()),
@@ -98,7 +83,7 @@ def _ours_params(cfg_dict):
     return losses, {k: v.clone() for k, v in strategy.full_parameters().items()}, mem
 
 
-@pytest.mark.parametrize("peer,zero", [("zero_redundancy", 1), ("fsdp2", 3), ("fsdp2_no_reshard", 2)])
+@pytest.mark.parametrize("peer,zero", [(kind, stage) for stage, (_, kind) in ZERO_PEERS.items()])
 def test_peer_agrees_with_our_zero(peer, zero):
     cfg = CFG.replace(zero=zero)
     peer_ranks = [r.value for r in run_ranks(_peer_rank, 2, cfg.to_dict(), peer)]
