@@ -1,0 +1,34 @@
+"""Altair chart builders: written once, used by the lessons and by the app.
+
+Every function takes plain data (a `collectives.ring_experiment` dict, `collectives.primitives_demo`
+rows, a `RunReport.to_dict()`, or rows of plain dicts) and returns an Altair chart. Nothing here
+launches ranks or touches torch.distributed: what is drawn is exactly what the run measured, with
+the prediction of `theory` (as carried in the data) beside it.
+
+One module per topic, each listing its charts in its docstring:
+
+    ring.py      the collectives and the ring all-reduce        (lesson 01, Ring all-reduce page)
+    run.py       one training run: loss, bytes, memory, timeline (lesson 02, Data parallel page)
+    memory.py    memory per GPU by ZeRO stage, activations       (lesson 03, Memory page)
+    tensor.py    tensor and sequence parallel                    (lesson 04, Tensor parallel page)
+    pipeline.py  pipeline schedules, the bubble, memory in flight (lesson 05, Pipeline page)
+    units.py     what they share: units, autosize, grouped bars by source
+
+Every chart is also here, so `viz.loss_curves(report)` works without knowing its module.
+"""
+from .memory import (HOST_COLOR, STAGE_CATEGORIES, STAGE_COLORS, activation_bars,
+                     memory_measured_vs_theory, memory_measured_vs_theory_frame, memory_stages,
+                     memory_stages_frame)
+from .pipeline import (PIPE_COLORS, PIPE_KINDS, bubble_bars, in_flight_chart, in_flight_frame,
+                       pipeline_frame, pipeline_stage_bars, pipeline_timeline)
+from .ring import (PHASE_COLORS, bandwidth_bars, primitives_frame, primitives_table, ranks_label,
+                   ring_animation, ring_frames_frame, ring_moves_text, ring_step_times,
+                   ring_time_bars)
+from .run import (KIND_COLORS, KIND_ORDER, MEMORY_COLORS, MEMORY_ORDER, comm_bytes,
+                  comm_bytes_frame, loss_curves, memory_bars, memory_frame, timeline,
+                  timeline_frame)
+from .tensor import (TP_ACTIVATION_SOURCES, TP_COMM_COLORS, TP_COMM_KINDS, tp_activation_bars,
+                     tp_comm_by_layer, tp_comm_frame, tp_link_times, tp_weight_shards,
+                     tp_weight_shards_frame, weight_shard_cells)
+from .units import (ACTIVATION_COLORS, ACTIVATION_SOURCES, PAD, bars_by_source, bytes_unit,
+                    decimal_bytes_unit, rate_unit, time_unit)

@@ -1,0 +1,214 @@
+"""One training run, drawn from its `RunReport.to_dict()` (lesson 02, the Data parallel page):
+
+    loss_curves(report)    loss per step: live run vs the single-process reference
+    comm_bytes(report)     wire bytes per step per rank: measured vs theory
+    memory_bars(report)    memory per rank by category: measured vs theory, with the live peak
+    timeline(report)       Gantt of compute and comm per rank (wall clock)
+"""
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from .units import PAD, bytes_unit
+
+KIND_ORDER = ["forward", "backward", "grad_sync", "optimizer",
+              "all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "send", "recv"]
+KIND_COLORS = ["#4c78a8", "#f58518", "#b279a2", "#54a24b",
+               "#e45756", "#9d755d", "#72b7b2", "#eeca3b", "#ff9da6", "#bab0ac", "#79706e"]
+MEMORY_ORDER = ["params", "grads", "optimizer", "transient", "activations_peak"]
+MEMORY_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756"]
+
+
+def _run_label(report: dict) -> str:
+    c = report["config"]
+    label = f"dp={c['dp']}"
+    if c["dp"] > 1:
+        label += f" {c['dp_mode']}"
+    if c.get("grad_accum", 1) > 1:
+        label += f", grad-accum {c['grad_accum']}"
+    return label
+
+
+def loss_curves(report: dict) -> alt.LayerChart:
+    """Global loss per step of the live run, and of the single-process reference on the same data
+    when the run had `reference=True` (dashed). Equal within fp32 rounding if the strategy is right."""
+    rows = [{"step": i, "loss": v, "run": f"{_run_label(report)} (measured, "
+                                           f"{report['world_size']} ranks)"}
+            for i, v in enumerate(report["losses"])]
+    ref = report.get("reference_losses")
+    if ref:
+        rows += [{"step": i, "loss": v, "run": "single process (reference)"}
+                 for i, v in enumerate(ref)]
+    df = pd.DataFrame(rows)
+    runs = list(dict.fromkeys(df["run"]))
+    base = alt.Chart(df).encode(
+        x=alt.X("step:O", title="training step", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("loss:Q", title="loss (cross-entropy, nats)", scale=alt.Scale(zero=False)),
+        color=alt.Color("run:N", title=None, sort=runs,
+                        scale=alt.Scale(domain=runs, range=["#4c78a8", "#e45756"][:len(runs)]),
+                        legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=420)),
+        tooltip=["run:N", "step:O", alt.Tooltip("loss:Q", format=".6f")])
+    # measured underneath, thick; the reference on top, thin and dashed: where they agree (as they
+    # must), both stay visible
+    measured = base.mark_line(strokeWidth=5, opacity=0.6, point=alt.OverlayMarkDef(size=90)
+                              ).transform_filter(alt.datum.run == runs[0])
+    reference = base.mark_line(strokeWidth=1.5, strokeDash=[6, 4], point=alt.OverlayMarkDef(size=20)
+                               ).transform_filter(alt.datum.run != runs[0])
+    diff = report.get("max_abs_diff")
+    subtitle = (f"max |measured − reference| over losses and final parameters: {diff:.2e}"
+                if diff is not None else "no reference run (run with reference=True to compare)")
+    return alt.layer(measured, reference).properties(autosize=PAD, width=460, height=260, title=alt.TitleParams(
+        "Loss per step: live run vs single-process reference", subtitle=subtitle, anchor="start"))
+
+
+def comm_bytes_frame(report: dict) -> pd.DataFrame:
+    """Wire bytes per training step, per rank and group: measured (the rank's comm records of the
+    steps, summed and divided by the step count) and theory (report['theory'])."""
+    steps = max(1, report["config"]["steps"])
+    theory_b = report["theory"].get("wire_bytes_per_step", {})
+    rows = []
+    for r in report["ranks"]:
+        measured: dict[str, float] = {g: 0.0 for g in theory_b}
+        for rec in r["comm"]:
+            if rec["step"] >= 0:
+                measured[rec["group"]] = measured.get(rec["group"], 0.0) + rec["wire_bytes"]
+        for g, b in measured.items():
+            rows.append({"rank": r["rank"], "group": g, "source": "measured", "bytes": b / steps})
+            if g in theory_b:
+                rows.append({"rank": r["rank"], "group": g, "source": "theory",
+                             "bytes": float(theory_b[g])})
+    return pd.DataFrame(rows, columns=["rank", "group", "source", "bytes"])
+
+
+def comm_bytes(report: dict) -> alt.LayerChart:
+    """Grouped bars per rank (and process group): bytes this rank put on the wire per training step,
+    measured from its comm records beside theory's 2(N-1)/N * gradient bytes."""
+    df = comm_bytes_frame(report)
+    div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
+    df["value"] = df["bytes"] / div
+    multi = df["group"].nunique() > 1
+    df["who"] = ("rank " + df["rank"].astype(str)
+                 + (" · " + df["group"] if multi else ""))
+    base = alt.Chart(df).encode(
+        x=alt.X("who:N", title="rank" + (" · group" if multi else ""),
+                axis=alt.Axis(labelAngle=0)),
+        xOffset=alt.XOffset("source:N", sort=["measured", "theory"]),
+        y=alt.Y("value:Q", title=f"wire bytes per step ({unit})",
+                scale=alt.Scale(domainMin=0) if df["value"].max() > 0 else alt.Scale(domain=[0, 1])),
+        tooltip=["who:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
+    return alt.layer(
+        base.mark_bar().encode(color=alt.Color(
+            "source:N", title=None, scale=alt.Scale(domain=["measured", "theory"],
+                                                    range=["#4c78a8", "#bab0ac"]))),
+        base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
+    ).properties(autosize=PAD, width=max(240, 90 * df["who"].nunique()), height=240, title=alt.TitleParams(
+        "Bytes each rank sends per step: measured vs theory",
+        subtitle="theory: all-reduce of every gradient once per step, 2(N−1)/N · gradient bytes",
+        anchor="start"))
+
+
+def memory_frame(report: dict) -> pd.DataFrame:
+    """Bytes per rank by category (measured), plus theory's model states for one replica."""
+    rows = []
+    for r in report["ranks"]:
+        for cat in MEMORY_ORDER:
+            if cat in r["memory"]:
+                rows.append({"who": f"rank {r['rank']}", "category": cat, "source": "measured",
+                             "bytes": r["memory"][cat], "total_peak": r["memory"].get("total_peak")})
+    for cat, b in report["theory"].get("memory", {}).items():
+        rows.append({"who": "theory (each rank)", "category": cat, "source": "theory",
+                     "bytes": b, "total_peak": None})
+    return pd.DataFrame(rows)
+
+
+def memory_bars(report: dict) -> alt.LayerChart:
+    """Stacked bars per rank of the memory it measured by category (params, grads, optimizer state,
+    transient bucket buffers, peak saved activations), a tick at the measured peak of all live
+    bytes, and theory's params/grads/optimizer beside them."""
+    df = memory_frame(report)
+    peaks = df.dropna(subset=["total_peak"]).drop_duplicates("who")[["who", "total_peak"]]
+    div, unit = bytes_unit(max(df.groupby("who")["bytes"].sum().max(),
+                               peaks["total_peak"].max() if len(peaks) else 0))
+    df["value"] = df["bytes"] / div
+    peaks = peaks.assign(value=peaks["total_peak"] / div, label="live peak")
+    whos = list(dict.fromkeys(df["who"]))
+    x = alt.X("who:N", title=None, sort=whos, axis=alt.Axis(labelAngle=0, labelLimit=160))
+    bars = alt.Chart(df).mark_bar().encode(
+        x=x, y=alt.Y("value:Q", title=f"memory ({unit})", stack="zero"),
+        color=alt.Color("category:N", title="category", sort=MEMORY_ORDER,
+                        scale=alt.Scale(domain=MEMORY_ORDER, range=MEMORY_COLORS)),
+        order=alt.Order("cat_index:Q"),
+        tooltip=["who:N", "category:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")],
+    ).transform_calculate(cat_index=f"indexof({MEMORY_ORDER}, datum.category)")
+    tick = alt.Chart(peaks).mark_tick(color="black", thickness=3, size=60).encode(
+        x=x, y="value:Q",
+        tooltip=["who:N", alt.Tooltip("total_peak:Q", format=",.0f", title="live peak (bytes)")])
+    tick_text = alt.Chart(peaks).mark_text(dy=-8, fontSize=10).encode(x=x, y="value:Q", text="label:N")
+    return alt.layer(bars, tick, tick_text).properties(
+        autosize=PAD,
+        width=max(260, 100 * len(whos)), height=280, title=alt.TitleParams(
+            "Memory per rank: measured by category vs theory",
+            subtitle=["theory: fp32 params 4Ψ, grads 4Ψ, Adam moments 8Ψ bytes (Ψ = parameters)",
+                      "tick: measured peak of all live bytes during the last step"],
+            anchor="start"))
+
+
+def timeline_frame(report: dict, steps=None) -> pd.DataFrame:
+    """One row per op: compute events (forward/backward/grad_sync/optimizer) and comm records, with
+    a lane per rank and kind of work, times in ms from the run's start."""
+    if steps is not None and isinstance(steps, int):
+        steps = [steps]
+    keep = None if steps is None else set(steps)
+    rows = []
+    for r in report["ranks"]:
+        rk = r["rank"]
+        for e in r["events"]:
+            if keep is not None and e.get("step") not in keep:
+                continue
+            rows.append({"rank": rk, "lane": f"rank {rk} · compute", "kind": e["kind"],
+                         "step": e.get("step"), "microbatch": e.get("microbatch"), "bucket": None,
+                         "async_op": None, "bytes": None, "start_ms": 1e3 * e["start"],
+                         "end_ms": 1e3 * e["end"], "cpu_ms": 1e3 * e.get("cpu", 0.0),
+                         "waited_until_ms": None})
+        for c in r["comm"]:
+            if "end" not in c or (keep is not None and c.get("step") not in keep):
+                continue
+            rows.append({"rank": rk, "lane": f"rank {rk} · comm", "kind": c["op"],
+                         "step": c.get("step"), "microbatch": None, "bucket": c.get("bucket"),
+                         "async_op": c.get("async_op"), "bytes": c.get("wire_bytes"),
+                         "start_ms": 1e3 * c["start"], "end_ms": 1e3 * c["end"],
+                         "cpu_ms": 1e3 * c.get("cpu", 0.0),
+                         "waited_until_ms": 1e3 * c["waited_until"] if "waited_until" in c else None})
+    df = pd.DataFrame(rows)
+    if len(df):
+        df["duration_ms"] = df["end_ms"] - df["start_ms"]
+    return df
+
+
+def timeline(report: dict, steps=None) -> alt.Chart:
+    """Gantt chart of what every rank did, as measured (wall clock, ms from the run's start). Two
+    lanes per rank: compute (forward, backward, grad_sync = waiting for the gradient all-reduces,
+    optimizer) and comm (each collective; bucketed all-reduces start during backward, which is the
+    overlap DP buckets buy). `steps`: an int or a list of steps to show (default: all, plus setup)."""
+    df = timeline_frame(report, steps)
+    lanes = [f"rank {r['rank']} · {k}" for r in report["ranks"] for k in ("compute", "comm")]
+    present = set(df["kind"]) if len(df) else set()
+    domain = [k for k in KIND_ORDER if k in present] + sorted(present - set(KIND_ORDER))
+    palette = dict(zip(KIND_ORDER, KIND_COLORS))
+    colors = [palette.get(k, "#999999") for k in domain]
+    return alt.Chart(df).mark_bar(height=16).encode(
+        x=alt.X("start_ms:Q", title="wall time from the run's start (ms)"),
+        x2="end_ms:Q",
+        y=alt.Y("lane:N", title=None, sort=lanes, axis=alt.Axis(labelLimit=200)),
+        color=alt.Color("kind:N", title="op", scale=alt.Scale(domain=domain, range=colors)),
+        tooltip=["lane:N", "kind:N", "step:Q", "microbatch:Q", "bucket:Q", "async_op:N",
+                 alt.Tooltip("bytes:Q", format=",.0f", title="wire bytes"),
+                 alt.Tooltip("start_ms:Q", format=".2f"), alt.Tooltip("end_ms:Q", format=".2f"),
+                 alt.Tooltip("duration_ms:Q", format=".2f", title="wall ms"),
+                 alt.Tooltip("cpu_ms:Q", format=".2f", title="cpu ms"),
+                 alt.Tooltip("waited_until_ms:Q", format=".2f", title="waited until (ms)")],
+    ).properties(autosize=PAD, width=640, height=24 * len(lanes), title=alt.TitleParams(
+        f"Timeline of {_run_label(report)} on {report['world_size']} ranks (wall clock)",
+        subtitle="ranks share the CPU cores, so the OS scheduler stretches wall times; "
+                 "hover for each op's own CPU time", anchor="start"))
