@@ -1,5 +1,8 @@
 """What every page needs to run ranks live: cached runs, a status box, errors without tracebacks.
 
+Pages run nothing on a rank themselves: they configure a run, call the library through the cached
+wrappers here (engine.run, collectives.ring_experiment, experiments.tp_mlp_shards), and draw.
+
 Results are cached per configuration (st.cache_data, shared by everyone watching the app) and the
 last result of each page is kept in the session, so moving a slider never starts ranks by itself:
 only "Run live" does. "Fresh measurement" bypasses the cache for timings that should be re-taken.
@@ -11,7 +14,7 @@ import time
 
 import streamlit as st
 
-from parallel_mini import collectives, engine
+from parallel_mini import collectives, engine, experiments
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.launch import RankError
 
@@ -29,6 +32,13 @@ def training_run(cfg_json: str, attempt: int = 0) -> dict:
     """engine.run on the RunConfig given as JSON; the report as a dict (cached per config)."""
     report = engine.run(RunConfig.from_dict(json.loads(cfg_json)))
     return report.to_dict()
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def tp_mlp_shards(cfg_json: str, attempt: int = 0) -> list[dict]:
+    """experiments.tp_mlp_shards on the RunConfig given as JSON: every tp rank's MLP shards (and
+    rank 0's full weights), cached per config."""
+    return experiments.tp_mlp_shards(json.loads(cfg_json))
 
 
 def rank_error_summary(err: RankError) -> str:

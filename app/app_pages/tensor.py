@@ -10,9 +10,8 @@ import pandas as pd
 import streamlit as st
 
 from live_runs import (TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, show_equality,
-                        training_run)
+                        tp_mlp_shards, training_run)
 from parallel_mini import theory, viz
-from parallel_mini.launch import run_ranks
 
 MODELS = {"4 layers × d64 × 4 heads": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
           "4 layers × d128 × 8 heads": {"layers": 4, "d_model": 128, "heads": 8, "vocab": 128}}
@@ -22,64 +21,6 @@ LINKS = sorted(theory.INTERCONNECTS, key=lambda k: -theory.INTERCONNECTS[k])
 # H100 SXM, dense bf16 matmuls: the compute time at scale is a lower bound (real runs reach
 # roughly half of the peak)
 H100_BF16_FLOPS, NVLINK_GPUS_PER_NODE = theory.H100_BF16_FLOPS, theory.NVLINK_GPUS_PER_NODE
-
-
-def _mlp_shards_rank(cfg_dict: dict, tokens: int = 8) -> dict:
-    """On each tp rank: build the model (the same full weights everywhere, one seed), shard it with
-    apply_tensor_parallel, and return this rank's MLP weights of every block. Then redo the seed's
-    picture with them: Y_r = GELU(X A_r) needs no communication; the partial products Y_r B_r are
-    summed by an all-reduce, and both are compared with the unsharded computation."""
-    import torch
-    import torch.nn.functional as F
-
-    from parallel_mini.comm import Comm
-    from parallel_mini.config import RunConfig
-    from parallel_mini.mesh import build_mesh
-    from parallel_mini.model import build_model
-    from parallel_mini.parallel.tensor import apply_tensor_parallel
-
-    cfg = RunConfig.from_dict(cfg_dict)
-    comm = Comm(build_mesh(cfg))
-    t, r = comm.size("tp"), comm.rank("tp")
-    model = build_model(cfg)
-    full = [(b.mlp.fc.weight.detach().clone(), b.mlp.fc.bias.detach().clone(),
-             b.mlp.proj.weight.detach().clone()) for b in model.blocks]
-    apply_tensor_parallel(model, comm, cfg.sp)
-    torch.manual_seed(1234)
-    x = torch.randn(tokens, cfg.d_model)  # [tokens, h], the same on every rank
-    blocks = []
-    with torch.no_grad():
-        for (fc_w, fc_b, proj_w), block in zip(full, model.blocks):
-            w1, b1, w2 = (block.mlp.fc.weight.detach(), block.mlp.fc.bias.detach(),
-                          block.mlp.proj.weight.detach())  # [4h/t, h], [4h/t], [h, 4h/t]
-            n = w1.shape[0]
-            y_r = F.gelu(x @ w1.T + b1)  # [tokens, 4h/t]: this rank's columns of Y, no comm
-            z = (y_r @ w2.T).contiguous()  # [tokens, h]: a partial sum over this rank's 4h/t
-            partial = z.clone()
-            if t > 1:
-                comm.all_reduce(z, "tp", layer="g")  # Σ_r Y_r B_r
-            y_full = F.gelu(x @ fc_w.T + fc_b)  # [tokens, 4h], one process
-            z_full = y_full @ proj_w.T  # [tokens, h]
-            out = {"fc": w1.numpy().copy(), "proj": w2.numpy().copy(),
-                   "fc_rows": [r * n, (r + 1) * n], "proj_cols": [r * n, (r + 1) * n],
-                   "y_shape": list(y_r.shape), "z_shape": list(z.shape),
-                   "y_slice_diff": float((y_r - y_full[:, r * n:(r + 1) * n]).abs().max()),
-                   "partial_diff": float((partial - z_full).abs().max()),
-                   "all_reduce_diff": float((z - z_full).abs().max())}
-            if r == 0:
-                out.update(fc_full=fc_w.numpy().copy(), proj_full=proj_w.numpy().copy())
-            blocks.append(out)
-    return {"rank": r, "blocks": blocks,
-            "comm": [{k: v for k, v in c.items() if k in ("op", "layer", "payload_bytes",
-                                                           "wire_bytes")} for c in comm.records]}
-
-
-@st.cache_data(max_entries=16, show_spinner=False)
-def mlp_shards(cfg_json: str, attempt: int = 0) -> list[dict]:
-    """Every tp rank's MLP shards (and rank 0's full weights), cached per config."""
-    cfg = json.loads(cfg_json)
-    results = run_ranks(_mlp_shards_rank, cfg["tp"], cfg, timeout=60.0, pg_timeout=60.0)
-    return [res.value for res in sorted(results, key=lambda res: res.rank)]
 
 
 def _compact(report: dict) -> dict:
@@ -113,7 +54,7 @@ def tensor_experiment(key_json: str, attempt: int = 0) -> dict:
     bar.progress(len(jobs) / (len(jobs) + 1), text="reading every rank's weight shards…")
     shard_cfg = {**shape, "tp": k["tp"], "dp": 1, "sp": False, "seq": k["seq"],
                  "batch": k["micro_batch"]}
-    shards = mlp_shards(json.dumps(shard_cfg, sort_keys=True), attempt)
+    shards = tp_mlp_shards(json.dumps(shard_cfg, sort_keys=True), attempt)
     bar.progress(1.0, text="done")
     return {"key": k, "runs": runs, "shards": shards}
 
