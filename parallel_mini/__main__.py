@@ -15,7 +15,8 @@ from .config import ConfigError, RunConfig
 
 _HELP = {
     "dp": "data-parallel degree", "tp": "tensor-parallel degree", "pp": "pipeline stages",
-    "cp": "context-parallel degree", "ep": "expert-parallel degree",
+    "cp": "context-parallel degree (sequences split over cp ranks)", "ep": "expert-parallel degree",
+    "cp_impl": "context parallel: ring (K/V blocks around a ring), zigzag (ring, causal load balanced), ulysses (all-to-all to heads)",
     "dp_mode": "naive: all-reduce each gradient after backward; bucketed: overlap with backward",
     "bucket_mb": "bucket size in MB for --dp-mode bucketed", "grad_accum": "micro-steps per step",
     "batch": "global batch (sequences per step)", "steps": "optimizer steps",

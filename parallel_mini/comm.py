@@ -173,6 +173,14 @@ class Comm:
         work = dist.isend(tensor, self.mesh.global_rank(axis, dst), group=self.mesh.groups[axis])
         return self._finish(rec, work, True, cpu0)
 
+    def irecv(self, tensor: torch.Tensor, src: int, axis: str, **tags):
+        """Start receiving into `tensor` from axis-rank `src`; returns a handle to wait on. Ring
+        attention posts the next block's receive, then computes on the current one."""
+        rec = self._record("recv", axis, tensor, tensor.numel(), 0, peer=src, async_op=True, **tags)
+        cpu0 = time.thread_time()
+        work = dist.irecv(tensor, self.mesh.global_rank(axis, src), group=self.mesh.groups[axis])
+        return self._finish(rec, work, True, cpu0)
+
     def recv(self, tensor: torch.Tensor, src: int, axis: str, **tags) -> None:
         """Receive into `tensor` from axis-rank `src`, blocking: the time spent here is waiting."""
         rec = self._record("recv", axis, tensor, tensor.numel(), 0, peer=src, **tags)

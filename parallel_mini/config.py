@@ -21,6 +21,7 @@ CHOICES = {
     "precision": ("fp32", "bf16-mixed"),
     "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv", "pipedream", "pipedream-nostash"),
     "checkpointing": ("none", "full", "selective"),
+    "cp_impl": ("ring", "zigzag", "ulysses"),
     "backend": ("auto", "gloo", "nccl"),
 }
 # FSDP's sharding strategies are ZeRO stages under other names (HYBRID_SHARD: ZeRO-3 inside
@@ -28,7 +29,7 @@ CHOICES = {
 FSDP_STRATEGIES = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
 # Knobs that the run contract already names but whose topic has not landed yet: refused with a
 # message saying so, instead of being silently ignored.
-NOT_YET = {"cp": "context parallel", "ep": "expert parallel"}
+NOT_YET = {"ep": "expert parallel"}
 
 
 @dataclass
@@ -49,6 +50,7 @@ class RunConfig:
     offload: bool = False  # ZeRO-Offload: optimizer states and master weights in host memory
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
     sp: bool = False  # Megatron sequence parallel on top of tensor parallel
+    cp_impl: str = "ring"  # context parallel: ring, zigzag (balanced ring) or ulysses (all-to-all)
     # pipeline
     schedule: str = "1f1b"
     microbatches: int = 4  # per step and data-parallel rank, with --pp > 1
@@ -164,6 +166,8 @@ class RunConfig:
                 if value % self.tp:
                     raise ConfigError(f"--{name} {value}: tensor parallel splits the {name} over "
                                       f"--tp {self.tp} ranks; choose a multiple of {self.tp}")
+        if self.cp > 1:
+            self._validate_context()
         if self.d_model % self.heads:
             raise ConfigError(f"--d-model {self.d_model}: must be divisible by --heads "
                               f"{self.heads} (each head gets d_model/heads dims)")
@@ -178,6 +182,25 @@ class RunConfig:
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
         return self
 
+
+    def _validate_context(self) -> None:
+        c, impl = self.cp, self.cp_impl
+        parts = 2 * c if impl == "zigzag" else c  # zigzag cuts the sequence into 2C chunks
+        if self.seq % parts:
+            raise ConfigError(f"--seq {self.seq}: --cp-impl {impl} cuts each sequence into {parts} "
+                              f"equal chunks (--cp {c}); choose a multiple of {parts}")
+        if self.sp and (self.seq // c) % self.tp:
+            raise ConfigError(f"--seq {self.seq}: with --cp {c} and --sp each rank's {self.seq // c} "
+                              f"tokens are split again over --tp {self.tp}; choose a multiple of "
+                              f"{c * self.tp}")
+        heads = self.heads // self.tp
+        if impl == "ulysses" and heads % c:
+            raise ConfigError(f"--heads {self.heads}: Ulysses gives each of --cp {c} ranks whole "
+                              f"heads ({heads} per tensor-parallel rank); choose heads divisible by "
+                              f"{c * self.tp}, or --cp-impl ring")
+        if self.zero:
+            raise ConfigError(f"--zero {self.zero} with --cp {c}: ZeRO sharding over the dp x cp "
+                              f"ranks is not available yet; use --zero 0")
 
     def _validate_pipeline(self) -> None:
         from .parallel.schedules import virtual_stages

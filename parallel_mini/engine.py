@@ -6,16 +6,19 @@ them) and merges the per-rank results into a RunReport.
 The composition, in this fixed order (torchtitan's: model changes first, data parallel last):
     1. mesh        the rank grid and its named axes (mesh.py)
     2. model       the same seeded GPT on every rank (model.py)
-    3. recompute   activation checkpointing: a block's seam, or a checkpointed attention core
-    4. tensor      TP/SP: embedding, head and the blocks' Linear layers replaced by parallel ones
-    5. runner      the StepRunner: plain micro-steps, or a pipeline schedule that keeps only this
+    3. tensor      TP/SP: embedding, head and the blocks' Linear layers replaced by parallel ones
+    4. context     CP: the embedding's positions seam set, every attention core replaced (ring,
+                   zigzag, Ulysses); batches then give each cp rank its part of every sequence
+    5. recompute   activation checkpointing: a block's seam, or a checkpointed attention core
+                   (the last model change, so that it wraps whatever core CP put in)
+    6. runner      the StepRunner: plain micro-steps, or a pipeline schedule that keeps only this
                    rank's stage (so that what follows sees only the stage's parameters)
-    6. strategy    the GradientStrategy over the parameters left: plain data parallel, ZeRO-1/2,
-                   ZeRO-3 (FSDP), over the mesh's batch / shard / replicate axes
-    7. attach      the runner drives the strategy: zero_grad, sync, finish_gradient_sync, step
+    7. strategy    the GradientStrategy over the parameters left: plain data parallel, ZeRO-1/2,
+                   ZeRO-3 (FSDP), over the mesh's loss / shard / replicate axes (the loss axis
+                   is dp x cp: every rank's loss is the mean over its own tokens)
+    8. attach      the runner drives the strategy: zero_grad, sync, finish_gradient_sync, step
 Each step is then `runner.train_step(step, batch)`; the two interfaces are in interfaces.py and the
-engine calls nothing else on them. Context and expert parallel will slot in at 4 (attention core,
-MLP), between TP and the runner.
+engine calls nothing else on them. Expert parallel will slot in beside 4 (it replaces the MLP).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from .mesh import Mesh, build_mesh
 from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
+from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import DataParallel, accumulate_grads_in_fp32
 from .parallel.pipedream import PipeDreamRunner
 from .parallel.pipeline import PipelineRunner, gather_stage_parameters
@@ -56,7 +60,7 @@ class PlainDataParallel:
         if cfg.fp32_grad_accum:
             accumulate_grads_in_fp32(model.parameters())
         self.dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
-                               average_fn=average_fn)
+                               average_fn=average_fn, axis=axis)
         self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
         self.sync = self.dp.sync
         self.finish_gradient_sync = self.dp.finish_gradient_sync
@@ -82,10 +86,10 @@ class PlainDataParallel:
 
 
 def parallelize(model, comm, cfg, average_fn=None) -> GradientStrategy:
-    """The gradient strategy for `cfg` over the mesh's data-parallel axes (step 6 above)."""
+    """The gradient strategy for `cfg` over the mesh's data-parallel axes (step 7 above)."""
     mesh = comm.mesh
     if cfg.zero == 0:
-        return PlainDataParallel(model, comm, cfg, mesh.axis_for("batch"), average_fn)
+        return PlainDataParallel(model, comm, cfg, mesh.axis_for("loss"), average_fn)
     dtype = PARAM_DTYPE[cfg.precision]
     axes = dict(shard_axis=mesh.axis_for("shard"), replicate_axis=mesh.axis_for("replicate"))
     if cfg.zero in (1, 2):
@@ -95,7 +99,7 @@ def parallelize(model, comm, cfg, average_fn=None) -> GradientStrategy:
 
 
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
-    """The step runner for `cfg` (step 5 above). A pipeline keeps only this rank's stage."""
+    """The step runner for `cfg` (step 6 above). A pipeline keeps only this rank's stage."""
     if cfg.pp == 1:
         return PlainStep(model, cfg.grad_accum, timeline, act)
     schedule = for_config(cfg)
@@ -103,7 +107,7 @@ def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
         return PipeDreamRunner(model, comm, schedule, timeline, live,
                                stash=cfg.schedule == "pipedream")
     return PipelineRunner(model, comm, schedule, timeline, live,
-                          seq_shards=cfg.tp if cfg.sp else 1)
+                          seq_shards=cfg.tp if cfg.sp else 1)  # SP: [b, s/tp, h] of its tokens
 
 
 def _mean_over(value: float, mesh: Mesh, axis: str) -> float:
@@ -125,13 +129,14 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     act = ActivationMeter(live)
     device = rank_device()
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
-    recompute = apply_checkpointing(model, cfg.checkpointing)  # 3
-    apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 4
-    runner = make_runner(cfg, model, comm, timeline, live, act)  # 5
-    strategy = parallelize(model, comm, cfg, average_fn)  # 6
-    runner.attach(strategy)  # 7
+    apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 3
+    context = apply_context_parallel(model, comm, cfg.cp_impl, axis="cp")  # 4
+    recompute = apply_checkpointing(model, cfg.checkpointing)  # 5
+    runner = make_runner(cfg, model, comm, timeline, live, act)  # 6
+    strategy = parallelize(model, comm, cfg, average_fn)  # 7
+    runner.attach(strategy)  # 8
 
-    losses, wall = _train(cfg, runner, strategy, comm, live, mesh)
+    losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context)
     memory = model_state_bytes(strategy.state_tensors())
     memory["transient"] = strategy.transient_bytes()
     memory["activations_peak"] = runner.activation_peak()
@@ -145,7 +150,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,
                          "recomputed_forwards": recompute.recomputed_calls},
-           **runner.report()}
+           **runner.report(), **context.report()}
     if cfg.reference and mesh.rank == 0:  # PipeDream: the same micro-batches, one update each
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
         out["reference_losses"] = ref_losses
@@ -154,7 +159,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
 
 
 def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live: LiveBytes,
-           mesh: Mesh) -> tuple[list[float], float]:
+           mesh: Mesh, context: ContextParallel) -> tuple[list[float], float]:
     """The steps; the last one under the live-bytes meter. Returns the global loss per step and
     the wall-clock seconds of all steps."""
     batch_axis, losses = mesh.axis_for("batch"), []
@@ -169,8 +174,9 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
             states = strategy.state_tensors()
             live.add_existing(states["params"] + states["optimizer"] + strategy.buffers())
         batch = shard(global_batch(cfg, step), mesh.local_rank(batch_axis), mesh.size(batch_axis))
+        batch = context.split(batch)  # [b/dp, s] -> [b/dp, s/cp]: this cp rank's tokens
         with live if metered else nullcontext():
-            local = runner.train_step(step, batch)  # this rank's share: [b/dp, s] x 2
+            local = runner.train_step(step, batch)  # mean loss over this rank's tokens
         losses.append(_mean_over(local, mesh, mesh.axis_for("loss")))
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr, flush=True)

@@ -59,8 +59,10 @@ def linear(x, weight, bias, layer):
 
 
 class Embedding(nn.Module):
-    """Token plus position embeddings. `positions` says which positions the tokens are at (default
-    0..s-1): sequence and context parallel give a rank only some of the sequence."""
+    """Token plus position embeddings. `positions` says which positions the tokens are at: the
+    argument, else the `positions` seam (context parallel sets this rank's), else 0..s-1."""
+
+    positions = None
 
     def __init__(self, c: GPTConfig):
         super().__init__()
@@ -68,9 +70,16 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(c.seq, c.d_model)
 
     def forward(self, idx, positions=None):  # idx: [b, s] -> [b, s, h]
-        if positions is None:
-            positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.tok(idx) + self.pos(positions)
+        return self.tok(idx) + self.pos(token_positions(self, idx, positions))
+
+
+def token_positions(embed, idx, positions=None):
+    """[s] positions of the tokens in idx [b, s] (see Embedding)."""
+    if positions is None:
+        positions = embed.positions
+    if positions is None:
+        return torch.arange(idx.shape[1], device=idx.device)
+    return positions.to(idx.device)
 
 
 class AttentionCore(nn.Module):

@@ -135,11 +135,12 @@ def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, h
     head only on the last, and runs m micro-batches of b/(dp m) sequences per step."""
     steps = cfg.microbatches if getattr(cfg, "pp", 1) > 1 else cfg.grad_accum  # micro-steps
     micro = cfg.batch // (cfg.dp * steps)
-    act = micro * cfg.seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]
+    seq = cfg.seq // getattr(cfg, "cp", 1)  # context parallel: this rank's tokens
+    act = micro * seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]
     t, h = cfg.tp, cfg.d_model
     L = cfg.layers if blocks is None else blocks
     per_micro = (4 * L + embed + head) * wire_bytes("all_reduce", act, t) \
-        + head * 3 * wire_bytes("all_reduce", micro * cfg.seq * 4, t)
+        + head * 3 * wire_bytes("all_reduce", micro * seq * 4, t)
     if cfg.checkpointing == "full":
         # re-run up to the last saved tensor (the MLP's GELU output): without SP the attention
         # all-reduce; with SP the two all-gathers (before QKV and fc) and the attention
@@ -153,6 +154,32 @@ def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, h
         sp_params = embed * cfg.seq * h + 6 * h * L + head * 2 * h
         per_micro += wire_bytes("all_reduce", sp_params * BYTES_PER_PARAM[cfg.precision], t)
     return steps * per_micro
+
+
+def loss_axis(cfg) -> str:
+    """The comm records' name for the dp x cp ranks the loss is averaged over (mesh.axis_for)."""
+    cp = getattr(cfg, "cp", 1)
+    return "dp" if cp == 1 else ("cp" if cfg.dp == 1 else "dp_cp")
+
+
+def cp_wire_bytes_per_step(cfg, blocks: int | None = None) -> float:
+    """Context parallel, per block and micro-step, with one K/V block = [b, a/t, s/C, d]:
+    - ring / zigzag (point to point, the payload is what is sent): forward, C-1 hops carrying K and
+      V (2 blocks); backward, C-1 hops carrying K, V, dK, dV (4) and a last hop taking dK, dV home
+      (2). A checkpoint that recomputes attention (full or selective) runs the forward's hops again.
+    - ulysses: forward, an all-to-all of q, k, v (3 blocks) and one of the output (1); backward
+      the same two in reverse; (C-1)/C of each on the wire. Recomputation repeats the forward's."""
+    c = cfg.cp
+    steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    micro = cfg.batch // (cfg.dp * steps)
+    block = micro * (cfg.heads // cfg.tp) * (cfg.seq // c) * (cfg.d_model // cfg.heads) \
+        * BYTES_PER_PARAM[cfg.precision]
+    recompute = cfg.checkpointing != "none"
+    if cfg.cp_impl == "ulysses":
+        per_block = (8 + 4 * recompute) * wire_bytes("all_to_all", block, c)
+    else:
+        per_block = (2 * (c - 1) * (1 + recompute) + 4 * (c - 1) + 2) * block
+    return steps * (cfg.layers if blocks is None else blocks) * per_block
 
 
 BYTES_PER_PARAM = {"fp32": 4, "bf16-mixed": 2}  # parameters and gradients in compute precision
@@ -222,6 +249,9 @@ def run_theory(cfg, n_params: int) -> dict:
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
     if cfg.tp > 1:
         out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg)
+    if cfg.cp > 1:  # on the cp group: attention's traffic (plus the gradients' when dp = 1)
+        wire = out["wire_bytes_per_step"]
+        wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers), **out,
             "activations_per_layer": _activations_per_layer(cfg, micro)}
 
@@ -236,7 +266,7 @@ def _rank_theory(cfg, units: list[int]) -> dict:
     wire: dict[str, float] = {}
     if cfg.zero == 0:
         grad_bytes = 4 if cfg.fp32_grad_accum else BYTES_PER_PARAM[cfg.precision]  # reduced dtype
-        wire["dp"] = dp_wire_bytes_per_step(grad_bytes * n_params, cfg.dp)
+        wire[loss_axis(cfg)] = dp_wire_bytes_per_step(grad_bytes * n_params, cfg.dp * cfg.cp)
         padding = 0
     else:
         group = "dp" if shard == cfg.dp else "dp_shard"
@@ -250,7 +280,7 @@ def _rank_theory(cfg, units: list[int]) -> dict:
         if cfg.offload:  # gradient slice to the host, updated parameter slice back, every step
             slice_bytes = BYTES_PER_PARAM[cfg.precision] * padded(n_params, shard) // shard
             wire["pcie"] = 2 * slice_bytes
-    wire = {g: (b if cfg.dp > 1 or g == "pcie" else 0) for g, b in wire.items()}
+    wire = {g: (b if cfg.dp * cfg.cp > 1 or g == "pcie" else 0) for g, b in wire.items()}
     return {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
             "wire_bytes_per_step": wire}
 
@@ -258,7 +288,8 @@ def _rank_theory(cfg, units: list[int]) -> dict:
 def _activations_per_layer(cfg, micro: int) -> dict:
     elem = BYTES_PER_PARAM[cfg.precision]  # activations are kept in the compute precision
     return {"ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
-                                                   cfg.checkpointing, elem, cfg.tp, cfg.sp),
+                                                   cfg.checkpointing, elem, cfg.tp, cfg.sp,
+                                                   cfg.cp, cfg.cp_impl),
             "korthikanti": activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
                                                       cfg.checkpointing, tp=cfg.tp, sp=cfg.sp)}
 
@@ -268,7 +299,7 @@ def _pipeline_theory(cfg) -> dict:
 
     schedule = for_config(cfg)
     micro = cfg.batch // (cfg.dp * cfg.microbatches)  # sequences per micro-batch
-    seq = cfg.seq // cfg.tp if cfg.sp else cfg.seq  # SP: stages pass [b, s/tp, h]
+    seq = cfg.seq // (cfg.cp * (cfg.tp if cfg.sp else 1))  # CP, SP: stages pass [b, s/(cp tp), h]
     boundary = micro * seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]  # [b, s, h]
     stages = []
     for r in range(cfg.pp):
@@ -282,6 +313,11 @@ def _pipeline_theory(cfg) -> dict:
             stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
                 cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner), embed=0 in chunks,
                 head=len(schedule.owner) - 1 in chunks)
+        if cfg.cp > 1:
+            chunks = [c for c, o in enumerate(schedule.owner) if o == r]
+            wire = stage["wire_bytes_per_step"]
+            wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(
+                cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner))
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers), **stages[0],
@@ -311,7 +347,8 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing: st
 
 
 def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing: str = "none",
-                                   elem_bytes: int = 4, tp: int = 1, sp: bool = False) -> float:
+                                   elem_bytes: int = 4, tp: int = 1, sp: bool = False,
+                                   cp: int = 1, cp_impl: str = "ring") -> float:
     """What parallel_mini's own block keeps for backward on one rank, exactly (derived op by op,
     tested to the byte against the meter). e = bytes per activation element (4 fp32, 2 bf16),
     t = tensor-parallel degree, q = t with sequence parallel else 1:
@@ -325,7 +362,16 @@ def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing
     softmax output of this rank's heads. 4sb/q: LayerNorm mean and 1/std. s*s: the boolean mask.
     Against Korthikanti's 34 sbh + 5 a s^2 b (2-byte activations): their count adds dropout masks
     (2 sbh + a s^2 b bytes) and the attention dropout's output (2 a s^2 b, what multiplies V);
-    ours has no dropout and PyTorch's softmax backward needs only its output."""
+    ours has no dropout and PyTorch's softmax backward needs only its output.
+    Context parallel (cp = C): every term is of this rank's s/C tokens, except attention's. The ring
+    keeps no [s, s] scores at all, only its output and log-sum-exp (e*(s/C)bh/t + e*b(a/t)(s/C));
+    Ulysses keeps the scores of a/(tC) heads over the whole sequence (e*a*s*s*b/(tC) + s*s)."""
+    if cp > 1 and checkpointing == "none":
+        local = gpt_activation_bytes_per_layer(s // cp, b, h, a, "selective", elem_bytes, tp, sp)
+        if cp_impl == "ulysses":
+            return local + elem_bytes * a * s * s * b / (tp * cp) + s * s
+        return local + elem_bytes * ((s // cp) * b * h / tp + b * (a / tp) * (s // cp))
+    s = s // cp
     sbh, q = s * b * h, (tp if sp else 1)
     if checkpointing == "full":
         return elem_bytes * sbh / q  # only the block's input

@@ -28,20 +28,20 @@ import torch
 
 from ..comm import Comm
 
-AXIS = "dp"
+AXIS = "dp"  # zero.py / zero3.py's default until they take their axes as arguments
 
 
-def broadcast_parameters(model: torch.nn.Module, comm: Comm) -> None:
+def broadcast_parameters(model: torch.nn.Module, comm: Comm, axis: str = "dp") -> None:
     """Make every replica start from rank 0's weights (and buffers)."""
     for t in list(model.parameters()) + list(model.buffers()):
-        comm.broadcast(t.data, AXIS, src=0)
+        comm.broadcast(t.data, axis, src=0)
 
 
-def average_gradients(params, comm: Comm) -> None:
+def average_gradients(params, comm: Comm, axis: str = "dp") -> None:
     """The naive step: sum each gradient over the dp ranks, then divide by N."""
-    n = comm.size(AXIS)
+    n = comm.size(axis)
     for p in params:
-        comm.all_reduce(p.grad, AXIS)  # [same shape as p], in place
+        comm.all_reduce(p.grad, axis)  # [same shape as p], in place
         p.grad /= n
 
 
@@ -105,19 +105,21 @@ class DataParallel:
 
     def __init__(self, model: torch.nn.Module, comm: Comm, mode: str = "bucketed",
                  bucket_mb: float = 25.0, find_unused_parameters: bool = False,
-                 broadcast: bool = True, average_fn=None):
+                 broadcast: bool = True, average_fn=None, axis: str = "dp"):
         if mode not in ("naive", "bucketed"):
             raise ValueError(f"mode {mode!r}: choose 'naive' or 'bucketed'")
         self.model, self.comm, self.mode = model, comm, mode
         self.find_unused = find_unused_parameters
-        self.average_fn = average_fn or average_gradients  # naive mode; a learner's can replace it
+        # naive mode; a learner's function (params, comm) can replace it (it averages over "dp")
+        self.average_fn = average_fn or (lambda params, comm: average_gradients(params, comm, axis))
         self.params = [p for p in model.parameters() if p.requires_grad]  # frozen: never synced
-        self.n = comm.size(AXIS)
+        self.axis = axis  # the ranks whose gradients are averaged: dp, or dp x cp with context parallel
+        self.n = comm.size(axis)
         self._syncing = True
         self._grad_before: dict = {}
         if broadcast and self.n > 1:
             step, comm.step = comm.step, -1  # one-time setup, not part of any step's traffic
-            broadcast_parameters(model, comm)
+            broadcast_parameters(model, comm, axis)
             comm.step = step
         self.buckets = make_buckets(self.params, int(bucket_mb * 2 ** 20)) if mode == "bucketed" else []
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -150,7 +152,7 @@ class DataParallel:
             b = self.buckets[self._next_bucket]
             if len(b.ready) < len(b.params):
                 return
-            b.handle = self.comm.all_reduce(b.flat, AXIS, async_op=True, bucket=b.index)
+            b.handle = self.comm.all_reduce(b.flat, self.axis, async_op=True, bucket=b.index)
             self._next_bucket += 1
 
     # -- after the last backward ---------------------------------------------------------------
@@ -201,5 +203,5 @@ class DataParallel:
     def _used_anywhere(self, used_here) -> list[bool]:
         """One small all-reduce of a 0/1 map (as DDP's find_unused_parameters does)."""
         used = torch.tensor(used_here, dtype=torch.int32)
-        self.comm.all_reduce(used, AXIS, kind="unused-map")
+        self.comm.all_reduce(used, self.axis, kind="unused-map")
         return [bool(u) for u in used]

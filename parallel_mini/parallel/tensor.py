@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..model import GPT, Embedding, LMHead, linear
+from ..model import GPT, Embedding, LMHead, linear, token_positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,9 +206,10 @@ class ParallelEmbedding(nn.Module):
         self.tok = VocabParallelEmbedding(embed.tok, comm, axis, sp)
         self.pos = embed.pos
 
+    positions = None  # the model's Embedding seam: context parallel sets this rank's positions
+
     def forward(self, idx, positions=None):  # idx: [b, s] -> [b, s, h] (SP: [b, s/tp, h])
-        if positions is None:
-            positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = token_positions(self, idx, positions)
         if self.sp:  # this rank's slice of the positions
             positions = positions.chunk(self.comm.size(self.axis))[self.comm.rank(self.axis)]
         return self.tok(idx) + self.pos(positions)

@@ -1,0 +1,302 @@
+"""Context parallelism: every sequence split over the cp ranks, attention computed across them.
+
+Tensor and sequence parallel split a layer; long sequences need more: activations grow with s, and
+attention's scores with s^2. Context parallel gives each of C ranks s/C tokens of every sequence
+for the *whole* model. Everything but attention is per token and needs nothing from other ranks;
+attention needs every earlier token's keys and values. Two ways to get them:
+
+- ring (Liu et al., 2023, "Ring Attention with Blockwise Transformers"): the K/V blocks travel
+  around the cp ring, one hop per step, the next block's transfer posted before the current block's
+  attention is computed (overlap). Partial results are merged with the online softmax (Milakov &
+  Gimelshein, 2018; FlashAttention): per query row, a running log-sum-exp `lse` and output `o`;
+  a new block with (o_t, lse_t) gives lse' = log(e^lse + e^lse_t), o' = o e^(lse-lse') +
+  o_t e^(lse_t-lse'). Backward goes around the ring again: each block carries its dK, dV
+  accumulators with it and arrives home with every rank's contribution.
+- zigzag: with a causal mask and contiguous chunks, rank C-1 attends to everything and rank 0 to
+  its own chunk only. Cutting the sequence into 2C chunks and giving rank r chunks r and 2C-1-r
+  evens the work: every rank computes 2C+1 of the 4C chunk tiles (Brandon et al., 2023, "Striped
+  Attention"; the zigzag of Megatron-LM and Llama 3).
+- ulysses (Jacobs et al., 2023, "DeepSpeed Ulysses"): an all-to-all turns [b, a, s/C, d]
+  (sequence-sharded, all heads) into [b, a/C, s, d] (head-sharded, whole sequence), attention runs
+  as on one device, and a second all-to-all turns the result back. Needs heads divisible by C.
+
+Seams used: the embedding's `positions` (which positions this rank's tokens are at) and the
+attention core (replaced; it has no parameters, so names do not change). Gradients are summed over
+the loss axis dp x cp by the gradient strategy: each rank's loss is the mean over its own tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm import Comm
+from ..model import AttentionCore
+
+
+# ---------------------------------------------------------------------------------------------
+# layout: which tokens each rank holds
+# ---------------------------------------------------------------------------------------------
+def chunks_of(layout: str, c: int, rank: int) -> list[int]:
+    """The sequence chunks rank `rank` holds, in order: C chunks for ring/ulysses (its own), 2C for
+    zigzag (r and 2C-1-r)."""
+    return [rank, 2 * c - 1 - rank] if layout == "zigzag" else [rank]
+
+
+def n_chunks(layout: str, c: int) -> int:
+    return 2 * c if layout == "zigzag" else c
+
+
+def positions_of(layout: str, seq: int, c: int, rank: int) -> torch.Tensor:
+    """Token positions of this rank's part of the sequence: [s/C] int64."""
+    size = seq // n_chunks(layout, c)
+    return torch.cat([torch.arange(k * size, (k + 1) * size) for k in chunks_of(layout, c, rank)])
+
+
+def split_sequence(batch, layout: str, c: int, rank: int):
+    """(inputs, targets) [b, s] -> this rank's [b, s/C] columns."""
+    x, y = batch
+    pos = positions_of(layout, x.shape[1], c, rank)
+    return x[:, pos], y[:, pos]
+
+
+# ---------------------------------------------------------------------------------------------
+# one tile: a query chunk against a key/value chunk
+# ---------------------------------------------------------------------------------------------
+def _tile_mask(q_chunk: int, k_chunk: int, size: int, device):
+    """None: fully visible; "skip": fully masked (all keys after all queries); else a causal mask."""
+    if k_chunk > q_chunk:
+        return "skip"
+    if k_chunk < q_chunk:
+        return None
+    return torch.ones(size, size, dtype=torch.bool, device=device).tril()
+
+
+def _scores(q, k, mask):  # q [b, a, c, d], k [b, a, c, d] -> [b, a, c, c]
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _merge(out, lse, o_t, lse_t):
+    """The online softmax: fold a tile's normalised output o_t (log-sum-exp lse_t) into (out, lse)."""
+    new = torch.logaddexp(lse, lse_t)  # [b, a, c]
+    out = out * (lse - new).exp().unsqueeze(-1) + o_t * (lse_t - new).exp().unsqueeze(-1)
+    return out, new
+
+
+# ---------------------------------------------------------------------------------------------
+# ring attention
+# ---------------------------------------------------------------------------------------------
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, core):  # q, k, v: [b, a, n, d], n = s/C, this rank's tokens
+        out, lse = core.ring_forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.core = core
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.core.ring_backward(q, k, v, out, lse, grad_out.contiguous()), None)
+
+
+class RingAttentionCore(torch.nn.Module):
+    """Causal attention over the whole sequence from this rank's queries, K/V going round the ring."""
+
+    def __init__(self, comm: Comm, axis: str, layout: str):
+        super().__init__()
+        self.comm, self.axis, self.layout = comm, axis, layout
+        self.c, self.rank = comm.size(axis), comm.rank(axis)
+        self.tiles: list[dict] = []  # the last forward's tile map (ring step, q chunk, k chunk)
+        self.forwards = 0
+
+    def forward(self, q, k, v):  # [b, a, n, d] x 3 -> [b, a, n, d]
+        return _RingAttention.apply(q, k, v, self)
+
+    def _neighbours(self):
+        return (self.rank + 1) % self.c, (self.rank - 1) % self.c
+
+    def _pass(self, send: torch.Tensor, t: int, what: str):
+        """Post this step's hop: send what we hold to the next rank, receive from the previous."""
+        nxt, prev = self._neighbours()
+        buf = torch.empty_like(send)
+        handles = (self.comm.isend(send, nxt, self.axis, layer="ring", ring_step=t, carries=what,
+                                   block=(self.rank - t) % self.c),
+                   self.comm.irecv(buf, prev, self.axis, layer="ring", ring_step=t, carries=what,
+                                   block=(self.rank - t - 1) % self.c))
+        return buf, handles
+
+    def _pairs(self, src: int):
+        """(i, j, q chunk, k chunk, mask) for this rank's query chunks against block `src`'s."""
+        mine, theirs = chunks_of(self.layout, self.c, self.rank), chunks_of(self.layout, self.c, src)
+        return [(i, j, qc, kc) for i, qc in enumerate(mine) for j, kc in enumerate(theirs)]
+
+    @torch.no_grad()
+    def ring_forward(self, q, k, v):
+        per = len(chunks_of(self.layout, self.c, self.rank))
+        size = q.shape[2] // per  # tokens per chunk
+        qs = q.split(size, dim=2)
+        out = [torch.zeros_like(x) for x in qs]  # [b, a, size, d] per query chunk
+        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device) for x in qs]
+        kv, tiles = torch.stack([k, v]), []  # [2, b, a, n, d]: one message per hop
+        for t in range(self.c):
+            src = (self.rank - t) % self.c
+            if t < self.c - 1:  # the next block is on its way while this one is computed
+                nxt, handles = self._pass(kv, t, "kv")
+            ks, vs = kv[0].split(size, dim=2), kv[1].split(size, dim=2)
+            for i, j, qc, kc in self._pairs(src):
+                mask = _tile_mask(qc, kc, size, q.device)
+                tiles.append({"ring_step": t, "from": src, "q_chunk": qc, "k_chunk": kc,
+                              "computed": not isinstance(mask, str)})
+                if isinstance(mask, str):
+                    continue
+                s = _scores(qs[i], ks[j], mask)  # [b, a, size, size]
+                lse_t = torch.logsumexp(s, dim=-1)
+                o_t = (s - lse_t.unsqueeze(-1)).exp() @ vs[j]
+                out[i], lse[i] = _merge(out[i], lse[i], o_t, lse_t)
+            if t < self.c - 1:
+                for h in handles:
+                    h.wait()
+                kv = nxt
+        self.tiles, self.forwards = tiles, self.forwards + 1
+        return torch.cat(out, dim=2), torch.cat(lse, dim=2)
+
+    @torch.no_grad()
+    def ring_backward(self, q, k, v, out, lse, grad_out):
+        """FlashAttention's backward, tile by tile; dK, dV travel with their block and come home."""
+        per = len(chunks_of(self.layout, self.c, self.rank))
+        size = q.shape[2] // per
+        scale = 1 / math.sqrt(q.shape[-1])
+        qs, dos, lses = q.split(size, 2), grad_out.split(size, 2), lse.split(size, 2)
+        deltas = [(a * b).sum(-1) for a, b in zip(dos, out.split(size, 2))]  # [b, a, size]
+        dq = [torch.zeros_like(x) for x in qs]
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
+        for t in range(self.c):
+            src = (self.rank - t) % self.c
+            ks, vs = kv[0].split(size, 2), kv[1].split(size, 2)
+            dks, dvs = dkv[0].split(size, 2), dkv[1].split(size, 2)  # views: += writes into dkv
+            for i, j, qc, kc in self._pairs(src):
+                mask = _tile_mask(qc, kc, size, q.device)
+                if isinstance(mask, str):
+                    continue
+                p = (_scores(qs[i], ks[j], mask) - lses[i].unsqueeze(-1)).exp()  # [b, a, size, size]
+                dvs[j].add_(p.transpose(-2, -1) @ dos[i])
+                ds = p * (dos[i] @ vs[j].transpose(-2, -1) - deltas[i].unsqueeze(-1))
+                dq[i].add_(ds @ ks[j] * scale)
+                dks[j].add_(ds.transpose(-2, -1) @ qs[i] * scale)
+            if t < self.c - 1:  # block, and its gradients so far, to the next rank
+                both, handles = self._pass(torch.cat([kv, dkv]), t, "kv+dkv")
+                for h in handles:
+                    h.wait()
+                kv, dkv = both[:2], both[2:]
+            else:  # the last hop takes the gradients home to the block's owner
+                dkv, handles = self._pass(dkv, t, "dkv")
+                for h in handles:
+                    h.wait()
+        return torch.cat(dq, dim=2), dkv[0], dkv[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses: all-to-all from sequence shards to head shards and back
+# ---------------------------------------------------------------------------------------------
+class _SeqToHeads(torch.autograd.Function):
+    """[b, a, n, d] (n = s/C, all heads) -> [b, a/C, s, d]; backward: the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        ctx.comm, ctx.axis = comm, axis
+        return _seq_to_heads(x, comm, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.comm, ctx.axis), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        ctx.comm, ctx.axis = comm, axis
+        return _heads_to_seq(x, comm, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.comm, ctx.axis), None, None
+
+
+def _seq_to_heads(x, comm, axis):
+    c = comm.size(axis)
+    b, a, n, d = x.shape
+    send = x.view(b, c, a // c, n, d).transpose(0, 1).contiguous()  # [C (to rank), b, a/C, n, d]
+    recv = torch.empty_like(send)  # [C (from rank), b, a/C, n, d]: rank j's tokens of my heads
+    comm.all_to_all(recv, send, axis, layer="ulysses")
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, a // c, c * n, d)  # sequence in rank order
+
+
+def _heads_to_seq(x, comm, axis):
+    c = comm.size(axis)
+    b, ac, s, d = x.shape
+    send = x.view(b, ac, c, s // c, d).permute(2, 0, 1, 3, 4).contiguous()  # [C, b, a/C, n, d]
+    recv = torch.empty_like(send)  # [C (from rank), b, a/C, n, d]: my tokens, rank j's heads
+    comm.all_to_all(recv, send, axis, layer="ulysses")
+    return recv.transpose(0, 1).reshape(b, c * ac, s // c, d)
+
+
+class UlyssesAttentionCore(torch.nn.Module):
+    def __init__(self, comm: Comm, axis: str):
+        super().__init__()
+        self.comm, self.axis = comm, axis
+        self.inner = AttentionCore()  # plain causal attention, on the whole sequence
+
+    def forward(self, q, k, v):  # [b, a, s/C, d] x 3 -> [b, a, s/C, d]
+        b, a, n, d = q.shape
+        # one all-to-all for the three, each head's q, k, v side by side so a rank's share of the
+        # heads carries all three: [b, a, 3, n, d] seen as [b, 3a, n, d]
+        qkv = torch.stack([q, k, v], dim=2).view(b, 3 * a, n, d)
+        qkv = _SeqToHeads.apply(qkv, self.comm, self.axis)  # [b, 3a/C, s, d]
+        q, k, v = qkv.view(b, a // self.comm.size(self.axis), 3, -1, d).unbind(dim=2)
+        return _HeadsToSeq.apply(self.inner(q, k, v).contiguous(), self.comm, self.axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# applying it
+# ---------------------------------------------------------------------------------------------
+class ContextParallel:
+    """What apply_context_parallel did, for the engine: split batches, report the tiles."""
+
+    def __init__(self, comm: Comm, axis: str, impl: str, cores: list):
+        self.comm, self.axis, self.impl, self.cores = comm, axis, impl, cores
+        self.c, self.rank = comm.size(axis), comm.rank(axis)
+
+    def split(self, batch):
+        """[b, s] -> this rank's [b, s/C] tokens (every rank when C = 1)."""
+        if self.c == 1:
+            return batch
+        return split_sequence(batch, "zigzag" if self.impl == "zigzag" else "contiguous",
+                              self.c, self.rank)
+
+    def report(self) -> dict:
+        if self.c == 1:
+            return {}
+        out = {"impl": self.impl, "rank": self.rank}
+        if self.impl != "ulysses":
+            tiles = self.cores[0].tiles  # one layer's last forward: every layer computes the same
+            out["tiles"] = tiles
+            out["tiles_computed"] = sum(t["computed"] for t in tiles)
+            out["tiles_skipped"] = sum(not t["computed"] for t in tiles)
+        return {"context": out}
+
+
+def apply_context_parallel(model, comm: Comm, impl: str = "ring", axis: str = "cp") -> ContextParallel:
+    """Give the embedding this rank's positions and replace every attention core."""
+    c = comm.size(axis)
+    cores = []
+    if c > 1:
+        layout = "zigzag" if impl == "zigzag" else "contiguous"
+        model.embed.positions = positions_of(layout, model.config.seq, c, comm.rank(axis))
+        for block in model.blocks:
+            core = (UlyssesAttentionCore(comm, axis) if impl == "ulysses"
+                    else RingAttentionCore(comm, axis, layout))
+            block.attn.core = core
+            cores.append(core)
+    return ContextParallel(comm, axis, impl, cores)
