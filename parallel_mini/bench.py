@@ -7,6 +7,7 @@
     python -m parallel_mini.bench tp      # (d) our tensor (+ sequence) parallel vs DTensor
     python -m parallel_mini.bench pp      # (e) our pipeline schedules vs torch.distributed.pipelining
     python -m parallel_mini.bench bubble  # (f) measured (own-device) pipeline bubble vs the formula
+    python -m parallel_mini.bench cp      # (g) ring attention vs torch's, K/V transfer hidden
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -30,7 +31,10 @@
 (f) The pipeline's "done means" run repeated: `run --pp 4 --microbatches 8 --schedule S --reference`
     with the CLI's pipeline defaults, N times per schedule; the own-device bubble minus the formula
     (points), how many runs land within 3 points, and the largest |ours - reference|.
-(a) to (f) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
+    torch's private ring template, on the same inputs; and, from our forward's own timing of each
+    hop, the share of the hop's time during which the current block was being computed.
+(a) to (g) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
 PyTorch's versions is built on our GPT) are in `peers.py`, shared with the peer tests.
@@ -478,10 +482,75 @@ def _print_warm(w):
           f"p50 {w['p50_s']:.2f} s  p90 {w['p90_s']:.2f} s  (first call {w['first_s']:.2f} s)")
 
 
+# ---------------------------------------------------------------------------------------------
+# (g) context parallel: our ring attention vs torch's, and how much K/V transfer hid behind compute
+# ---------------------------------------------------------------------------------------------
+def _cp_rank(impl: str, shape: tuple, warmup: int, steps: int) -> dict:
+    """Attention forward + backward on this rank's tokens, ours and torch's, on the same inputs."""
+    from types import SimpleNamespace
+
+    from .parallel.context import RingAttentionCore, hidden_fraction, positions_of
+    from .peers import torch_ring_attention
+    c, r = dist.get_world_size(), dist.get_rank()
+    layout = "zigzag" if impl == "zigzag" else "contiguous"
+    comm = Comm(build_mesh(SimpleNamespace(dp=1, tp=1, pp=1, cp=c, ep=1, dp_shard=0, world_size=c)))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(*shape, generator=g) for _ in range(4))  # [b, a, s, d]
+    pos = positions_of(layout, shape[2], c, r)
+    q, k, v, grad = (t[:, :, pos].contiguous() for t in (q, k, v, grad))  # [b, a, s/C, d]
+    core = RingAttentionCore(comm, "cp", layout)
+
+    def ours():
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        core(*mine).backward(grad)
+        comm.records.clear()
+
+    def peer():
+        torch_ring_attention(q, k, v, grad, dist.group.WORLD, load_balance=impl == "zigzag")
+
+    times, hidden = {"ours": [], "torch": []}, []
+    for i in range(warmup + steps):
+        for name, fn in (("ours", ours), ("torch", peer)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            elapsed = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(elapsed)
+        if i >= warmup:
+            hidden.append(hidden_fraction(core.hops))
+    return {"times": times, "hidden": hidden}
+
+
+def bench_cp(cps=(2, 4), impls=("ring", "zigzag"), shape=(4, 8, 512, 32), warmup: int = 2,
+             steps: int = 6) -> list[dict]:
+    rows = []
+    for c in cps:
+        for impl in impls:
+            res = run_ranks(_cp_rank, c, impl, shape, warmup, steps, timeout=600,
+                            backend="gloo")[0].value
+            ours, peer = (statistics.median(res["times"][k]) for k in ("ours", "torch"))
+            rows.append({"cp": c, "impl": impl, "ours_ms": 1e3 * ours, "torch_ms": 1e3 * peer,
+                         "ours_over_torch": ours / peer,
+                         "kv_hidden": statistics.median(res["hidden"]), "shape": list(shape),
+                         "steps_measured": steps})
+    return rows
+
+
+def _print_cp(rows):
+    print("(g) context parallel: attention forward + backward on each rank's s/C tokens, ours vs "
+          "torch's ring attention (private template); kv_hidden = share of each forward hop's "
+          "time (post -> arrival) covered by computing the current block, measured")
+    print(_table(["cp", "impl", "ours ms", "torch ms", "ours/torch", "kv hidden"],
+                 [[r["cp"], r["impl"], f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}",
+                   f"{r['ours_over_torch']:.2f}", f"{r['kv_hidden']:.0%}"] for r in rows]))
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "all"])
+    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
+                                     "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -522,6 +591,9 @@ def main(argv=None) -> int:
     if args.what in ("bubble", "all"):
         out["bubble"] = bench_bubble(repeats=args.bubble_repeats)
         show(_print_bubble, out["bubble"])
+    if args.what in ("cp", "all"):
+        out["cp"] = bench_cp()
+        show(_print_cp, out["cp"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])

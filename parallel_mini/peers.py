@@ -237,3 +237,24 @@ class OurPipeline:
 
     def parameters_by_name(self) -> dict[str, torch.Tensor]:
         return {k: p.detach().clone() for k, p in self.model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------
+# context parallel: torch's own ring attention (private API; the public context_parallel API
+# fails for causal attention on CPU in torch 2.13, this template runs)
+# ---------------------------------------------------------------------------------------------
+def torch_ring_attention(q, k, v, grad_out, group, load_balance: bool):
+    """Forward and backward of torch's ring attention on this rank's [b, a, s/C, d] tokens (laid
+    out contiguous, or zigzag when `load_balance`); returns (out, dq, dk, dv)."""
+    from torch.distributed.tensor.experimental._attention import _templated_ring_attention
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _cp_options, _templated_ring_attention_backward)
+    aten = torch.ops.aten
+    _cp_options.enable_load_balance = load_balance
+    out, lse = _templated_ring_attention(group, 2, aten._scaled_dot_product_flash_attention_for_cpu,
+                                         q, k, v, is_causal=True)[:2]
+    grads = _templated_ring_attention_backward(
+        group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=grad_out, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
+        logsumexp=lse, is_causal=True, dropout_p=0.0)
+    return (out, *grads[:3])

@@ -27,6 +27,7 @@ the loss axis dp x cp by the gradient strategy: each rank's loss is the mean ove
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -109,6 +110,7 @@ class RingAttentionCore(torch.nn.Module):
         self.comm, self.axis, self.layout = comm, axis, layout
         self.c, self.rank = comm.size(axis), comm.rank(axis)
         self.tiles: list[dict] = []  # the last forward's tile map (ring step, q chunk, k chunk)
+        self.hops: list[dict] = []  # the last forward's hops: posted, computed, arrived (seconds)
         self.forwards = 0
 
     def forward(self, q, k, v):  # [b, a, n, d] x 3 -> [b, a, n, d]
@@ -139,10 +141,11 @@ class RingAttentionCore(torch.nn.Module):
         qs = q.split(size, dim=2)
         out = [torch.zeros_like(x) for x in qs]  # [b, a, size, d] per query chunk
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device) for x in qs]
-        kv, tiles = torch.stack([k, v]), []  # [2, b, a, n, d]: one message per hop
+        kv, tiles, hops = torch.stack([k, v]), [], []  # [2, b, a, n, d]: one message per hop
         for t in range(self.c):
             src = (self.rank - t) % self.c
             if t < self.c - 1:  # the next block is on its way while this one is computed
+                posted = time.perf_counter()
                 nxt, handles = self._pass(kv, t, "kv")
             ks, vs = kv[0].split(size, dim=2), kv[1].split(size, dim=2)
             for i, j, qc, kc in self._pairs(src):
@@ -156,10 +159,13 @@ class RingAttentionCore(torch.nn.Module):
                 o_t = (s - lse_t.unsqueeze(-1)).exp() @ vs[j]
                 out[i], lse[i] = _merge(out[i], lse[i], o_t, lse_t)
             if t < self.c - 1:
+                computed = time.perf_counter()
                 for h in handles:
                     h.wait()
+                hops.append({"ring_step": t, "posted": posted, "computed": computed,
+                             "arrived": time.perf_counter()})  # waiting past `computed`: exposed
                 kv = nxt
-        self.tiles, self.forwards = tiles, self.forwards + 1
+        self.tiles, self.hops, self.forwards = tiles, hops, self.forwards + 1
         return torch.cat(out, dim=2), torch.cat(lse, dim=2)
 
     @torch.no_grad()
@@ -195,6 +201,14 @@ class RingAttentionCore(torch.nn.Module):
                 for h in handles:
                     h.wait()
         return torch.cat(dq, dim=2), dkv[0], dkv[1]
+
+
+def hidden_fraction(hops: list[dict]) -> float:
+    """Of the time from posting each hop to its block's arrival, the share the current block's
+    compute covered (1: every transfer hid behind compute; 0: none did). Measured per hop."""
+    total = sum(h["arrived"] - h["posted"] for h in hops)
+    exposed = sum(h["arrived"] - h["computed"] for h in hops)
+    return 1 - exposed / total if total > 0 else 1.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +298,7 @@ class ContextParallel:
             out["tiles"] = tiles
             out["tiles_computed"] = sum(t["computed"] for t in tiles)
             out["tiles_skipped"] = sum(not t["computed"] for t in tiles)
+            out["hops"] = self.cores[0].hops
         return {"context": out}
 
 
