@@ -1,0 +1,191 @@
+"""Data parallel and ZeRO 1/2/3 on any module torch's DDP and FSDP2 accept, not only our GPT.
+
+`AnyModule` has every awkward pattern at once:
+- tied weights: the output projection *is* the embedding table (one Parameter in two modules);
+- a data-dependent branch: a block's `branch` layer runs only when some row of the rank's batch
+  is flagged, so its parameters get no gradient on some ranks, or on none, in some steps;
+- frozen parameters (requires_grad=False): a whole layer, and a LayerNorm inside a block;
+- parameters used outside their module's forward: the root reads `pos.weight` (that module's
+  forward never runs) and calls F.linear with block 0's weight after block 0 has finished.
+
+Each world size is one launch that trains it 5 steps with torch DDP (find_unused_parameters=True),
+torch FSDP2 (fully_shard), our DataParallel, ZeRO-1, ZeRO-2 and ZeRO-3; every loss and final
+parameter must equal the single-process run within 1e-5 (fp32)."""
+from __future__ import annotations
+
+import sys
+import time
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel_mini import launch
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks need not import this file
+
+VOCAB, D, SEQ, BATCH, STEPS, LR, TOL = 16, 8, 6, 8, 5, 1e-2, 1e-5
+# Which of the 8 rows take the branch, per step. Steps 0 and 4: no rank (step 4 comes after
+# updates, so a strategy that let Adam decay the unused moments would move the branch); step 1:
+# only the rank holding row 0; step 2: every rank; step 3: only the rank holding row 7.
+FLAGGED = [(), (0,), tuple(range(BATCH)), (7,), ()]
+
+
+def takes_branch(flag: torch.Tensor, agree: bool) -> bool:
+    """Whether this rank runs the branch: when one of its rows is flagged, or (agree=True) when
+    any rank's row is. FSDP2 needs the latter: it reduce-scatters only the parameters that have a
+    gradient, so ranks that disagree send different sizes (measured: gloo aborts the rank,
+    "Received data size doesn't match expected size"). A rank with no flagged row then adds a
+    zero-masked branch: the same numbers, and every rank has the gradient."""
+    take = torch.tensor([int(flag.any())])
+    if agree:
+        dist.all_reduce(take)
+    return bool(take.item())
+
+
+class Block(nn.Module):
+    agree = False  # FSDP2's runs set it (see takes_branch)
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.proj = nn.Linear(D, D)
+        self.branch = nn.Linear(D, D)  # only for flagged rows
+
+    def forward(self, h, flag):  # h: [b, s, D], flag: [b]
+        h = h + torch.tanh(self.proj(self.norm(h)))
+        if takes_branch(flag, self.agree):  # data-dependent: on a rank without a flagged row
+            # (and, unless agree, it is every rank) the branch's parameters get no gradient
+            h = h + flag[:, None, None] * self.branch(h)
+        return h
+
+
+class AnyModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.pos = nn.Embedding(SEQ, D)  # never called: its weight is read by the root
+        self.frozen = nn.Linear(D, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: one Parameter, two modules
+        self.scale = nn.Parameter(torch.ones(D))  # registered on the root itself
+        self.frozen.requires_grad_(False)
+        self.blocks[0].norm.requires_grad_(False)
+
+    def forward(self, x, y):  # x, y: [b, s] token ids
+        flag = x[:, 0] == 0  # [b]
+        h = self.emb(x) + self.pos.weight[: x.shape[1]]  # [b, s, D]; pos used outside pos()
+        h = h + self.frozen(h)
+        for block in self.blocks:
+            h = block(h, flag)
+        h = h + 0.5 * F.linear(h, self.blocks[0].proj.weight)  # block 0's weight, after block 0
+        logits = self.head(h * self.scale)  # [b, s, VOCAB], the tied table
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def build() -> AnyModule:
+    torch.manual_seed(0)
+    return AnyModule()
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    x[list(FLAGGED[step]), 0] = 0
+    return x, y
+
+
+def local_batch(step: int, r: int, n: int):
+    x, y = global_batch(step)
+    b = BATCH // n
+    return x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
+
+
+def single_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=LR, eps=1e-5)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*global_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------
+# on every rank: each strategy in turn, from the same initial weights
+# ---------------------------------------------------------------------------------------------
+def _global_loss(loss: torch.Tensor) -> float:
+    t = loss.detach().clone()
+    dist.all_reduce(t)  # outside any comm record: the loss for the log
+    return t.item() / dist.get_world_size()
+
+
+def _torch_peer(kind: str):
+    """(forward, optimizer, full-parameter getter) for torch's DDP or FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build()
+    if kind == "ddp":
+        forward = DDP(model, find_unused_parameters=True)
+        full = lambda: {k: p.detach().clone() for k, p in model.named_parameters()}  # noqa: E731
+    else:
+        # One unit, the root: FSDP2 refuses block 0's weight outside block 0's forward if the
+        # block is a unit of its own ("got mixed torch.Tensor and DTensor"), measured.
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        for block in model.blocks:
+            block.agree = True
+        forward = model
+        full = lambda: {k: p.full_tensor().detach().clone()  # noqa: E731
+                        for k, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]  # after fully_shard: DTensors
+    return forward, torch.optim.Adam(trainable, lr=LR, eps=1e-5), full
+
+
+def _train_peer(kind: str) -> dict:
+    forward, opt, full = _torch_peer(kind)
+    r, n = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        loss = forward(*local_batch(step, r, n))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(_global_loss(loss))
+    return {"losses": losses, "params": full()}
+
+
+def _every_strategy(kinds) -> dict:
+    out = {}
+    for kind in kinds:
+        t0 = time.perf_counter()
+        out[kind] = _train_peer(kind)
+        out[kind]["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _check(run: dict, ref_losses, ref_params, name: str) -> None:
+    loss_diff = max(abs(a - b) for a, b in zip(run["losses"], ref_losses))
+    assert loss_diff <= TOL, (name, run["losses"], ref_losses)
+    assert run["params"].keys() == ref_params.keys(), name
+    diffs = {k: (run["params"][k] - ref_params[k]).abs().max().item() for k in ref_params}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= TOL, (name, worst, diffs[worst])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_peers_on_any_module(n):
+    ref_losses, ref_params = single_process()
+    outs = launch.run_ranks(_every_strategy, n, ("ddp", "fsdp2"), backend="gloo", timeout=120)
+    for res in outs:
+        for name, run in res.value.items():
+            _check(run, ref_losses, ref_params, name)
