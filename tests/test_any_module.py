@@ -164,11 +164,53 @@ def _train_peer(kind: str) -> dict:
     return {"losses": losses, "params": full()}
 
 
+def _ours(kind: str, comm):
+    """(strategy-like object with zero_grad / finish_gradient_sync / step, full-parameter getter)."""
+    from parallel_mini.optim import Adam
+    from parallel_mini.parallel.data import DataParallel
+    from parallel_mini.parallel.zero import ZeroDataParallel
+    from parallel_mini.parallel.zero3 import Zero3DataParallel
+
+    model = build()
+    if kind == "dp":  # small buckets: several, completed at different times on different ranks
+        dp = DataParallel(model, comm, bucket_mb=0.0005, find_unused_parameters=True)
+        opt = Adam([p for p in model.parameters() if p.requires_grad], lr=LR)
+        dp.zero_grad, dp.step = opt.zero_grad, opt.step
+        return model, dp, lambda: {k: p.detach().clone() for k, p in model.named_parameters()}
+    if kind == "zero3":
+        strategy = Zero3DataParallel(model, comm, lr=LR, find_unused_parameters=True)
+    else:
+        strategy = ZeroDataParallel(model, comm, int(kind[-1]), lr=LR, find_unused_parameters=True)
+    return model, strategy, lambda: {k: v.clone() for k, v in strategy.full_parameters().items()}
+
+
+def _train_ours(kind: str) -> dict:
+    from parallel_mini.comm import Comm
+    from parallel_mini.config import RunConfig
+    from parallel_mini.mesh import build_mesh
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))
+    model, strategy, full = _ours(kind, comm)
+    losses = []
+    for step in range(STEPS):
+        comm.step = step
+        strategy.zero_grad()
+        loss = model(*local_batch(step, r, n))
+        loss.backward()
+        strategy.finish_gradient_sync()
+        strategy.step()
+        losses.append(_global_loss(loss))
+    comm.step = -1
+    collectives = [(rec["step"], rec["op"], rec["payload_bytes"]) for rec in comm.records]
+    return {"losses": losses, "params": full(), "collectives": collectives}
+
+
 def _every_strategy(kinds) -> dict:
     out = {}
     for kind in kinds:
         t0 = time.perf_counter()
-        out[kind] = _train_peer(kind)
+        out[kind] = _train_peer(kind) if kind in ("ddp", "fsdp2") else _train_ours(kind)
         out[kind]["seconds"] = time.perf_counter() - t0
     return out
 
@@ -182,10 +224,94 @@ def _check(run: dict, ref_losses, ref_params, name: str) -> None:
     assert diffs[worst] <= TOL, (name, worst, diffs[worst])
 
 
+KINDS = ("ddp", "fsdp2", "dp", "zero1", "zero2", "zero3")
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_peers_on_any_module(n):
+def test_every_strategy_trains_any_module_like_one_process(n):
     ref_losses, ref_params = single_process()
-    outs = launch.run_ranks(_every_strategy, n, ("ddp", "fsdp2"), backend="gloo", timeout=120)
+    outs = launch.run_ranks(_every_strategy, n, KINDS, backend="gloo", timeout=120)
     for res in outs:
         for name, run in res.value.items():
             _check(run, ref_losses, ref_params, name)
+            # every rank issued the same collectives in the same order (else they would pair
+            # wrongly), though ranks used different parameters
+            if "collectives" in run:
+                assert run["collectives"] == outs[0].value[name]["collectives"], name
+
+
+def test_zero3_units_one_home_per_parameter():
+    """The tied table and the root's own `scale` form the root unit; `pos` is a unit though its
+    forward never runs; the frozen layer is in none, the frozen LayerNorm not in block 0's."""
+    from parallel_mini.parallel.zero3 import plan_units
+
+    model = build()
+    name = {p: k for k, p in model.named_parameters()}
+    units = [(type(m).__name__, [name[p] for p in ps]) for m, ps in plan_units(model)]
+    assert units == [
+        ("AnyModule", ["scale", "emb.weight"]),
+        ("Embedding", ["pos.weight"]),
+        ("Block", ["blocks.0.proj.weight", "blocks.0.proj.bias",
+                   "blocks.0.branch.weight", "blocks.0.branch.bias"]),
+        ("Block", ["blocks.1.norm.weight", "blocks.1.norm.bias", "blocks.1.proj.weight",
+                   "blocks.1.proj.bias", "blocks.1.branch.weight", "blocks.1.branch.bias"])]
+
+
+class SparseTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D, sparse=True)
+
+
+def _refusals() -> dict:
+    """Each sharded strategy on a module it cannot hold: the error it raises at construction."""
+    from parallel_mini.comm import Comm
+    from parallel_mini.config import RunConfig
+    from parallel_mini.mesh import build_mesh
+    from parallel_mini.parallel.zero import ZeroDataParallel
+    from parallel_mini.parallel.zero3 import Zero3DataParallel
+
+    comm = Comm(build_mesh(RunConfig(dp=dist.get_world_size(), batch=dist.get_world_size())))
+    frozen = nn.Linear(D, D).requires_grad_(False)
+    makers = {"zero1": lambda m: ZeroDataParallel(m, comm, 1),
+              "zero2": lambda m: ZeroDataParallel(m, comm, 2),
+              "zero3": lambda m: Zero3DataParallel(m, comm)}
+    out = {}
+    for kind, make in makers.items():
+        for label, model in (("sparse", SparseTable()), ("frozen", frozen)):
+            try:
+                make(model)
+                out[kind, label] = None
+            except ValueError as e:
+                out[kind, label] = str(e)
+    return {"errors": out, "collectives": len(comm.records)}
+
+
+def _zero3_without_find_unused() -> None:
+    from parallel_mini.comm import Comm
+    from parallel_mini.config import RunConfig
+    from parallel_mini.mesh import build_mesh
+    from parallel_mini.parallel.zero3 import Zero3DataParallel
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = build()
+    zero = Zero3DataParallel(model, Comm(build_mesh(RunConfig(dp=n, batch=n))), lr=LR)
+    zero.zero_grad()
+    loss = model(*local_batch(0, r, n))  # step 0: no row flagged, the branches go unused
+    print("forward returned")  # not reached
+    loss.backward()
+
+
+def test_unsupported_is_a_clear_error_before_the_first_step():
+    res = launch.run_ranks(_refusals, 2, backend="gloo", timeout=60)[0].value
+    assert res["collectives"] == 0  # refused before any traffic
+    for kind in ("zero1", "zero2", "zero3"):
+        assert "sparse=False" in res["errors"][kind, "sparse"], kind
+        assert "no trainable parameters" in res["errors"][kind, "frozen"], kind
+    # Parameters left without a gradient, without find_unused_parameters (DDP's rule): an error as
+    # the forward ends, on every rank that left one out, before backward issues a collective
+    with pytest.raises(launch.RankError) as info:
+        launch.run_ranks(_zero3_without_find_unused, 2, backend="gloo", timeout=60)
+    msg = str(info.value)
+    assert "find_unused_parameters=True" in msg and "blocks.0.branch.weight" in msg, msg
+    assert "signal" not in msg and "forward returned" not in msg, msg

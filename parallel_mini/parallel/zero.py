@@ -16,6 +16,13 @@ reduce-scattered: no packing copies.
 Mixed precision (Micikevicius et al., 2018): with bf16 compute, parameters and gradients are bf16,
 and each rank keeps an fp32 master copy of its slice next to Adam's two fp32 moments: 2 + 2 + 12/N
 bytes per parameter at stage 1, 2 + (2 + 12)/N at stage 2 (16 = 2 + 2 + 4 + 4 + 4 unsharded).
+
+Any module DDP accepts: tied weights are one parameter (model.parameters() lists it once), frozen
+ones (requires_grad=False) stay out of the flat buffer and never communicate. The optimizer steps
+my slice cut at parameter boundaries, one piece per parameter (as FSDP2's per-parameter shards),
+so that with `find_unused_parameters=True` a parameter that no rank used this step is skipped
+exactly as torch's Adam skips a parameter whose .grad is None in one process: no update, no
+moment decay, no step count (DDP's semantics, see data.py).
 """
 from __future__ import annotations
 
@@ -25,7 +32,26 @@ import torch
 
 from ..comm import Comm
 from ..optim import make_optimizer
-from .data import AXIS, broadcast_parameters
+from .data import broadcast_parameters
+
+
+def refuse_unsupported(model: torch.nn.Module, who: str) -> None:
+    """What a flat buffer of one dtype on one device cannot hold, refused before the first step
+    (one line naming the fix) rather than failing, or silently differing, inside one."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"{who}: the model has no trainable parameters (requires_grad=True)")
+    for name, m in model.named_modules():
+        if getattr(m, "sparse", False):
+            raise ValueError(f"{who}: {name or 'the model'} ({type(m).__name__}) has sparse "
+                             f"gradients, which a flat gradient buffer cannot hold: sparse=False")
+    if any(p.is_complex() for p in trainable):
+        raise ValueError(f"{who}: complex parameters are not supported (flat real buffer): "
+                         f"store them as real pairs (torch.view_as_real)")
+    if len({p.device for p in trainable}) > 1:
+        raise ValueError(f"{who}: the trainable parameters are on several devices "
+                         f"{sorted(str(d) for d in {p.device for p in trainable})}: move the "
+                         f"model to one device first")
 
 
 class FlatLayout:
@@ -51,19 +77,72 @@ class FlatLayout:
     def shard(self, flat: torch.Tensor, r: int) -> torch.Tensor:
         return flat[r * self.shard_numel:(r + 1) * self.shard_numel]  # [k], a view
 
+    def pieces(self, r: int) -> list[tuple[int | None, int, int]]:
+        """Slice r cut at parameter boundaries: (i, lo, hi), offsets into the slice [k], i the
+        index of the parameter the piece belongs to, None for the padding at the end."""
+        start, end = r * self.shard_numel, (r + 1) * self.shard_numel
+        out = [(i, max(a, start) - start, min(b, end) - start)
+               for i, (a, b) in enumerate(self.offsets) if max(a, start) < min(b, end)]
+        if max(self.numel, start) < end:
+            out.append((None, max(self.numel, start) - start, end - start))
+        return out
+
+
+def piece_views(slice_: torch.Tensor, pieces) -> list[torch.Tensor]:
+    """What the optimizer steps: one view of `slice_` [k] per piece. It updates the slice in place
+    and keeps one state per piece (together the same bytes as one state for the whole slice)."""
+    return [slice_[lo:hi] for _, lo, hi in pieces]
+
+
+def piece_grads(pieces, params, grad: torch.Tensor, skip) -> list[torch.Tensor | None]:
+    """Each piece's gradient, a view of `grad` [k]; None for a piece of a parameter in `skip`
+    (the padding piece always has one: zeros, so it stays zero)."""
+    return [None if i is not None and params[i] in skip else grad[lo:hi] for i, lo, hi in pieces]
+
+
+def step_with(optimizer, grads: list[torch.Tensor | None]) -> None:
+    """One optimizer step, each of its tensors given its gradient (None: skipped, as torch's Adam
+    skips a parameter without .grad)."""
+    for view, g in zip(optimizer.params, grads):
+        view.grad = g
+    optimizer.step()
+    for view in optimizer.params:
+        view.grad = None
+
+
+class UsedParameters:
+    """DDP's find_unused_parameters for the sharded strategies: which parameters got a gradient on
+    this rank since zero_grad (an autograd hook marks them), then which got one on *any* rank (one
+    small all-reduce of a 0/1 map, after the gradients' own collectives so ranks stay paired)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params, self.here = params, set()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.here.add)
+
+    def unused_everywhere(self, comm: Comm, axis: str) -> set[torch.nn.Parameter]:
+        """The parameters no rank of `axis` used (collective: every rank calls it)."""
+        used = torch.tensor([p in self.here for p in self.params], dtype=torch.int32)
+        comm.all_reduce(used, axis, kind="unused-map")
+        return {p for p, u in zip(self.params, used.tolist()) if not u}
+
 
 class ZeroDataParallel:
     """ZeRO stage 1 or 2 over the mesh's dp axis; owns the optimizer.
 
     Use:  zero = ZeroDataParallel(model, comm, stage=2, optimizer="adam", lr=3e-3)
-          zero.zero_grad(); loss.backward(); zero.step()
+          zero.zero_grad(); loss.backward(); zero.finish_gradient_sync(); zero.step()
     """
 
     def __init__(self, model: torch.nn.Module, comm: Comm, stage: int, optimizer: str = "adam",
-                 lr: float = 3e-3, param_dtype: torch.dtype = torch.float32,
-                 shard_axis: str = AXIS, replicate_axis: str | None = None, offload: bool = False):
-        """`shard_axis`/`replicate_axis`: HYBRID_SHARD shards over dp_shard and all-reduces the
+                 lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
+                 shard_axis: str = "dp", replicate_axis: str | None = None, offload: bool = False,
+                 find_unused_parameters: bool = False):
+        """`axis`: the data-parallel axis (the batch is split over it, gradients are averaged over
+        it). `shard_axis`/`replicate_axis`: HYBRID_SHARD shards over dp_shard and all-reduces the
         reduced slices over dp_rep; the default shards over the whole dp axis.
+        `find_unused_parameters` (DDP's): a parameter that gets no gradient on a rank counts as
+        zero there, and one that no rank used is not stepped (costs one small all-reduce per step).
         `offload` (ZeRO-Offload, Ren et al., 2021): the fp32 master slice and Adam's moments live
         in host memory and the optimizer steps there; per step the gradient slice crosses to the
         host and the updated parameter slice comes back (PCIe). On a CPU-only machine host and
@@ -71,16 +150,17 @@ class ZeroDataParallel:
         into device and host is by category."""
         if stage not in (1, 2):
             raise ValueError(f"stage {stage}: ZeroDataParallel does stages 1 and 2")
+        refuse_unsupported(model, f"ZeRO-{stage}")  # before any collective
         self.model, self.comm, self.stage = model, comm, stage
-        self.shard_axis, self.replicate_axis = shard_axis, replicate_axis
+        self.axis, self.shard_axis, self.replicate_axis = axis, shard_axis, replicate_axis
         self.n, self.r = comm.size(shard_axis), comm.rank(shard_axis)
-        self.dp = comm.size(AXIS)  # all replicas x shards: what the gradient is averaged over
+        self.dp = comm.size(axis)  # all replicas x shards: what the gradient is averaged over
         self.mixed = param_dtype != torch.float32
         if self.dp > 1:
             step, comm.step = comm.step, -1  # one-time setup traffic
-            broadcast_parameters(model, comm)
+            broadcast_parameters(model, comm, axis)
             comm.step = step
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]  # tied: listed once
         self.layout = FlatLayout(self.params, self.n)
         device = self.params[0].device
         self.flat_params = torch.zeros(self.layout.padded, dtype=param_dtype, device=device)
@@ -95,7 +175,10 @@ class ZeroDataParallel:
             self.master = self.param_shard.detach().to(self.host, torch.float32, copy=True)
         else:  # fp32: step the slice in place; bf16: step an fp32 master copy
             self.master = self.param_shard.float().clone() if self.mixed else self.param_shard
-        self.optimizer = make_optimizer(optimizer, [self.master], lr)
+        self.pieces = self.layout.pieces(self.r)  # my slice, cut at parameter boundaries
+        self.optimizer = make_optimizer(optimizer, piece_views(self.master, self.pieces), lr)
+        self.used = UsedParameters(self.params) if find_unused_parameters else None
+        self.unused: set = set()  # parameters no rank used this step: not stepped
         self.flat_grads: torch.Tensor | None = None  # [padded], during backward (stage 2) / always (1)
         self.grad_shard: torch.Tensor | None = None  # [k], kept by stage 2 after the step
 
@@ -106,6 +189,8 @@ class ZeroDataParallel:
         for p, view in zip(self.params, self.layout.views(self.flat_grads)):
             p.grad = view
         self.grad_shard = None
+        if self.used is not None:
+            self.used.here.clear()
 
     @contextmanager
     def sync(self, enabled: bool = True):
@@ -119,6 +204,8 @@ class ZeroDataParallel:
         if self.replicate_axis:  # HYBRID_SHARD: the same slice on every replica, summed across
             self.comm.all_reduce(grad_shard, self.replicate_axis)
         grad_shard /= self.dp
+        if self.used is not None:  # zeros where a rank did not use a parameter; skip what none did
+            self.unused = self.used.unused_everywhere(self.comm, self.axis)
         if self.stage == 2:  # stage 2 keeps only its slice: the full gradient buffer is released
             for p in self.params:
                 p.grad = None
@@ -131,11 +218,10 @@ class ZeroDataParallel:
             host_grad = torch.empty(self.grad_shard.shape, dtype=self.grad_shard.dtype,
                                     device=self.host)
             self.comm.transfer(host_grad, self.grad_shard, "d2h")  # gradient slice to the host
-            self.master.grad = host_grad.float()
+            grad = host_grad.float()
         else:
-            self.master.grad = self.grad_shard.float() if self.mixed else self.grad_shard
-        self.optimizer.step()
-        self.master.grad = None
+            grad = self.grad_shard.float() if self.mixed else self.grad_shard
+        step_with(self.optimizer, piece_grads(self.pieces, self.params, grad, self.unused))
         if self.offload:  # updated slice back to the device, in compute precision
             self.comm.transfer(self.param_shard, self.master.to(self.param_shard.dtype), "h2d")
         elif self.mixed:
