@@ -28,8 +28,6 @@ import torch
 
 from ..comm import Comm
 
-AXIS = "dp"  # zero.py / zero3.py's default until they take their axes as arguments
-
 
 def broadcast_parameters(model: torch.nn.Module, comm: Comm, axis: str = "dp") -> None:
     """Make every replica start from rank 0's weights (and buffers)."""
