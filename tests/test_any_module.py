@@ -165,7 +165,7 @@ def _train_peer(kind: str) -> dict:
 
 
 def _ours(kind: str, comm):
-    """(strategy-like object with zero_grad / finish_gradient_sync / step, full-parameter getter)."""
+    """(model, strategy with zero_grad / finish_gradient_sync / step, full-parameter getter)."""
     from parallel_mini.optim import Adam
     from parallel_mini.parallel.data import DataParallel
     from parallel_mini.parallel.zero import ZeroDataParallel

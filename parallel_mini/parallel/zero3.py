@@ -29,6 +29,9 @@ read them with `full_parameters()`.
 
 Frozen parameters (requires_grad=False) are in no unit: replicated, never communicated (as DDP and
 FSDP2 treat them). Parameters that get no gradient in a step: see `find_unused_parameters` below.
+Not supported: a unit whose forward runs on some ranks and not on others (a top-level child called
+only for some data). Its all-gather would meet a different collective on the other ranks; FSDP2 has
+the same rule for its units. Keep such a branch inside a unit that always runs (a block's layer).
 """
 from __future__ import annotations
 
@@ -143,7 +146,8 @@ class GatherOnUse(TorchFunctionMode):
 
 
 class Zero3DataParallel:
-    """ZeRO-3 over the dp axis; owns the optimizer. Same loop interface as ZeroDataParallel."""
+    """ZeRO-3 over the data-parallel axes it is given; owns the optimizer. Same loop interface
+    as ZeroDataParallel."""
 
     def __init__(self, model: torch.nn.Module, comm: Comm, optimizer: str = "adam",
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
@@ -154,8 +158,10 @@ class Zero3DataParallel:
         `find_unused_parameters` (DDP's): parameters may get no gradient on some ranks or on all.
         Which units are complete when then depends on each rank's data, so every reduce-scatter
         waits for finish_gradient_sync, where all units go in a fixed order, zeros where a gradient
-        did not arrive; a parameter no rank used is not stepped. Without it, a parameter that will
-        get no gradient is an error as soon as the forward that left it out ends."""
+        did not arrive; a parameter no rank used is not stepped. The price: full gradients live
+        until then (ZeRO-2's gradient memory), and micro-steps accumulate them before reducing.
+        Without it, a parameter that will get no gradient is an error as soon as the forward that
+        left it out ends."""
         refuse_unsupported(model, "ZeRO-3")
         self.model, self.comm = model, comm
         self.axis, self.shard_axis, self.replicate_axis = axis, shard_axis, replicate_axis
