@@ -198,9 +198,6 @@ class RunConfig:
             raise ConfigError(f"--heads {self.heads}: Ulysses gives each of --cp {c} ranks whole "
                               f"heads ({heads} per tensor-parallel rank); choose heads divisible by "
                               f"{c * self.tp}, or --cp-impl ring")
-        if self.zero:
-            raise ConfigError(f"--zero {self.zero} with --cp {c}: ZeRO sharding over the dp x cp "
-                              f"ranks is not available yet; use --zero 0")
 
     def _validate_pipeline(self) -> None:
         from .parallel.schedules import virtual_stages

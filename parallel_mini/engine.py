@@ -91,7 +91,7 @@ def parallelize(model, comm, cfg, average_fn=None) -> GradientStrategy:
     if cfg.zero == 0:
         return PlainDataParallel(model, comm, cfg, mesh.axis_for("loss"), average_fn)
     dtype = PARAM_DTYPE[cfg.precision]
-    axes = dict(axis=mesh.axis_for("batch"), shard_axis=mesh.axis_for("shard"),
+    axes = dict(axis=mesh.axis_for("loss"), shard_axis=mesh.axis_for("shard"),
                 replicate_axis=mesh.axis_for("replicate"))
     if cfg.zero in (1, 2):
         return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,

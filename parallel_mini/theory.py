@@ -156,6 +156,15 @@ def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, h
     return steps * per_micro
 
 
+def shard_axis(cfg) -> str:
+    """The comm records' name for ZeRO's shard ranks, dp_shard x cp (mesh.axis_for("shard"))."""
+    cp = getattr(cfg, "cp", 1)
+    shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp
+    if cp == 1:
+        return "dp" if shard == cfg.dp else "dp_shard"
+    return "cp" if shard == 1 else "shard"
+
+
 def loss_axis(cfg) -> str:
     """The comm records' name for the dp x cp ranks the loss is averaged over (mesh.axis_for)."""
     cp = getattr(cfg, "cp", 1)
@@ -260,7 +269,9 @@ def _rank_theory(cfg, units: list[int]) -> dict:
     """Model states and data-parallel traffic of one rank holding `units` (parameters per unit)."""
     n_params = sum(units)  # what one rank holds: all of it, its tensor-parallel slices, its stage
     micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # forward+backward passes
-    shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp  # ZeRO's shard group size
+    hybrid = 0 < cfg.dp_shard < cfg.dp  # HYBRID_SHARD: shard in groups, replicate across them
+    # ZeRO's shard group: dp_shard x cp (context parallel ranks hold the same weights too)
+    shard = (cfg.dp_shard if hybrid else cfg.dp) * getattr(cfg, "cp", 1)
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
                                cfg.offload, cfg.fp32_grad_accum)
     wire: dict[str, float] = {}
@@ -269,12 +280,11 @@ def _rank_theory(cfg, units: list[int]) -> dict:
         wire[loss_axis(cfg)] = dp_wire_bytes_per_step(grad_bytes * n_params, cfg.dp * cfg.cp)
         padding = 0
     else:
-        group = "dp" if shard == cfg.dp else "dp_shard"
-        wire[group] = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, shard, units,
+        wire[shard_axis(cfg)] = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, shard, units,
                                                micro_steps)
-        if shard < cfg.dp:
+        if hybrid:
             wire["dp_rep"] = hybrid_replica_wire_bytes(cfg.zero, n_params, cfg.precision, shard,
-                                                       cfg.dp // shard, units, micro_steps)
+                                                       cfg.dp // cfg.dp_shard, units, micro_steps)
         padding = (padded(n_params, shard) - n_params if cfg.zero < 3
                    else sum(padded(u, shard) - u for u in units))
         if cfg.offload:  # gradient slice to the host, updated parameter slice back, every step

@@ -130,7 +130,7 @@ REFUSED = [
     (dict(pp=2, schedule="pipedream", dp=2), "gradient sync per micro-batch"),
     (dict(pp=2, schedule="pipedream", zero=1), "PipeDream steps"),
     (dict(pp=2, precision="bf16-mixed", fp32_grad_accum=True), "fp32"),
-    (dict(cp=2, dp=2, zero=2), "ZeRO sharding over the dp x cp"),
+    (dict(cp=4, cp_impl="ulysses", heads=2, d_model=32), "Ulysses gives each"),
     (dict(ep=2, dp=2), "expert parallel"),
     (dict(tp=2, pp=2, sp=True, seq=33), "--seq 33"),
 ]

@@ -72,8 +72,9 @@ from test_composition import check  # noqa: E402  (reference, bytes per axis, st
 
 
 @pytest.mark.parametrize("kw", [dict(cp=2), dict(cp=4, cp_impl="zigzag"), dict(cp=2, cp_impl="ulysses"),
-                                dict(dp=2, cp=2, tp=2), dict(cp=2, pp=2, microbatches=2, layers=4)],
-                         ids=["ring2", "zigzag4", "ulysses2", "dp2-cp2-tp2", "cp2-pp2"])
+                                dict(dp=2, cp=2, tp=2), dict(cp=2, pp=2, microbatches=2, layers=4),
+                                dict(cp=2, zero=3)],
+                         ids=["ring2", "zigzag4", "ulysses2", "dp2-cp2-tp2", "cp2-pp2", "cp2-zero3"])
 def test_context_parallel_runs_equal_the_reference(kw):
     check(run(RunConfig(steps=2, reference=True, **kw)))
 
@@ -85,7 +86,9 @@ def test_context_parallel_runs_equal_the_reference(kw):
     dict(cp=2, checkpointing="full"), dict(cp=2, cp_impl="zigzag", checkpointing="selective"),
     dict(cp=2, grad_accum=2), dict(cp=2, pp=2, tp=2, sp=True, schedule="zb", microbatches=2, layers=4),
     dict(cp=2, cp_impl="zigzag", pp=2, schedule="interleaved", microbatches=2, layers=4),
-    dict(cp=2, dp=2, dp_mode="naive")])
+    dict(cp=2, dp=2, dp_mode="naive"), dict(cp=2, zero=1), dict(cp=2, dp=2, zero=2),
+    dict(cp=2, dp=2, zero=3, cp_impl="zigzag"), dict(cp=2, dp=4, dp_shard=2, zero=3, cp_impl="ulysses"),
+    dict(cp=2, pp=2, zero=1, microbatches=2, layers=4)])
 def test_context_parallel_composes(kw):
     check(run(RunConfig(steps=2, reference=True, **kw)))
 
@@ -117,7 +120,6 @@ def test_activation_bytes_per_layer_fall_with_cp(impl):
     (dict(cp=3, seq=32), "multiple of 3"),
     (dict(cp=2, cp_impl="zigzag", seq=34), "multiple of 4"),
     (dict(cp=4, cp_impl="ulysses", heads=2, d_model=64), "heads divisible by 4"),
-    (dict(cp=2, zero=1, dp=2), "not available yet"),
     (dict(cp=2, cp_impl="lightning"), "choose one of ring, zigzag, ulysses"),
 ])
 def test_bad_context_inputs_are_refused(kw, message):

@@ -78,6 +78,15 @@ def _scores(q, k, mask):  # q [b, a, c, d], k [b, a, c, d] -> [b, a, c, c]
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
+def _release(*buffers: torch.Tensor) -> None:
+    """Give a finished message buffer's bytes back now. Gloo's worker thread can hold a reference
+    to a buffer for a while after the op completed; the bytes would then be freed at a moment
+    that depends on thread timing, and so would what the memory meter reads (seen: 64 KiB more,
+    once in 12 runs). Only for buffers nothing reads again."""
+    for b in buffers:
+        b.untyped_storage().resize_(0)
+
+
 def _merge(out, lse, o_t, lse_t):
     """The online softmax: fold a tile's normalised output o_t (log-sum-exp lse_t) into (out, lse)."""
     new = torch.logaddexp(lse, lse_t)  # [b, a, c]
@@ -164,7 +173,9 @@ class RingAttentionCore(torch.nn.Module):
                     h.wait()
                 hops.append({"ring_step": t, "posted": posted, "computed": computed,
                              "arrived": time.perf_counter()})  # waiting past `computed`: exposed
+                _release(kv)  # sent, and computed on: done with it
                 kv = nxt
+        _release(kv)  # the last block received
         self.tiles, self.hops, self.forwards = tiles, hops, self.forwards + 1
         return torch.cat(out, dim=2), torch.cat(lse, dim=2)
 
@@ -244,7 +255,10 @@ def _seq_to_heads(x, comm, axis):
     send = x.view(b, c, a // c, n, d).transpose(0, 1).contiguous()  # [C (to rank), b, a/C, n, d]
     recv = torch.empty_like(send)  # [C (from rank), b, a/C, n, d]: rank j's tokens of my heads
     comm.all_to_all(recv, send, axis, layer="ulysses")
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, a // c, c * n, d)  # sequence in rank order
+    out = torch.empty(b, a // c, c * n, d, dtype=x.dtype, device=x.device)
+    out.view(b, a // c, c, n, d).copy_(recv.permute(1, 2, 0, 3, 4))  # sequence in rank order
+    _release(send, recv)
+    return out
 
 
 def _heads_to_seq(x, comm, axis):
@@ -253,7 +267,10 @@ def _heads_to_seq(x, comm, axis):
     send = x.view(b, ac, c, s // c, d).permute(2, 0, 1, 3, 4).contiguous()  # [C, b, a/C, n, d]
     recv = torch.empty_like(send)  # [C (from rank), b, a/C, n, d]: my tokens, rank j's heads
     comm.all_to_all(recv, send, axis, layer="ulysses")
-    return recv.transpose(0, 1).reshape(b, c * ac, s // c, d)
+    out = torch.empty(b, c * ac, s // c, d, dtype=x.dtype, device=x.device)
+    out.view(b, c, ac, s // c, d).copy_(recv.transpose(0, 1))  # heads in rank order
+    _release(send, recv)
+    return out
 
 
 class UlyssesAttentionCore(torch.nn.Module):
