@@ -69,7 +69,12 @@ def test_dp_equals_reference_and_theory(mode, dp, grad_accum, reference):
     setup = [rec for rec in report.ranks[0]["comm"] if rec["step"] == -1]
     if dp > 1:  # rank 0 heads the broadcast chain: it sends every parameter once
         assert {rec["op"] for rec in setup} == {"broadcast"}
-        assert sum(rec["payload_bytes"] for rec in setup) == sum(rec["wire_bytes"] for rec in setup) == 4 * P
+        weights = [rec for rec in setup if rec.get("kind") != "bucket-order"]
+        assert sum(rec["payload_bytes"] for rec in weights) == sum(rec["wire_bytes"] for rec in weights) == 4 * P
+        # bucketed: after the first step, the order gradients became ready (one int64 per tensor)
+        order = [rec for rec in setup if rec.get("kind") == "bucket-order"]
+        n_tensors = sum(1 for _ in engine.build_model(cfg).parameters())
+        assert [rec["payload_bytes"] for rec in order] == ([8 * n_tensors] if mode == "bucketed" else [])
     else:
         assert setup == []
 

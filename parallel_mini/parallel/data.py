@@ -13,6 +13,12 @@ Two ways to average (read them in this order):
   all-reduce starts asynchronously while backward carries on with earlier layers: communication
   overlaps computation. Buckets are launched strictly in order so that all ranks issue the same
   collectives in the same sequence.
+  Reverse registration order is only a guess at the order backward produces gradients: a model
+  that registers its layers in another order than it uses them would complete its first bucket
+  last, and nothing would overlap. So, as DDP does, the first step records the order in which
+  gradients really became ready, rank 0's order is broadcast (every rank must pack alike), and the
+  buckets are rebuilt from it once, before the second step. Each bucket's all-reduce record says
+  how many gradients were still pending when it was launched: overlap, counted.
 
 DDP semantics kept: rank 0's parameters are broadcast at start (ranks initialised differently
 agree); frozen parameters (requires_grad=False) never communicate; with gradient accumulation
@@ -79,10 +85,13 @@ class Bucket:
         self.handle = None
 
 
-def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[Bucket]:
-    """Greedy packing in reverse registration order (≈ the order gradients become ready)."""
+def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,
+                 order: list[int] | None = None) -> list[Bucket]:
+    """Greedy packing, in `order` (indices into params: the order gradients became ready) or, before
+    any backward has been seen, in reverse registration order (a guess at that order)."""
+    order = list(reversed(range(len(params)))) if order is None else order
     groups, current, size = [], [], 0
-    for p in reversed(params):
+    for p in (params[i] for i in order):
         current.append(p)
         size += p.numel() * p.element_size()
         if size >= bucket_bytes:
@@ -122,6 +131,10 @@ class DataParallel:
         self.buckets = make_buckets(self.params, int(bucket_mb * 2 ** 20)) if mode == "bucketed" else []
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._next_bucket = 0
+        self._bucket_bytes = int(bucket_mb * 2 ** 20)
+        self._ready_order: list[int] | None = [] if mode == "bucketed" and self.n > 1 else None
+        self._index = {p: i for i, p in enumerate(self.params)}
+        self._ready_count = 0  # gradients of this synchronised backward that are ready so far
         if mode == "bucketed" and self.n > 1:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -137,12 +150,15 @@ class DataParallel:
             self._syncing = True
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if self._ready_order is not None and self._index[p] not in self._ready_order:
+            self._ready_order.append(self._index[p])  # first step: the order backward really has
         if not self._syncing:
             return
         bucket = self._bucket_of[p]
         lo, hi = bucket.offsets[p]
         bucket.flat[lo:hi].copy_(grad_of(p).view(-1))
         bucket.ready.add(p)
+        self._ready_count += 1
         self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -150,7 +166,9 @@ class DataParallel:
             b = self.buckets[self._next_bucket]
             if len(b.ready) < len(b.params):
                 return
-            b.handle = self.comm.all_reduce(b.flat, self.axis, async_op=True, bucket=b.index)
+            pending = len(self.params) - self._ready_count  # > 0: launched during backward
+            b.handle = self.comm.all_reduce(b.flat, self.axis, async_op=True, bucket=b.index,
+                                            grads_pending=pending)
             self._next_bucket += 1
 
     # -- after the last backward ---------------------------------------------------------------
@@ -197,6 +215,21 @@ class DataParallel:
             b.ready.clear()
             b.handle = None
         self._next_bucket = 0
+        self._ready_count = 0
+        if self._ready_order is not None:  # after the first step: pack as backward really runs
+            self._rebuild_buckets()
+
+    def _rebuild_buckets(self) -> None:
+        """Buckets from rank 0's observed order (a one-time broadcast, recorded as setup)."""
+        seen = self._ready_order
+        order = seen + [i for i in reversed(range(len(self.params))) if i not in seen]
+        order_t = torch.tensor(order, dtype=torch.int64)
+        step, self.comm.step = self.comm.step, -1
+        self.comm.broadcast(order_t, self.axis, src=0, kind="bucket-order")
+        self.comm.step = step
+        self.buckets = make_buckets(self.params, self._bucket_bytes, order_t.tolist())
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._ready_order = None  # once, as DDP
 
     def _used_anywhere(self, used_here) -> list[bool]:
         """One small all-reduce of a 0/1 map (as DDP's find_unused_parameters does)."""
