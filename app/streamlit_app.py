@@ -30,6 +30,8 @@ pages = {
         st.Page("app_pages/memory.py", title="Memory per GPU", icon="🧠", url_path="memory"),
         st.Page("app_pages/tensor.py", title="Tensor parallel", icon="🧩", url_path="tensor"),
         st.Page("app_pages/pipeline.py", title="Pipeline bubbles", icon="🫧", url_path="pipeline"),
+        st.Page("app_pages/long_sequences.py", title="Long sequences", icon="🧵",
+                url_path="long_sequences"),
     ],
 }
 st.navigation(pages).run()

@@ -37,6 +37,11 @@ Results are cached per setting, so going back to a setting already run is instan
   planned, then run on 2 or 4 stages: each rank's step as a timeline (replayed as if each rank had
   its own device, and as measured on the wall clock), the bubble measured beside the formula, the
   activations each stage holds in flight, and the point-to-point bytes per stage.
+- **Long sequences**: context parallel, every sequence split over 2 or 4 ranks three ways (ring,
+  zigzag, Ulysses): the K/V blocks going round the ring animated from the sends the ranks
+  recorded, each rank's causal tile map (contiguous beside zigzag, masked tiles skipped), the
+  ring's sends beside Ulysses' all-to-alls against the formula, and activation bytes per layer vs
+  sequence length, measured points on the formula's curves.
 
 On 2 CPU cores the ranks share the cores, so wall-clock times are stretched by the OS scheduler;
 the byte counts and the losses are exact whatever the machine.
