@@ -241,7 +241,8 @@ def ring_kv_animation(report, frame: int = 0, size: int = 380) -> alt.LayerChart
     blocks = [f"block {b}" for b in range(c)]
     color = alt.Color("block:N", title="K/V block of rank", sort=blocks, scale=alt.Scale(
         domain=blocks, range=_block_colors(c)),
-        legend=alt.Legend(orient="right", labelExpr="replace(datum.label, 'block ', '')"))
+        legend=alt.Legend(orient="right", symbolType="circle", symbolStrokeWidth=0,
+                          labelExpr="replace(datum.label, 'block ', '')"))
     ring = alt.Chart(pd.DataFrame({"t": range(121)})).transform_calculate(
         x="cos(2 * PI * datum.t / 120)", y="sin(2 * PI * datum.t / 120)",
     ).mark_line(color="#e0e0e0", strokeWidth=1).encode(x=x, y=y, order="t:Q")
@@ -268,7 +269,7 @@ def ring_kv_animation(report, frame: int = 0, size: int = 380) -> alt.LayerChart
                alt.Tooltip("carries:N"), alt.Tooltip("block:N"),
                alt.Tooltip("payload_bytes:Q", format=",", title="payload (bytes)"),
                alt.Tooltip("ms:Q", format=".3f", title="send time (ms, measured)")]
-    flying = alt.Chart(arrows).mark_square(size=260, opacity=1, stroke="#333", strokeWidth=1).encode(
+    flying = alt.Chart(arrows).mark_square(size=260, opacity=1, stroke="white", strokeWidth=1).encode(
         x=alt.X("mx:Q", scale=alt.Scale(domain=[-xlim, xlim]), axis=None),
         y=alt.Y("my:Q", scale=alt.Scale(domain=[-lim, lim]), axis=None),
         color=color, tooltip=msg_tip).transform_filter(now)
@@ -287,9 +288,9 @@ def ring_kv_animation(report, frame: int = 0, size: int = 380) -> alt.LayerChart
         title=alt.TitleParams(
             f"K/V blocks around the ring: {impl} on {c} ranks, s = {cfg['seq']} (live run)",
             subtitle=[f"frames 0–{c - 1}: forward · frames {c}–{2 * c - 1}: backward, dK and dV "
-                      f"travelling with their block (move the 'frame' slider)",
-                      "colour: whose K/V block (its owner rank); arrows: the sends the ranks "
-                      "recorded, with their bytes and measured time"],
+                      "travelling with their block",
+                      "colour: whose K/V block (its owner rank) · move the 'frame' slider",
+                      "arrows: the sends the ranks recorded, with their bytes and measured time"],
             anchor="start"))
 
 
@@ -339,7 +340,7 @@ def _tile_panel(df: pd.DataFrame, seq: int, c: int, rank: int, panel: int) -> al
         x=alt.X("k0:Q", scale=sx), x2="k1:Q", y=alt.Y("q0:Q", scale=sy), y2="q1:Q",
         color=alt.Color("block:N", title="K/V block of rank (label: ring step)", sort=blocks,
                         scale=alt.Scale(domain=blocks, range=colors),
-                        legend=alt.Legend(orient="bottom", labelExpr=(
+                        legend=alt.Legend(orient="bottom", titleLimit=400, labelExpr=(
                             "indexof(datum.label, 'block') == 0 ? "
                             "'block of rank ' + replace(datum.label, 'block ', '') : datum.label"))),
         tooltip=[alt.Tooltip("rank:O"), alt.Tooltip("ring_step:O", title="ring step"),
@@ -512,7 +513,8 @@ def cp_bytes_chart(rows: list[dict], title: str = "Bytes each rank sends per ste
     impls = list(dict.fromkeys(df["impl"]))
     sources = [s for s in ("measured", "theory") if s in set(df["source"])]
     base = alt.Chart(df).encode(
-        x=alt.X("impl:N", title=None, sort=impls, axis=alt.Axis(labelAngle=0, labelFontSize=12)),
+        x=alt.X("impl:N", title=None, sort=impls, axis=alt.Axis(labelAngle=0, labelFontSize=12,
+                                                                labelLimit=240)),
         xOffset=alt.XOffset("source:N", sort=sources),
         y=alt.Y("value:Q", title=f"bytes sent per rank per step ({unit})"),
         tooltip=["impl:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
@@ -521,7 +523,7 @@ def cp_bytes_chart(rows: list[dict], title: str = "Bytes each rank sends per ste
             domain=sources, range=["#4c78a8", "#bab0ac"][:len(sources)]),
             legend=alt.Legend(orient="bottom"))),
         base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
-    ).properties(autosize=PAD, width=max(220, 110 * len(impls)), height=240,
+    ).properties(autosize=PAD, width=max(220, 170 * len(impls)), height=240,
                  title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
 
@@ -542,7 +544,9 @@ def cp_activation_curve(points: list[dict], theory: dict[str, Callable[[int], fl
     seqs = seqs or sorted({max(1, round(top * i / 16)) for i in range(1, 17)})
     lines = pd.DataFrame([{"series": name, "seq": s, "bytes": float(f(s))}
                           for name, f in theory.items() for s in seqs])
+    # two fields, so that the lines and the points each get a legend entry of their own
     lines["source"], pts["source"] = "theory (formula)", "measured (live run)"
+    lines["line"], pts["point"] = lines["source"], pts["source"]
     div, unit = bytes_unit(max(lines["bytes"].max() if len(lines) else 0,
                                pts["bytes"].max() if len(pts) else 0))
     lines["value"], pts["value"] = lines["bytes"] / div, pts["bytes"] / div
@@ -556,11 +560,11 @@ def cp_activation_curve(points: list[dict], theory: dict[str, Callable[[int], fl
     tip = ["series:N", "source:N", alt.Tooltip("seq:Q", title="s (tokens)"),
            alt.Tooltip("bytes:Q", format=",.0f", title="bytes")]
     line = alt.Chart(lines).mark_line(strokeWidth=2).encode(
-        x=x, y=y, color=color, strokeDash=alt.StrokeDash("source:N", title=None, legend=alt.Legend(
+        x=x, y=y, color=color, strokeDash=alt.StrokeDash("line:N", title=None, legend=alt.Legend(
             orient="bottom")), tooltip=tip)
     dots = alt.Chart(pts).mark_point(size=90, filled=True, opacity=1, stroke="black",
                                      strokeWidth=1).encode(
-        x=x, y=y, color=color, shape=alt.Shape("source:N", title=None, legend=alt.Legend(
+        x=x, y=y, color=color, shape=alt.Shape("point:N", title=None, legend=alt.Legend(
             orient="bottom")), tooltip=tip)
     return alt.layer(line, dots).resolve_scale(color="shared").properties(
         autosize=PAD, width=520, height=300,
