@@ -441,7 +441,9 @@ def cp_work_bars(reports: dict, title: str = "Attention work per rank: measured 
 def cp_comm_frame(report) -> pd.DataFrame:
     """One row per cp message of the last training step, per cp rank: the ring's sends (with what
     they carry and whose block) or Ulysses' all-to-alls (forward: q, k, v then the output; backward
-    the reverse), start and end in ms from the step's first cp message, bytes."""
+    the reverse), start and end in ms from the step's first cp message, bytes. Ulysses' records
+    carry no direction: the first half of the step's all-to-alls is named forward, which holds
+    without activation checkpointing (a recomputed forward repeats its all-to-alls in backward)."""
     rep = _as_dict(report)
     step = _last_step(rep)
     rows = []
