@@ -6,7 +6,10 @@
   is flagged, so its parameters get no gradient on some ranks, or on none, in some steps;
 - frozen parameters (requires_grad=False): a whole layer, and a LayerNorm inside a block;
 - parameters used outside their module's forward: the root reads `pos.weight` (that module's
-  forward never runs) and calls F.linear with block 0's weight after block 0 has finished.
+  forward never runs), calls F.linear with block 0's weight after block 0 has finished, and runs a
+  custom autograd.Function on block 1's weight that keeps an alias of it for its backward;
+- a weight read that gives it no gradient (h * w.detach()): its backward needs the weight after
+  the weight's own gradient has arrived.
 
 Each world size is one launch that trains it 5 steps with torch DDP (find_unused_parameters=True),
 torch FSDP2 (fully_shard), our DataParallel, ZeRO-1, ZeRO-2 and ZeRO-3; every loss and final
@@ -56,11 +59,25 @@ class Block(nn.Module):
         self.branch = nn.Linear(D, D)  # only for flagged rows
 
     def forward(self, h, flag):  # h: [b, s, D], flag: [b]
+        h = h + 0.1 * h * self.proj.weight.detach()[0]  # backward reads proj.weight, no grad to it
         h = h + torch.tanh(self.proj(self.norm(h)))
         if takes_branch(flag, self.agree):  # data-dependent: on a rank without a flagged row
             # (and, unless agree, it is every rank) the branch's parameters get no gradient
             h = h + flag[:, None, None] * self.branch(h)
         return h
+
+
+class Mix(torch.autograd.Function):
+    """h + 0.1 h w^T, with its own backward, which reads an alias of w kept on ctx."""
+
+    @staticmethod
+    def forward(ctx, h, w):  # h: [b, s, D], w: [D, D]
+        ctx.h, ctx.w = h.detach(), w.detach()
+        return h + 0.1 * h @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g + 0.1 * g @ ctx.w, 0.1 * torch.einsum("bsi,bsj->ij", g, ctx.h)
 
 
 class AnyModule(nn.Module):
@@ -83,6 +100,7 @@ class AnyModule(nn.Module):
         for block in self.blocks:
             h = block(h, flag)
         h = h + 0.5 * F.linear(h, self.blocks[0].proj.weight)  # block 0's weight, after block 0
+        h = Mix.apply(h, self.blocks[1].proj.weight)  # a custom Function on block 1's weight
         logits = self.head(h * self.scale)  # [b, s, VOCAB], the tied table
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
@@ -315,3 +333,50 @@ def test_unsupported_is_a_clear_error_before_the_first_step():
     msg = str(info.value)
     assert "find_unused_parameters=True" in msg and "blocks.0.branch.weight" in msg, msg
     assert "signal" not in msg and "forward returned" not in msg, msg
+
+
+def _zero3_reads_outside_the_forward() -> dict:
+    """After a step, every read of a sharded parameter outside the forward: the error it raises."""
+    from parallel_mini.comm import Comm
+    from parallel_mini.config import RunConfig
+    from parallel_mini.mesh import build_mesh
+    from parallel_mini.parallel.zero3 import Zero3DataParallel
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = build()
+    zero = Zero3DataParallel(model, Comm(build_mesh(RunConfig(dp=n, batch=n))), lr=LR,
+                             find_unused_parameters=True)
+    zero.zero_grad()
+    model(*local_batch(2, r, n)).backward()
+    zero.finish_gradient_sync()
+    zero.step()
+    reads = {"state_dict": lambda: model.state_dict(),
+             "norm": lambda: model.blocks[1].proj.weight.norm(),
+             "data": lambda: model.blocks[1].proj.weight.data + 0,
+             "loss term after forward": lambda: model(*local_batch(3, r, n))
+             + model.blocks[0].branch.weight.pow(2).sum(),
+             "load": lambda: model.load_state_dict(build().state_dict())}
+    errors = {}
+    for what, read in reads.items():
+        try:
+            read()
+            errors[what] = None
+        except RuntimeError as e:
+            errors[what] = str(e)
+    shape = tuple(model.blocks[1].proj.weight.shape)  # metadata still answers
+    return {"errors": errors, "shape": shape, "full": zero.full_parameters()}
+
+
+def test_zero3_reading_a_sharded_parameter_is_an_error_not_a_signal():
+    """Outside the forward a ZeRO-3 parameter's storage has no bytes (measured before: reading it,
+    e.g. model.state_dict(), killed the rank with SIGSEGV). Now every such read raises an error
+    naming the parameter and the fix; the ranks live on and full_parameters() still works."""
+    outs = launch.run_ranks(_zero3_reads_outside_the_forward, 2, backend="gloo", timeout=60)
+    for res in outs:
+        errors = res.value["errors"]
+        for what, msg in errors.items():
+            assert msg is not None and "ZeRO-3" in msg and "full_parameters()" in msg, (what, msg)
+        assert "blocks.1.proj.weight" in errors["norm"]
+        assert res.value["shape"] == (D, D)
+        assert res.value["full"]["blocks.1.proj.weight"].shape == (D, D)
+        assert torch.equal(res.value["full"]["emb.weight"], outs[0].value["full"]["emb.weight"])

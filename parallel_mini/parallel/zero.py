@@ -72,7 +72,7 @@ class FlatLayout:
         return self.padded - self.numel
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[a:b].view_as(p) for p, (a, b) in zip(self.params, self.offsets)]
+        return [flat[a:b].view(p.shape) for p, (a, b) in zip(self.params, self.offsets)]
 
     def shard(self, flat: torch.Tensor, r: int) -> torch.Tensor:
         return flat[r * self.shard_numel:(r + 1) * self.shard_numel]  # [k], a view

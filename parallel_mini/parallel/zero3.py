@@ -20,21 +20,35 @@ then there is no root unit, and nothing is spent on it.
 Freeing uses `storage.resize_(0)`, as FSDP's first version did: the parameters and autograd's saved
 references keep pointing at the same storage, which is given its bytes back (and refilled) when the
 unit is gathered for backward. Reading a freed parameter reads memory that is gone: the rank dies of
-SIGSEGV. So nothing may, and a parameter used *outside* its unit's forward (the root calling
-F.linear with the embedding's weight, a layer's weight read after the layer ran) is gathered on use:
-while the root's forward runs, a TorchFunctionMode sees every op's tensors; one that views a unit
-outside that unit's own forward gathers the unit first, and the op's outputs gather it again when
-their gradient arrives, before the op's backward reads it. Between steps the parameters are freed:
-read them with `full_parameters()`.
+SIGSEGV (measured: `model.state_dict()`, or `w.norm()` between steps). So nothing may:
+- a parameter used *outside* its unit's forward (the root calling F.linear with the embedding's
+  weight, a layer's weight read after the layer ran) is gathered on use: while the root's forward
+  runs, a TorchFunctionMode sees every op's tensors; one that views a unit outside that unit's own
+  forward gathers the unit first, and the op's outputs gather it again when their gradient arrives,
+  before the op's backward reads it;
+- while its unit is freed a parameter wears the class `FreedParameter`, whose __torch_function__
+  lets metadata through (shape, grad, hooks) and turns any read of its elements (between steps,
+  `state_dict()`, a loss term added after the forward) into an error that names it and the fix:
+  read full weights with `full_parameters()` (on every rank), or use them inside the forward.
+  (FSDP2 refuses the same reads: outside the forward its parameters are DTensor shards.)
+- in backward a unit is freed when every gradient of its parameters has arrived *and* the gradient
+  of its inputs is complete (FSDP2's post-backward trigger): an op of the unit that reads a weight
+  but gives it no gradient (h * w.detach()) may run after the weight's gradient arrived;
+- a unit read outside its forward with autograd off (inside a custom autograd.Function's forward,
+  whose backward the TorchFunctionMode cannot see) stays gathered until the step's gradients are
+  synchronised.
 
 Frozen parameters (requires_grad=False) are in no unit: replicated, never communicated (as DDP and
 FSDP2 treat them). Parameters that get no gradient in a step: see `find_unused_parameters` below.
 Not supported: a unit whose forward runs on some ranks and not on others (a top-level child called
-only for some data). Its all-gather would meet a different collective on the other ranks; FSDP2 has
-the same rule for its units. Keep such a branch inside a unit that always runs (a block's layer).
+only for some data). Its all-gather would meet a different collective on the other ranks (measured:
+the ranks wait on each other until run_ranks' timeout names the deadlock); FSDP2 has the same rule
+for its units, and no rank can tell before the data arrive. Keep such a branch inside a unit that
+always runs (a block's layer), as AnyModule in tests/test_any_module.py does.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from itertools import chain
 
@@ -73,6 +87,89 @@ def plan_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch
     return units + [(m, ps) for m, ps in zip(modules, members) if ps]
 
 
+# Tensor attributes and methods that read no element: a freed parameter still answers them.
+READS_NO_ELEMENT = frozenset({
+    "__hash__", "grad", "_grad", "requires_grad", "requires_grad_", "is_leaf", "grad_fn",
+    "retains_grad", "shape", "size", "dim", "ndim", "numel", "nelement", "dtype", "device",
+    "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_floating_point",
+    "is_complex", "element_size", "itemsize", "stride", "is_contiguous", "storage_offset", "names",
+    "_base", "_is_view", "untyped_storage", "register_hook", "register_post_accumulate_grad_hook",
+    "_backward_hooks", "_post_accumulate_grad_hooks", "__class__"})
+
+
+def _attribute_name(func) -> str:
+    """'sum' for Tensor.sum, 'grad' for the getter and setter of Tensor.grad."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class FreedParameter(torch.nn.Parameter):
+    """What a parameter is while its unit is freed: its storage has no bytes, so an op that read it
+    would read freed memory (SIGSEGV). Metadata still answers; anything else is refused, naming
+    the parameter. The unit gives the parameter its own class back when it gathers."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _attribute_name(func) not in READS_NO_ELEMENT:
+            freed = [t for t in tree_leaves((args, kwargs)) if isinstance(t, FreedParameter)]
+            names = [getattr(t, "_zero3_name", "a parameter") for t in freed]
+            raise RuntimeError(
+                f"ZeRO-3: {', '.join(names)} is sharded here (each rank holds a slice; the full "
+                f"weights exist only while its unit computes), so {_attribute_name(func)!r} "
+                f"cannot read it. Use parameters inside the model's forward (they are gathered "
+                f"there), read full weights with full_parameters() (every rank calls it), and load "
+                f"weights before wrapping the model.")
+        with torch._C.DisableTorchFunctionSubclass():  # results are plain tensors, as Parameter's
+            return func(*args, **kwargs)
+
+
+def freed_class(cls: type) -> type:
+    """The class a parameter of class `cls` wears while freed (a subclass of both)."""
+    if cls is torch.nn.Parameter:
+        return FreedParameter
+    return type(f"Freed{cls.__name__}", (FreedParameter, cls), {})
+
+
+class UnitCall:
+    """One call of a unit's forward, seen from backward: it *starts* when the gradient reaches its
+    outputs and *ends* when the gradient of its inputs is complete. In between the unit must stay
+    gathered. (A pipeline runs several forwards before their backwards: each call is its own.)"""
+
+    def __init__(self, zero3: "Zero3DataParallel", unit: "Unit"):
+        self.zero3, self.unit, self.state = zero3, unit, "forward"
+
+    def start(self) -> None:
+        if self.state == "forward":
+            self.state = "backward"
+            self.unit.in_backward.add(self)
+
+    def end(self, in_backward: bool) -> None:
+        if self.state != "ended":
+            self.state = "ended"
+            self.unit.in_backward.discard(self)
+            if in_backward:  # (a graph dropped unused frees nothing and issues no collective)
+                self.zero3._maybe_done(self.unit)
+
+
+class InputsGradDone(torch.autograd.Function):
+    """Identity on a unit's inputs. Its backward runs once their gradient is complete: after every
+    op of the unit that lies on their path (FSDP2's RegisterPostBackwardFunction)."""
+
+    @staticmethod
+    def forward(ctx, call: UnitCall, *xs):
+        ctx.call = call
+        weakref.finalize(ctx, call.end, False)  # the graph freed: the call can wait no more
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.call.end(True)
+        return (None, *grads)
+
+
 def reachable_parameters(outputs) -> set:
     """The parameters autograd will give a gradient to from `outputs`: the AccumulateGrad nodes
     reachable from their grad_fns (what DDP's find_unused_parameters traverses)."""
@@ -93,14 +190,17 @@ def reachable_parameters(outputs) -> set:
 class Unit:
     """Some parameters as one sharded flat buffer."""
 
-    def __init__(self, module, params, n, r, param_dtype, mixed):
+    def __init__(self, module, params, n, r, param_dtype, mixed, names):
         self.module, self.params, self.n, self.r = module, params, n, r
+        self.classes = [type(p) for p in params]  # worn while gathered
+        self.freed_classes = [freed_class(c) for c in self.classes]  # worn while freed
         self.layout = FlatLayout(self.params, n)
         device = self.params[0].device
         self.full = torch.zeros(self.layout.padded, dtype=param_dtype, device=device)  # [padded]
         for p, view in zip(self.params, self.layout.views(self.full)):
             view.copy_(p.data)  # (each parameter is in one unit only: never from a freed buffer)
             p.data = view
+            p._zero3_name = names[p]  # for FreedParameter's error
         self.storage = self.full.untyped_storage()  # held: one Python object, a stable identity
         self.shard = self.layout.shard(self.full, r).clone()  # [k], persistent
         self.master = self.shard.float() if mixed else self.shard  # fp32 copy when mixed
@@ -108,12 +208,17 @@ class Unit:
         self.grad_shard: torch.Tensor | None = None  # [k], accumulated over micro-steps
         self.ready: set = set()  # parameters whose gradient arrived in this backward
         self.active = False  # inside the module's own forward
+        self.call: UnitCall | None = None  # the forward call under way
+        self.in_backward: set = set()  # calls whose backward has started and not ended
+        self.sticky = False  # read with autograd off outside its forward: kept until the sync
         self.gathered = True
         self.free()
 
     def free(self) -> None:
         if self.gathered:
             self.storage.resize_(0)  # bytes released; views stay attached
+            for p, cls in zip(self.params, self.freed_classes):
+                p.__class__ = cls  # from now on an op that would read it is refused
             self.gathered = False
 
     def gather(self, comm: Comm, axis: str) -> None:
@@ -121,6 +226,8 @@ class Unit:
             return
         self.storage.resize_(self.layout.padded * self.full.element_size())
         comm.all_gather(self.full, self.shard, axis)  # n x [k] -> [padded]
+        for p, cls in zip(self.params, self.classes):
+            p.__class__ = cls  # readable again
         self.gathered = True
 
 
@@ -131,12 +238,16 @@ class GatherOnUse(TorchFunctionMode):
     def __init__(self, zero3: "Zero3DataParallel"):
         super().__init__()
         self.zero3 = zero3
+        self.training = torch.is_grad_enabled()  # the root's forward builds a graph
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         units = self.zero3.units_read_outside(chain(args, kwargs.values()))
         for u in units:
             self.zero3.gather(u)
+            # autograd off inside a training forward: a custom Function's forward, maybe saving
+            # the weights for a backward no hook of ours precedes. Keep them until the sync.
+            u.sticky = u.sticky or (self.training and not torch.is_grad_enabled())
         out = func(*args, **kwargs)
         if units and torch.is_grad_enabled():
             for t in tree_leaves(out):
@@ -175,7 +286,9 @@ class Zero3DataParallel:
                 comm.broadcast(p.data, axis, src=0)
             comm.step = step
         plan = plan_units(model)
-        self.units = [Unit(m, ps, self.n, self.r, param_dtype, self.mixed) for m, ps in plan]
+        names = {p: name for name, p in model.named_parameters()}
+        self.units = [Unit(m, ps, self.n, self.r, param_dtype, self.mixed, names)
+                      for m, ps in plan]
         self.root = self.units[0] if plan[0][0] is model else None
         self._unit_of = {p: u for u in self.units for p in u.params}
         self._unit_of_storage = {id(u.storage): u for u in self.units}
@@ -187,7 +300,9 @@ class Zero3DataParallel:
         model.register_forward_hook(self._after_root_forward, always_call=True)
         for u in self.units:
             if u is not self.root:
-                u.module.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
+                u.module.register_forward_pre_hook(
+                    lambda mod, args, kwargs, u=u: self._before_forward(u, args, kwargs),
+                    with_kwargs=True)
                 u.module.register_forward_hook(
                     lambda mod, args, out, u=u: self._after_forward(u, out))
             for p in u.params:
@@ -214,9 +329,12 @@ class Zero3DataParallel:
         found = []
         for a in args:
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                if type(t) not in (torch.Tensor, torch.nn.Parameter):
-                    continue  # (not a subclass either: it may have no storage)
-                u = self._unit_of_storage.get(id(t.untyped_storage()))
+                if isinstance(t, torch.nn.Parameter) and t in self._unit_of:
+                    u = self._unit_of[t]  # (a freed one too: FreedParameter)
+                elif type(t) is torch.Tensor:  # a view of a unit's storage made in the forward
+                    u = self._unit_of_storage.get(id(t.untyped_storage()))
+                else:
+                    continue  # (another subclass: it may have no storage)
                 if u is not None and not u.active and u is not self.root and u not in found:
                     found.append(u)
         return found
@@ -237,7 +355,7 @@ class Zero3DataParallel:
             self._mode.__exit__(None, None, None)
             self._mode = None
         for u in self.units:  # units gathered on use; the root unit stays for backward
-            if u is not self.root or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or (u is not self.root and not u.sticky):
                 self._free(u)
         if out is not None and torch.is_grad_enabled() and not self.find_unused:
             self._check_every_parameter_reached(out)
@@ -254,28 +372,59 @@ class Zero3DataParallel:
                 f"ZeRO-3: parameters will receive no gradient this step: {names[:5]}. Like DDP, "
                 f"pass find_unused_parameters=True, or freeze them (requires_grad=False).")
 
-    def _before_forward(self, unit: Unit) -> None:
+    def _before_forward(self, unit: Unit, args, kwargs):
         unit.active = True  # first: the all-gather itself is an op GatherOnUse sees
         self.gather(unit)
+        unit.call = None
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return None  # no backward to wait for (or a recomputation inside backward)
+        return self._end_call_with_inputs_grad(unit, args, kwargs)
+
+    def _end_call_with_inputs_grad(self, unit: Unit, args, kwargs):
+        """The unit's inputs that need a gradient, passed through InputsGradDone."""
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not keys and not at:
+            return None  # (token ids into an embedding): its parameters' gradients suffice
+        unit.call = UnitCall(self, unit)
+        outs = InputsGradDone.apply(unit.call, *[args[i] for i in at], *[kwargs[k] for k in keys])
+        args, kwargs = list(args), dict(kwargs)
+        for i, t in zip(at, outs):
+            args[i] = t
+        kwargs.update(zip(keys, outs[len(at):]))
+        return tuple(args), kwargs
 
     def _after_forward(self, unit: Unit, out) -> None:
         unit.active = False
+        if torch._C._current_graph_task_id() != -1:
+            return  # recomputed inside backward (checkpointing): the backward reads it next
         self._free(unit)
         if torch.is_grad_enabled():  # when the gradient reaches an output, gather for backward
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, u=unit: self.gather(u))
+                    t.register_hook(lambda grad, u=unit, c=unit.call: self._backward_starts(u, c))
+
+    def _backward_starts(self, unit: Unit, call: UnitCall | None) -> None:
+        self.gather(unit)
+        if call is not None:
+            call.start()
 
     # -- backward ---------------------------------------------------------------------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         unit = self._unit_of[p]
         unit.ready.add(p)
-        if len(unit.ready) < len(unit.params):
+        self._maybe_done(unit)
+
+    def _maybe_done(self, unit: Unit) -> None:
+        """Every gradient of the unit arrived and its inputs' gradient is complete: no op of this
+        backward reads its weights again. Reduce (unless find_unused_parameters) and free."""
+        if unit.in_backward or len(unit.ready) < len(unit.params):
             return
-        unit.ready.clear()  # every gradient of the unit arrived: no op reads its weights again
+        unit.ready.clear()
         if not self.find_unused:  # (with it, which units complete here differs between ranks)
             self._reduce(unit)
-        self._free(unit)
+        if not unit.sticky:
+            self._free(unit)
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's gradient (zeros where none arrived), add it to my slice."""
@@ -314,12 +463,15 @@ class Zero3DataParallel:
                     raise RuntimeError(f"ZeRO-3: unit {type(u.module).__name__} got no complete "
                                        f"gradient this step (missing: {names[:5]}); pass "
                                        f"find_unused_parameters=True")
-            return
-        for u in self.units:
-            self._reduce(u)
+        else:
+            for u in self.units:
+                self._reduce(u)
+                u.ready.clear()
+        for u in self.units:  # (sticky ones were kept for a custom Function's backward)
+            u.sticky = False
             self._free(u)
-            u.ready.clear()
-        self.unused = self.used.unused_everywhere(self.comm, self.axis)
+        if self.find_unused:
+            self.unused = self.used.unused_everywhere(self.comm, self.axis)
 
     def step(self) -> None:
         grads = []
