@@ -17,6 +17,7 @@ import streamlit as st
 from parallel_mini import collectives, engine, experiments
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.launch import RankError
+from parallel_mini.viz.units import bytes_unit, rate_unit
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
@@ -93,17 +94,16 @@ def fmt_count(b: float) -> str:
 
 
 def fmt_bytes(b: float) -> str:
-    for div, unit in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
-        if abs(b) >= div:
-            return f"{b / div:.3f} {unit}"
-    return f"{b:,.0f} B"
+    """Bytes in the binary unit the charts use (viz.units.bytes_unit), so a number on the page and
+    the axis beside it agree; under 1 KiB the whole count."""
+    div, unit = bytes_unit(abs(b))
+    return f"{b:,.0f} B" if div == 1 else f"{b / div:.3f} {unit}"
 
 
 def fmt_rate(b: float) -> str:
-    for div, unit in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s")):
-        if b >= div:
-            return f"{b / div:.3g} {unit}"
-    return f"{b:.3g} B/s"
+    """A bandwidth in the decimal unit the charts use (viz.units.rate_unit, NCCL's busbw units)."""
+    div, unit = rate_unit(b)
+    return f"{b / div:.3g} {unit}"
 
 
 TOLERANCE = 1e-5  # fp32 losses and final parameters must equal the reference within this

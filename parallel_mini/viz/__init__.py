@@ -18,10 +18,10 @@ One module per topic, each listing its charts in its docstring:
 
 Every chart is also here, so `viz.loss_curves(report)` works without knowing its module.
 """
-from .context import (BLOCK_COLORS, CP_COMM_COLORS, CP_COMM_KINDS, cp_activation_curve,
-                      cp_bytes_chart, cp_comm_frame, cp_comm_timeline, cp_ranks, cp_sent_bytes,
-                      cp_work_bars, ring_kv_animation, ring_kv_frames, tile_map, tile_map_frame,
-                      tile_maps, tiles_theory)
+from .context import (BLOCK_COLORS, CP_COMM_COLORS, CP_COMM_KINDS, SKIPPED_COLOR,
+                      cp_activation_curve, cp_bytes_chart, cp_comm_frame, cp_comm_timeline,
+                      cp_ranks, cp_sent_bytes, cp_work_bars, ring_kv_animation, ring_kv_frames,
+                      tile_map, tile_map_frame, tile_maps, tiles_theory)
 from .memory import (HOST_COLOR, STAGE_CATEGORIES, STAGE_COLORS, activation_bars,
                      memory_measured_vs_theory, memory_measured_vs_theory_frame, memory_stages,
                      memory_stages_frame)
