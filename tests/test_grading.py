@@ -195,3 +195,143 @@ def test_one_f_one_b_refuses_the_naive_order(monkeypatch):
     monkeypatch.setattr(parallel_mini.engine, "run", no_ranks)
     with pytest.raises(AssertionError):
         check_one_f_one_b(f1b_naive)
+
+
+# ---------------------------------------------------------------------------------------------
+# check_merge (lesson 06): the online-softmax merge, on real ranks inside the library's ring
+# ---------------------------------------------------------------------------------------------
+def merge_right(out, lse, out_t, lse_t):
+    new = torch.logaddexp(lse, lse_t)
+    return (out * torch.exp(lse - new).unsqueeze(-1) + out_t * torch.exp(lse_t - new).unsqueeze(-1),
+            new)
+
+
+def merge_right_with_max(out, lse, out_t, lse_t):
+    """The same rule through the running maximum (FlashAttention's form): also right."""
+    m = torch.maximum(lse, lse_t)
+    a, b = torch.exp(lse - m), torch.exp(lse_t - m)
+    return (out * a.unsqueeze(-1) + out_t * b.unsqueeze(-1)) / (a + b).unsqueeze(-1), m + torch.log(a + b)
+
+
+def merge_stub(out, lse, out_t, lse_t):
+    raise NotImplementedError("exercise")
+
+
+def merge_no_rescale(out, lse, out_t, lse_t):
+    new = torch.logaddexp(lse, lse_t)
+    return out + out_t * torch.exp(lse_t - new).unsqueeze(-1), new
+
+
+def merge_max_not_lse(out, lse, out_t, lse_t):
+    new = torch.maximum(lse, lse_t)
+    return out * torch.exp(lse - new).unsqueeze(-1) + out_t * torch.exp(lse_t - new).unsqueeze(-1), new
+
+
+def merge_sum_outputs(out, lse, out_t, lse_t):
+    return out + out_t, torch.logaddexp(lse, lse_t)
+
+
+def merge_overflows(out, lse, out_t, lse_t):
+    """Right on small scores; exponentiates the log-sum-exps themselves."""
+    new = torch.log(torch.exp(lse) + torch.exp(lse_t))
+    return out * torch.exp(lse - new).unsqueeze(-1) + out_t * torch.exp(lse_t - new).unsqueeze(-1), new
+
+
+def merge_nan_on_first(out, lse, out_t, lse_t):
+    """Right whenever lse is finite; -inf - (-inf) on the first merge of a row."""
+    new = lse + torch.log1p(torch.exp(lse_t - lse))
+    return out * torch.exp(lse - new).unsqueeze(-1) + out_t * torch.exp(lse_t - new).unsqueeze(-1), new
+
+
+def merge_swapped_return(out, lse, out_t, lse_t):
+    return tuple(reversed(merge_right(out, lse, out_t, lse_t)))
+
+
+def merge_calls_library(out, lse, out_t, lse_t):
+    from parallel_mini.parallel import context
+    return context._merge(out, lse, out_t, lse_t)
+
+
+from parallel_mini.parallel.context import _merge as imported_library_merge  # noqa: E402
+
+
+def merge_calls_imported_library(out, lse, out_t, lse_t):
+    return imported_library_merge(out, lse, out_t, lse_t)
+
+
+def merge_library_on_ranks_only(out, lse, out_t, lse_t):
+    """Passes the single-merge checks in the parent; calls the library inside the ranks."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return merge_calls_library(out, lse, out_t, lse_t)
+    return merge_right(out, lse, out_t, lse_t)
+
+
+def merge_wrong_on_ranks_only(out, lse, out_t, lse_t):
+    """Passes the single-merge checks; on the ranks forgets the old output (ring must refuse)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return merge_no_rescale(out, lse, out_t, lse_t)
+    return merge_right(out, lse, out_t, lse_t)
+
+
+def test_merge_stub_is_not_attempted():
+    from parallel_mini.grading import check_merge
+    grade = check_merge(merge_stub)
+    assert grade.status == "not attempted" and "NotImplementedError" in grade.message
+
+
+@pytest.mark.parametrize("right", [merge_right, merge_right_with_max])
+def test_merge_right_answers_equal_sdpa_on_real_ranks(right):
+    from parallel_mini.grading import MERGE_CHECK_CASES, check_merge
+    grade = check_merge(right)
+    assert grade.status == "correct", grade
+    runs = {(r["cp"], r["layout"]): r for r in grade.details["runs"]}
+    assert set(runs) == set(MERGE_CHECK_CASES)
+    # the learner's merge was what ran: once per computed tile on every rank
+    assert runs[(4, "contiguous")]["merges_per_rank"] == [1, 2, 3, 4]
+    assert runs[(4, "zigzag")]["merges_per_rank"] == [9, 9, 9, 9]
+    assert all(r["max_abs_diff"] < 1e-5 for r in runs.values())
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (merge_no_rescale, r"old output was not rescaled"),
+    (merge_max_not_lse, r"lse' is max\(lse, lse_t\)"),
+    (merge_sum_outputs, r"out \+ out_t"),
+    (merge_overflows, r"large scores .*inf or nan.*e\^1000 is inf in fp32"),
+    (merge_nan_on_first, r"first merge of a row .*inf or nan"),
+    (merge_swapped_return, r"return \(out, lse\) in that order"),
+    (merge_calls_library, r"called the library's own merge"),
+    (merge_calls_imported_library, r"called the library's own merge"),
+])
+def test_merge_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
+    import parallel_mini.launch
+    from parallel_mini.grading import check_merge
+
+    def no_ranks(*args, **kwargs):
+        raise RuntimeError("a single-merge refusal must not start any rank")
+
+    monkeypatch.setattr(parallel_mini.launch, "run_ranks", no_ranks)
+    with pytest.raises(AssertionError, match=message):
+        check_merge(wrong)
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (merge_library_on_ranks_only, r"called the library's own merge"),
+    (merge_wrong_on_ranks_only, r"at C=2 \(contiguous chunks\): rank 1's ring attention .*differs "
+                                r"from torch SDPA"),
+])
+def test_merge_refused_on_real_ranks(wrong, message):
+    from parallel_mini.grading import check_merge
+    with pytest.raises(AssertionError, match=message):
+        check_merge(wrong)
+
+
+def test_library_merge_works_again_after_a_refusal():
+    from parallel_mini.grading import check_merge
+    from parallel_mini.parallel import context
+    with pytest.raises(AssertionError):
+        check_merge(merge_calls_library)
+    lse, lse_t = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1)
+    out, new = context._merge(torch.zeros(1, 1, 1, 1), lse, torch.ones(1, 1, 1, 1), lse_t)
+    assert out.item() == pytest.approx(0.5) and new.item() == pytest.approx(0.6931, abs=1e-4)
