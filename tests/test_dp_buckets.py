@@ -21,6 +21,7 @@ class Reversed(torch.nn.Module):
 
 
 def _train(steps: int):
+    import time
     import torch.distributed as dist
     from types import SimpleNamespace
     from parallel_mini.comm import Comm
@@ -30,6 +31,12 @@ def _train(steps: int):
     comm = Comm(build_mesh(SimpleNamespace(dp=n, tp=1, pp=1, cp=1, ep=1, dp_shard=0, world_size=n)))
     torch.manual_seed(0)
     model = Reversed()
+    # a clock of our own, registered before DataParallel's hooks so it runs first: when each
+    # gradient became ready, measured independently of the library's grads_pending counter
+    ready_at = {}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: ready_at.setdefault(comm.step, []).append(time.perf_counter()))
     dp = DataParallel(model, comm, mode="bucketed", bucket_mb=0.01)  # one layer per bucket
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
@@ -39,11 +46,13 @@ def _train(steps: int):
         dp.finish_gradient_sync()
         opt.step()
         opt.zero_grad()
-    pending = {}
+    pending, early = {}, {}
     for rec in comm.records:
         if rec["op"] == "all_reduce" and rec["step"] >= 0:
             pending.setdefault(rec["step"], []).append(rec["grads_pending"])
-    return {"pending": pending, "buckets": len(dp.buckets),
+            last_ready = max(ready_at[rec["step"]])
+            early[rec["step"]] = early.get(rec["step"], 0) + (rec["start"] < last_ready)
+    return {"pending": pending, "early": early, "buckets": len(dp.buckets),
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
@@ -56,6 +65,9 @@ def test_buckets_rebuilt_from_the_observed_order_launch_during_backward():
     # after the rebuild: buckets launch while later layers' gradients are still being computed
     assert pending[1] == pending[2] and max(pending[1]) > 0
     assert sorted(pending[1], reverse=True) == pending[1] and pending[1][0] == 12  # 14 - 2
+    # the same by the clock: all-reduces launched before the last gradient was ready
+    for rank in out:
+        assert rank["early"][0] == 0 and rank["early"][1] >= 1 and rank["early"][2] >= 1, rank["early"]
     # the same collectives on every rank, and the replicas agree
     assert out[1]["pending"] == pending
     assert all(torch.equal(a, b) for a, b in zip(out[0]["params"], out[1]["params"]))

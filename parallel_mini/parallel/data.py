@@ -227,6 +227,8 @@ class DataParallel:
         step, self.comm.step = self.comm.step, -1
         self.comm.broadcast(order_t, self.axis, src=0, kind="bucket-order")
         self.comm.step = step
+        # drop the old flat buffers first (as DDP's reducer does): never two sets of buckets at once
+        self.buckets, self._bucket_of = [], {}
         self.buckets = make_buckets(self.params, self._bucket_bytes, order_t.tolist())
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._ready_order = None  # once, as DDP
