@@ -20,7 +20,7 @@ from .parallel.tensor import apply_tensor_parallel
 
 def _tp_mlp_shards_rank(cfg_dict: dict, tokens: int = 8) -> dict:
     """On each tp rank: build the model (the same full weights everywhere, one seed), shard it with
-    apply_tensor_parallel, and return this rank's MLP weights of every block. Then redo the seed's
+    apply_tensor_parallel, and return this rank's MLP weights of every block. Then redo Megatron-LM's
     picture with them: Y_r = GELU(X A_r) needs no communication; the partial products Y_r B_r are
     summed by an all-reduce, and both are compared with the unsharded computation."""
     cfg = RunConfig.from_dict(cfg_dict)

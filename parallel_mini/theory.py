@@ -37,7 +37,7 @@ def wire_bytes(op: str, payload_bytes: int, n: int, rank_in_chain: int = 0) -> i
     return int(value) if value.denominator == 1 else float(value)
 
 
-# Link bandwidths in bytes/s, one direction, as the seeds quote them. Predictions turn measured
+# Link bandwidths in bytes/s, one direction, as the vendors quote them. Predictions turn measured
 # bytes into time with these; the lessons say which link each parallelism crosses and why.
 INTERCONNECTS = {
     "PCIe Gen4 x16": 32e9,       # GPU <-> CPU (offload); ~25 GB/s achieved in practice

@@ -60,7 +60,7 @@ def tp_weight_shards_frame(shards: list[dict], max_cells: int = 64) -> pd.DataFr
 def tp_weight_shards(shards: list[dict], title: str = "MLP weight shards, as the ranks hold them",
                      subtitle: str | list[str] = "", cell_px: int = 7,
                      max_cells: int = 64) -> alt.HConcatChart:
-    """The seed's picture redrawn from a live run's shards. Left: the MLP's fc weight [4h, h]
+    """Megatron-LM's picture redrawn from a live run's shards. Left: the MLP's fc weight [4h, h]
     (column-parallel: rank r holds rows r*4h/t..(r+1)*4h/t, its slice of the output features),
     one panel per rank stacked in place. Right: proj [h, 4h] (row-parallel: rank r holds the
     matching columns, its slice of the input features), panels side by side. Axes: the full
