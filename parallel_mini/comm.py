@@ -77,11 +77,12 @@ class Comm:
         return None
 
     def _collective(self, op, axis, payload_tensor, count, call, async_op, rank_in_chain=0,
-                    tags=None):
+                    tags=None, wire=None):
         n = self.size(axis)
         nbytes = payload_tensor.numel() * payload_tensor.element_size()
-        rec = self._record(op, axis, payload_tensor, count,
-                           theory.wire_bytes(op, nbytes, n, rank_in_chain), async_op=async_op,
+        if wire is None:
+            wire = theory.wire_bytes(op, nbytes, n, rank_in_chain)
+        rec = self._record(op, axis, payload_tensor, count, wire, async_op=async_op,
                            **(tags or {}))
         if n == 1:  # a group of one: nothing moves (the copies above did the work)
             rec["end"], rec["cpu"] = time.perf_counter(), 0.0
@@ -113,13 +114,21 @@ class Comm:
                                                           async_op=async_op), async_op, tags=tags)
 
     def all_to_all(self, output, tensor, axis: str, out_splits=None, in_splits=None, async_op=False, **tags):
-        """Rank i's j-th slice goes to rank j's i-th slot. Payload S = this rank's input."""
-        if self.size(axis) == 1:
+        """Rank i's j-th slice goes to rank j's i-th slot. Payload S = this rank's input. Uneven
+        splits (in_splits[j] rows of `tensor` to rank j; expert parallel's tokens): what this rank
+        sends is every row but its own slice, not (N-1)/N of S."""
+        n, wire = self.size(axis), None
+        if n == 1:
             output.copy_(tensor)
+        elif in_splits is not None:
+            row_bytes = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+            wire = row_bytes * (sum(in_splits) - in_splits[self.rank(axis)])
         return self._collective("all_to_all", axis, tensor, tensor.numel(),
                                 lambda g: dist.all_to_all_single(output, tensor, out_splits,
                                                                  in_splits, group=g,
-                                                                 async_op=async_op), async_op, tags=tags)
+                                                                 async_op=async_op), async_op,
+                                tags={**tags, "in_splits": in_splits} if in_splits else tags,
+                                wire=wire)
 
     def broadcast(self, tensor, axis: str, src: int = 0, async_op=False, **tags):
         """Every rank gets `src`'s tensor (src is the axis-local rank). Payload S = the tensor."""

@@ -27,9 +27,6 @@ CHOICES = {
 # FSDP's sharding strategies are ZeRO stages under other names (HYBRID_SHARD: ZeRO-3 inside
 # groups of --dp-shard ranks, replicated across groups).
 FSDP_STRATEGIES = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
-# Knobs that the run contract already names but whose topic has not landed yet: refused with a
-# message saying so, instead of being silently ignored.
-NOT_YET = {"ep": "expert parallel"}
 
 
 @dataclass
@@ -51,6 +48,13 @@ class RunConfig:
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
     sp: bool = False  # Megatron sequence parallel on top of tensor parallel
     cp_impl: str = "ring"  # context parallel: ring, zigzag (balanced ring) or ulysses (all-to-all)
+    # mixture of experts (moe.py); --ep shards the experts (parallel/expert.py)
+    experts: int = 0  # experts per MoE layer; 0 = a dense model
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    moe_every: int = 1
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
     # pipeline
     schedule: str = "1f1b"
     microbatches: int = 4  # per step and data-parallel rank, with --pp > 1
@@ -100,7 +104,8 @@ class RunConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{_flag(name)} {v!r}: must be a whole number >= 1")
-        for name in ("bucket_mb", "lr", "timeout_s"):
+        for name in ("bucket_mb", "lr", "timeout_s", "capacity_factor", "aux_loss_weight",
+                     "z_loss_weight"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(f"{_flag(name)} {v!r}: must be a number")
@@ -140,11 +145,7 @@ class RunConfig:
         if self.zero and self.dp_mode == "naive":
             raise ConfigError("--dp-mode naive applies to --zero 0 only: ZeRO reduce-scatters its "
                               "gradients itself; drop --dp-mode or use --zero 0")
-        for name, topic in NOT_YET.items():
-            default = 1
-            if getattr(self, name) != default:
-                raise ConfigError(f"{_flag(name)} {getattr(self, name)}: {topic} is not available "
-                                  f"yet in this version; use {_flag(name)} {default}")
+        self._validate_experts()
         if self.world_size > MAX_LOCAL_RANKS and not under_torchrun():  # torchrun: no local cap
             raise ConfigError(f"world size {self.world_size} (dp*tp*pp*cp): local runs take at "
                               f"most {MAX_LOCAL_RANKS} ranks on one machine; lower the degrees "
@@ -182,6 +183,47 @@ class RunConfig:
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
         return self
 
+
+    def _validate_experts(self) -> None:
+        E, P, k = self.experts, self.ep, self.top_k
+        for name in ("experts", "top_k", "moe_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "experts" else 1):
+                raise ConfigError(f"{_flag(name)} {v!r}: must be a whole number >= "
+                                  f"{0 if name == 'experts' else 1}")
+        if E == 0:
+            if P > 1:
+                raise ConfigError(f"--ep {P}: expert parallel shards the experts of a mixture-of-"
+                                  f"experts model; add --experts E (a multiple of {P})")
+            return
+        if k > E:
+            raise ConfigError(f"--top-k {k}: each token picks k of the --experts {E}; choose "
+                              f"k <= {E}")
+        if not self.capacity_factor > 0:
+            raise ConfigError(f"--capacity-factor {self.capacity_factor!r}: must be > 0 (1.0 = "
+                              f"each expert takes its fair share, tokens*k/E, per sequence)")
+        if self.aux_loss_weight < 0 or self.z_loss_weight < 0:
+            raise ConfigError("--aux-loss-weight and --z-loss-weight: must be >= 0")
+        if self.moe_every > self.layers:
+            raise ConfigError(f"--moe-every {self.moe_every}: with --layers {self.layers} no block "
+                              f"would get experts; choose at most {self.layers}")
+        if E % P:
+            raise ConfigError(f"--experts {E}: expert parallel gives each of --ep {P} ranks E/ep "
+                              f"experts; choose a multiple of {P}")
+        if (self.dp * self.cp) % P:
+            raise ConfigError(f"--ep {P}: expert parallel is carved out of the data-parallel ranks "
+                              f"(dp x cp = {self.dp * self.cp}); choose an ep that divides it")
+        if self.cp > 1 or self.sp:
+            raise ConfigError(f"--experts with {'--cp' if self.cp > 1 else '--sp'}: a routing group "
+                              f"is one whole sequence, and {'context' if self.cp > 1 else 'sequence'}"
+                              f" parallel splits sequences between ranks; not available yet")
+        if self.schedule.startswith("pipedream") and self.pp > 1:
+            raise ConfigError(f"--experts with --schedule {self.schedule}: not available yet; use "
+                              f"a synchronous schedule (1f1b, gpipe, ...)")
+        if P > 1 and (self.zero == 3 or 0 < self.dp_shard < self.dp):
+            raise ConfigError(f"--ep {P} with {'--zero 3' if self.zero == 3 else 'HYBRID_SHARD'}: "
+                              f"experts sharded over ep with ZeRO-3 are not available yet; use "
+                              f"--zero 0, 1 or 2")
 
     def _validate_context(self) -> None:
         c, impl = self.cp, self.cp_impl

@@ -9,6 +9,8 @@ The composition, in this fixed order (torchtitan's: model changes first, data pa
     3. tensor      TP/SP: embedding, head and the blocks' Linear layers replaced by parallel ones
     4. context     CP: the embedding's positions seam set, every attention core replaced (ring,
                    zigzag, Ulysses); batches then give each cp rank its part of every sequence
+       experts     EP: every mixture-of-experts layer keeps E/ep of its experts, reached by
+                   all-to-all (parallel/expert.py); their gradients go to a second strategy (7)
     5. recompute   activation checkpointing: a block's seam, or a checkpointed attention core
                    (the last model change, so that it wraps whatever core CP put in)
     6. runner      the StepRunner: plain micro-steps, or a pipeline schedule that keeps only this
@@ -18,7 +20,7 @@ The composition, in this fixed order (torchtitan's: model changes first, data pa
                    is dp x cp: every rank's loss is the mean over its own tokens)
     8. attach      the runner drives the strategy: zero_grad, sync, finish_gradient_sync, step
 Each step is then `runner.train_step(step, batch)`; the two interfaces are in interfaces.py and the
-engine calls nothing else on them. Expert parallel will slot in beside 4 (it replaces the MLP).
+engine calls nothing else on them.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from .model import build_model
 from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import DataParallel, accumulate_grads_in_fp32
+from .parallel.expert import ExpertAndDense, ExpertParallel, apply_expert_parallel, split_parameters
 from .parallel.pipedream import PipeDreamRunner
 from .parallel.pipeline import PipelineRunner, gather_stage_parameters
 from .parallel.recompute import apply_checkpointing
@@ -85,14 +88,26 @@ class PlainDataParallel:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
 
-def parallelize(model, comm, cfg, average_fn=None) -> GradientStrategy:
-    """The gradient strategy for `cfg` over the mesh's data-parallel axes (step 7 above)."""
+def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | None = None
+                ) -> GradientStrategy:
+    """The gradient strategy for `cfg` over the mesh's data-parallel axes (step 7 above). With
+    experts sharded over ep, two: the dense parameters over dp x cp, the experts over edp."""
     mesh = comm.mesh
-    if cfg.zero == 0:
-        return PlainDataParallel(model, comm, cfg, mesh.axis_for("loss"), average_fn)
-    dtype = PARAM_DTYPE[cfg.precision]
+    if experts is not None and experts.sharded:
+        dense, expert = split_parameters(model, experts.expert_parameter_names(model))
+        edp = mesh.axis_for("expert_dp")
+        return ExpertAndDense(parallelize(dense, comm, cfg, average_fn),
+                              _strategy(expert, comm, cfg, dict(axis=edp, shard_axis=edp,
+                                                                replicate_axis=None)))
     axes = dict(axis=mesh.axis_for("loss"), shard_axis=mesh.axis_for("shard"),
                 replicate_axis=mesh.axis_for("replicate"))
+    return _strategy(model, comm, cfg, axes, average_fn)
+
+
+def _strategy(model, comm, cfg, axes: dict, average_fn=None) -> GradientStrategy:
+    if cfg.zero == 0:
+        return PlainDataParallel(model, comm, cfg, axes["axis"], average_fn)
+    dtype = PARAM_DTYPE[cfg.precision]
     if cfg.zero in (1, 2):
         return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,
                                 offload=cfg.offload, **axes)
@@ -132,9 +147,11 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
     apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 3
     context = apply_context_parallel(model, comm, cfg.cp_impl, axis="cp")  # 4
+    micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # losses divided by this
+    experts = apply_expert_parallel(model, comm, mesh.axis_for("expert"), 1 / micro_steps)
     recompute = apply_checkpointing(model, cfg.checkpointing)  # 5
     runner = make_runner(cfg, model, comm, timeline, live, act)  # 6
-    strategy = parallelize(model, comm, cfg, average_fn)  # 7
+    strategy = parallelize(model, comm, cfg, average_fn, experts)  # 7
     runner.attach(strategy)  # 8
 
     losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context)
@@ -145,13 +162,14 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     full = gather_full_parameters(model, full, comm, axis="tp")  # over tp: slices -> whole weights
+    full = experts.gather_full(model, full)  # over ep: each rank's experts -> all of them
     full = gather_stage_parameters(full, mesh, axis="pp")  # over pp: stages -> the whole model
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,
                          "recomputed_forwards": recompute.recomputed_calls},
-           **runner.report(), **context.report()}
+           **runner.report(), **context.report(), **experts.report()}
     if cfg.reference and mesh.rank == 0:  # PipeDream: the same micro-batches, one update each
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
         out["reference_losses"] = ref_losses

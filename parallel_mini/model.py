@@ -11,7 +11,9 @@ model by replacing a module or passing an argument, never by rewriting a forward
 - a pipeline stage runs a slice of the same modules: `model(x, targets, blocks=(i, j))` runs the
   embedding only when i == 0 and the head only when j == L (parallel/pipeline.py);
 - checkpointing sets a block's `checkpoint` function or replaces the attention core
-  (parallel/recompute.py); context parallel will replace the attention core, expert parallel the MLP.
+  (parallel/recompute.py); context parallel replaces the attention core;
+- a mixture-of-experts block has a MoE (moe.py) in place of its MLP (`--experts E`), and expert
+  parallel replaces the MoE's experts by a slice of them that talks all-to-all (parallel/expert.py).
 
 Parameter count: see `theory.gpt_param_count` (tested). Attention is written out (scores, mask,
 softmax) rather than fused, so its activations are visible to the memory meter and match the
@@ -26,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .moe import MoE, Experts, init_experts
+
 
 @dataclass
 class GPTConfig:
@@ -34,10 +38,22 @@ class GPTConfig:
     d_model: int = 64
     heads: int = 4
     layers: int = 4
+    # mixture of experts (moe.py): 0 = a dense MLP in every block
+    experts: int = 0
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    moe_every: int = 1  # the MLP of every moe_every-th block (blocks moe_every-1, 2*moe_every-1...)
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
 
     @classmethod
     def from_run(cls, cfg) -> "GPTConfig":
-        return cls(cfg.vocab, cfg.seq, cfg.d_model, cfg.heads, cfg.layers)
+        moe = {k: getattr(cfg, k) for k in ("experts", "top_k", "capacity_factor", "moe_every",
+                                             "aux_loss_weight", "z_loss_weight") if hasattr(cfg, k)}
+        return cls(cfg.vocab, cfg.seq, cfg.d_model, cfg.heads, cfg.layers, **moe)
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and (layer + 1) % self.moe_every == 0
 
 
 class Linear(nn.Linear):
@@ -127,10 +143,12 @@ class Block(nn.Module):
 
     checkpoint = None
 
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(c.d_model), CausalSelfAttention(c)
-        self.ln2, self.mlp = nn.LayerNorm(c.d_model), MLP(c)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.mlp = MoE(c.d_model, c.experts, c.top_k, c.capacity_factor, c.aux_loss_weight,
+                       c.z_loss_weight, layer) if c.is_moe(layer) else MLP(c)
 
     def forward(self, x):  # [b, s, h] -> [b, s, h]
         if self.checkpoint is not None:
@@ -166,7 +184,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = c
         self.embed = Embedding(c)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(Block(c, i) for i in range(c.layers))
         self.head = LMHead(c)
         self.apply(_init_weights)
 
@@ -185,6 +203,8 @@ class GPT(nn.Module):
 
 
 def _init_weights(m):
+    if isinstance(m, Experts):
+        init_experts(m)
     if isinstance(m, (nn.Linear, nn.Embedding)):
         nn.init.normal_(m.weight, std=0.02)
     if isinstance(m, nn.Linear) and m.bias is not None:

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Comm
-from ..model import GPT, Embedding, LMHead, linear, token_positions
+from ..model import GPT, MLP, Embedding, LMHead, linear, token_positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +293,9 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False, axis: str = 
         attn, mlp = block.attn, block.mlp
         attn.qkv = ColumnParallelLinear(attn.qkv, comm, axis, row_order=qkv_rows_by_rank(n), sp=sp)
         attn.proj = RowParallelLinear(attn.proj, comm, axis, sp=sp)  # attention infers a/tp heads
-        mlp.fc = ColumnParallelLinear(mlp.fc, comm, axis, sp=sp)
-        mlp.proj = RowParallelLinear(mlp.proj, comm, axis, sp=sp)
+        if isinstance(mlp, MLP):  # a mixture of experts stays whole on every tp rank: its input
+            mlp.fc = ColumnParallelLinear(mlp.fc, comm, axis, sp=sp)  # and output gradient are
+            mlp.proj = RowParallelLinear(mlp.proj, comm, axis, sp=sp)  # the same on all of them
     model.embed = ParallelEmbedding(model.embed, comm, axis, sp=sp)
     model.head = ParallelLMHead(model.head, comm, axis, sp=sp)
     for name, module in model.named_modules():  # each layer names itself in its comm records

@@ -1,0 +1,244 @@
+"""Expert parallelism: each of P ranks holds E/P of a mixture-of-experts layer's experts, and the
+tokens travel to their expert's rank and back with two all-to-alls (GShard, Lepikhin et al., 2020;
+Switch Transformer, Fedus et al., 2022). Read moe.py first: routing, capacity, dispatch order.
+
+The ep ranks are carved out of the data-parallel ranks (mesh.py): they see different tokens, and
+between them they hold every expert once. Per MoE layer and micro-batch, on each ep rank:
+1. route its own tokens (moe.py); its kept rows are sorted by expert, hence by destination rank
+   (rank p holds experts [p E/P, (p+1) E/P)).
+2. counts: one small all-to-all of the rows per expert [E], so that every rank knows how many rows
+   it will receive from whom (the splits of step 3 are uneven and data-dependent).
+3. dispatch: all_to_all_single with uneven splits: rows [n, h] -> the rows for my experts [m, h],
+   by source rank, then regrouped by expert.
+4. the E/P local experts run on their rows.
+5. combine: the inverse all-to-all brings each output home, where the gates weigh it and it is
+   added back at its token's place (moe.py). Backward runs the two all-to-alls the other way.
+Bytes: each all-to-all moves a rank's rows for other ranks: with uniform routing and no drops
+(P-1)/P of its tokens*k rows of h elements, four times per layer and micro-batch (dispatch and
+combine, forward and backward): theory.ep_wire_bytes_per_step.
+
+Gradients. An expert's weight gradient on its rank sums the contributions of every token routed to
+it from the P ranks of its ep group, each rank's loss already a mean over its own tokens. The
+expert's replicas (the same experts in the other ep groups: the "edp" axis, (dp x cp)/P ranks)
+average over edp; the extra 1/P (a hook on the expert weights) makes the whole 1/(dp x cp), as the
+dense weights get by averaging over all data-parallel ranks. So the strategy (plain data parallel
+or ZeRO-1/2) is built twice: once over the dense parameters and the dp x cp ranks, once over the
+expert parameters and the edp ranks (`ExpertAndDense`); ZeRO shards each over its own group.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm
+from ..moe import MoE, Experts
+
+
+class _AllToAll(torch.autograd.Function):
+    """rows [n, h] -> [sum(out_splits), h]: in_splits[p] rows to rank p, out_splits[p] from it.
+    Backward: the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, axis: str, out_splits: list[int], in_splits: list[int], tags):
+        ctx.args = comm, axis, out_splits, in_splits, tags
+        return _exchange(x, comm, axis, out_splits, in_splits, tags)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, axis, out_splits, in_splits, tags = ctx.args
+        back = _exchange(grad, comm, axis, in_splits, out_splits, {**tags, "pass": "backward"})
+        return back, None, None, None, None, None
+
+
+def _exchange(x, comm, axis, out_splits, in_splits, tags):
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    comm.all_to_all(out, x.contiguous(), axis, out_splits, in_splits, **tags)
+    return out
+
+
+class _Mark(torch.autograd.Function):
+    """Identity that notes when backward passes it (the experts' backward time, for the log)."""
+
+    @staticmethod
+    def forward(ctx, x, times: list, key: str):
+        ctx.times, ctx.key = times, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+        ctx.times.append((ctx.key, time.perf_counter()))
+        return grad, None, None
+
+
+class ShardedExperts(Experts):
+    """E/P of the experts (the same names, a slice along the expert dimension), and the all-to-all
+    that brings them their rows from every rank of the ep group."""
+
+    def __init__(self, full: Experts, comm: Comm, axis: str, layer: int):
+        P, p = comm.size(axis), comm.rank(axis)
+        n = len(full) // P
+        super().__init__(n, full.fc_weight.shape[2], first=p * n)
+        self.to(full.fc_weight)  # the run's dtype and device
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.copy_(getattr(full, name)[p * n:(p + 1) * n])
+        self.n_total, self.comm, self.axis, self.layer = len(full), comm, axis, layer
+        self.backward_marks: list = []
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        P, n, tags = self.comm.size(self.axis), len(self), {"layer": "moe", "block": self.layer}
+        # 2. counts: received[p, j] = rows rank p sends to my j-th expert
+        received = torch.empty_like(counts)
+        self.comm.all_to_all(received, counts, self.axis, **tags, phase="counts")
+        received = received.view(P, n)
+        send_splits = counts.view(P, n).sum(1).tolist()  # my rows for rank p's experts
+        recv_splits = received.sum(1).tolist()
+        # 3. dispatch: [n_rows, h] -> [m, h] ordered (source rank, expert); regroup by expert
+        mine = _AllToAll.apply(rows, self.comm, self.axis, recv_splits, send_splits,
+                               {**tags, "phase": "dispatch"})
+        by_expert = _source_to_expert_order(received)  # [m] indices
+        mine = _Mark.apply(mine[by_expert], self.backward_marks, "experts-backward-end")
+        # 4. the local experts
+        y = self.compute(mine, received.sum(0).tolist())  # [m, h]
+        y = _Mark.apply(y, self.backward_marks, "experts-backward-start")
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(len(by_expert), device=by_expert.device)
+        # 5. combine: outputs home, in the order their rows left
+        return _AllToAll.apply(y[back], self.comm, self.axis, send_splits, recv_splits,
+                               {**tags, "phase": "combine"})
+
+
+def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
+    """received [P, n] rows per (source, expert), laid out source-major; the row indices that
+    list them expert-major (expert 0's rows from rank 0, rank 1, ..., then expert 1's)."""
+    P, n = received.shape
+    offsets = torch.cat([received.new_zeros(1), received.flatten().cumsum(0)[:-1]]).view(P, n)
+    runs = [torch.arange(offsets[p, j], offsets[p, j] + received[p, j])
+            for j in range(n) for p in range(P)]
+    return torch.cat(runs) if runs else received.new_zeros(0)
+
+
+class ExpertParallel:
+    """What apply_expert_parallel did: the MoE layers, their logs, and the expert parameters."""
+
+    def __init__(self, layers: list[MoE], comm: Comm, axis: str | None):
+        self.layers, self.comm, self.axis = layers, comm, axis
+        self.sharded = axis is not None and comm.size(axis) > 1
+
+    def expert_parameter_names(self, model: nn.Module) -> set[str]:
+        return {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, Experts)
+                for p, _ in m.named_parameters()}
+
+    def gather_full(self, model: nn.Module, params: dict[str, torch.Tensor]) -> dict:
+        """Every expert on every rank: the slices concatenated along the expert dimension
+        (collective over ep), to compare with the reference."""
+        if not self.sharded:
+            return params
+        names, n = self.expert_parameter_names(model), self.comm.size(self.axis)
+        out = dict(params)
+        for name in sorted(names & set(params)):
+            t = params[name].contiguous()
+            full = t.new_empty(n * t.shape[0], *t.shape[1:])
+            self.comm.all_gather(full, t, self.axis)
+            out[name] = full
+        return out
+
+    def report(self) -> dict:
+        """The MoE layers that ran here (a pipeline stage has only its own) and their logs."""
+        ran = [m for m in self.layers if m.log]
+        if not ran:
+            return {}
+        return {"moe": {"layers": [m.layer for m in ran],
+                        "log": [entry for m in ran for entry in m.log],
+                        "experts_here": {m.layer: [m.experts.first, len(m.experts)] for m in ran},
+                        "backward_marks": {m.layer: m.experts.backward_marks for m in ran
+                                           if isinstance(m.experts, ShardedExperts)}}}
+
+
+def apply_expert_parallel(model: nn.Module, comm: Comm, axis: str | None,
+                          loss_scale: float = 1.0) -> ExpertParallel:
+    """Give every MoE layer its log and aux-loss scale, and, over `axis` (ep > 1), replace its
+    experts by this rank's slice of them."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    P = comm.size(axis) if axis is not None else 1
+    for moe in layers:
+        moe.log, moe.clock, moe.loss_scale = [], (lambda: comm.step), loss_scale
+        if P > 1:
+            moe.experts = ShardedExperts(moe.experts, comm, axis, moe.layer)
+            for p in moe.experts.parameters():  # see the module's docstring: 1/P, then the edp mean
+                p.register_hook(lambda g, P=P: g / P)
+    return ExpertParallel(layers, comm, axis if P > 1 else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two gradient strategies, one model: dense parameters over dp x cp, experts over edp
+# ---------------------------------------------------------------------------------------------
+class ParameterSubset(nn.Module):
+    """Some of a model's parameters under their names in the model: what a gradient strategy wraps
+    when the parameters of one model reduce over different groups. It has no forward."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]):
+        super().__init__()
+        self._named = named  # a plain list: not registered as this module's own
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        yield from self._named
+
+    def parameters(self, recurse: bool = True):
+        yield from (p for _, p in self._named)
+
+    def buffers(self, recurse: bool = True):
+        return iter(())
+
+
+def split_parameters(model: nn.Module, expert_names: set[str]) -> tuple[ParameterSubset, ParameterSubset]:
+    named = list(model.named_parameters())
+    return (ParameterSubset([(n, p) for n, p in named if n not in expert_names]),
+            ParameterSubset([(n, p) for n, p in named if n in expert_names]))
+
+
+class ExpertAndDense:
+    """GradientStrategy (interfaces.py) made of two: one for the dense parameters, one for the
+    experts. Every call goes to both, dense first, in the same order on every rank."""
+
+    def __init__(self, dense, experts):
+        self.parts = (dense, experts)
+        self.optimizer = dense.optimizer  # (PipeDream, which steps it itself, is refused with EP)
+
+    def zero_grad(self) -> None:
+        for s in self.parts:
+            s.zero_grad()
+
+    @contextmanager
+    def sync(self, enabled: bool = True):
+        with ExitStack() as stack:
+            for s in self.parts:
+                stack.enter_context(s.sync(enabled))
+            yield
+
+    def finish_gradient_sync(self) -> None:
+        for s in self.parts:
+            s.finish_gradient_sync()
+
+    def step(self) -> None:
+        for s in self.parts:
+            s.step()
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list[torch.Tensor]] = {}
+        for s in self.parts:
+            for k, v in s.state_tensors().items():
+                out.setdefault(k, []).extend(v)
+        return out
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for s in self.parts for b in s.buffers()]
+
+    def transient_bytes(self) -> int:
+        return sum(s.transient_bytes() for s in self.parts)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {k: v for s in self.parts for k, v in s.full_parameters().items()}
