@@ -67,6 +67,17 @@ def _summary(report) -> str:
     for group, pred in predicted.items():
         lines.append(f"wire bytes/step on {group}: measured {measured.get(group, 0):,.0f}  "
                      f"theory {pred:,.0f}")
+    if report.config.get("ep", 1) > 1:
+        lines.append(f"all-to-all bytes/step (expert parallel, rank 0): routed "
+                     f"{report.moe_wire_bytes_per_step():,.0f}  uniform-routing formula "
+                     f"{report.theory['ep_all_to_all_uniform']:,.0f}")
+    if report.config.get("experts"):
+        log = [e for e in report.ranks[0].get("moe", {}).get("log", []) if e["step"] == report.config["steps"] - 1]
+        if log:
+            lines.append(f"experts (rank 0, last step): tokens routed per expert "
+                         f"{[sum(x) for x in zip(*(e['routed'] for e in log))]}, dropped "
+                         f"{sum(e['dropped'] for e in log)}, aux loss "
+                         f"{sum(e['aux'] for e in log) / len(log):.4f}")
     if "bubble" in report.extra:
         b = report.extra["bubble"]
         lines.append(f"bubble: measured {b['measured']:.1%} (own-device replay; wall clock "

@@ -27,13 +27,23 @@ class RunReport:
 
     # -- derived views -------------------------------------------------------------------------
     def wire_bytes_per_step(self, rank: int = 0, group: str | None = None) -> dict[str, float]:
-        """Measured bytes this rank put on the wire per training step, by group."""
+        """Bytes this rank put on the wire per training step, by group. Expert parallel's
+        all-to-all depends on where the router sent tokens, so it is kept apart
+        (moe_wire_bytes_per_step): what is left is traffic a formula predicts exactly."""
         steps = max(1, self.config["steps"])
         out: dict[str, float] = {}
         for rec in self.ranks[rank]["comm"]:
-            if rec["step"] >= 0 and (group is None or rec["group"] == group):
+            if rec["step"] >= 0 and (group is None or rec["group"] == group) \
+                    and rec.get("layer") != "moe":
                 out[rec["group"]] = out.get(rec["group"], 0) + rec["wire_bytes"]
         return {g: b / steps for g, b in out.items()}
+
+    def moe_wire_bytes_per_step(self, rank: int = 0) -> float:
+        """Expert parallel's all-to-all bytes this rank sent per step (counts, dispatch, combine;
+        forward and backward): every row it routed to another rank's experts, and back."""
+        steps = max(1, self.config["steps"])
+        return sum(r["wire_bytes"] for r in self.ranks[rank]["comm"]
+                   if r["step"] >= 0 and r.get("layer") == "moe") / steps
 
     def comm_summary(self, rank: int = 0) -> list[dict]:
         """Records of one rank aggregated by (op, group, setup/step): calls and bytes."""
@@ -51,6 +61,9 @@ class RunReport:
         d = {"config": self.config, "world_size": self.world_size, "losses": self.losses,
              "wall_s": self.wall_s, "ranks": self.ranks, "theory": self.theory,
              "measured": {"wire_bytes_per_step": self.wire_bytes_per_step()}}
+        if self.config.get("ep", 1) > 1:
+            d["measured"]["ep_all_to_all_per_step"] = [self.moe_wire_bytes_per_step(r)
+                                                       for r in range(len(self.ranks))]
         if self.reference_losses is not None:
             d.update(reference_losses=self.reference_losses, max_abs_diff=self.max_abs_diff,
                      max_abs_diff_detail=self.max_abs_diff_detail)

@@ -82,15 +82,63 @@ def ring_all_reduce_time(nbytes: float, n: int, bandwidth_bytes_s: float,
 # ---------------------------------------------------------------------------------------------
 # the tiny GPT
 # ---------------------------------------------------------------------------------------------
-def gpt_param_count(vocab: int, seq: int, d_model: int, layers: int) -> int:
+def gpt_param_count(vocab: int, seq: int, d_model: int, layers: int, experts: int = 0,
+                    moe_every: int = 1) -> int:
     """Parameters of parallel_mini's GPT (untied LM head, learned positions, biases, LayerNorms).
 
     The textbook count h*v + L(12h^2 + 13h) + 2h ties the LM head to the embedding and leaves out
     position embeddings. Ours adds both, so that pipeline stages own disjoint weights:
         v*h (tokens) + s*h (positions) + L(12h^2 + 13h) + 2h (final LN) + h*v (LM head, no bias)
-    Per block 12h^2 + 13h: QKV 3h^2+3h, attention out h^2+h, MLP 4h^2+4h and 4h^2+h, 2 LNs 4h."""
+    Per block 12h^2 + 13h: QKV 3h^2+3h, attention out h^2+h, MLP 4h^2+4h and 4h^2+h, 2 LNs 4h.
+    A mixture-of-experts block (see moe_blocks) has E expert MLPs (8h^2 + 5h each) and a router
+    (h*E, no bias) in place of its MLP."""
     h, v, s, L = d_model, vocab, seq, layers
-    return v * h + s * h + L * (12 * h * h + 13 * h) + 2 * h + h * v
+    moe = len(moe_blocks(layers, experts, moe_every))
+    return v * h + s * h + L * (12 * h * h + 13 * h) + 2 * h + h * v \
+        + moe * (h * experts + (experts - 1) * mlp_params(h))
+
+
+def mlp_params(d_model: int) -> int:
+    """One MLP [h -> 4h -> h] with biases: 8h^2 + 5h (a dense block's, or one expert's)."""
+    return 8 * d_model * d_model + 5 * d_model
+
+
+def moe_blocks(layers: int, experts: int, moe_every: int = 1) -> list[int]:
+    """The blocks whose MLP is a mixture of experts: every moe_every-th (model.GPTConfig.is_moe)."""
+    return [i for i in range(layers) if experts and (i + 1) % moe_every == 0]
+
+
+def expert_params_held(cfg, blocks) -> int:
+    """Expert parameters one rank holds for the given blocks: E/ep experts per MoE block."""
+    E = getattr(cfg, "experts", 0)
+    moe = set(moe_blocks(cfg.layers, E, getattr(cfg, "moe_every", 1)))
+    return sum(1 for i in blocks if i in moe) * (E // getattr(cfg, "ep", 1)) * mlp_params(cfg.d_model)
+
+
+def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
+    """Expert parallel's all-to-all, per rank and step, if routing were uniform and nothing dropped:
+    per MoE layer and micro-step a rank holds t = (b/dp/m)*s tokens, t*k rows of h elements,
+    (P-1)/P of which leave for other ranks in each of four all-to-alls (dispatch and combine,
+    forward and backward), plus the rows-per-expert counts (E int64) in forward. Full checkpointing
+    runs the forward's two (and the counts) again. Real routing is uneven and drops tokens: the run
+    reports what its splits sent beside this."""
+    P = getattr(cfg, "ep", 1)
+    if P == 1:
+        return 0.0
+    steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    tokens = cfg.batch // (cfg.dp * steps) * cfg.seq
+    rows = wire_bytes("all_to_all", tokens * cfg.top_k * cfg.d_model * BYTES_PER_PARAM[cfg.precision], P)
+    counts = wire_bytes("all_to_all", cfg.experts * 8, P)
+    again = cfg.checkpointing == "full"
+    n = len([i for i in moe_blocks(cfg.layers, cfg.experts, cfg.moe_every)
+             if blocks is None or i in blocks])
+    return steps * n * ((4 + 2 * again) * rows + (1 + again) * counts)
+
+
+def expert_axes(cfg) -> tuple[str, str]:
+    """The comm records' names for the ep and edp ranks (mesh.axis_for("expert"/"expert_dp")),
+    with cp = 1 and no hybrid sharding (what expert parallel allows today)."""
+    return ("dp" if cfg.ep == cfg.dp else "ep"), ("dp" if cfg.ep == 1 else "edp")
 
 
 def dp_wire_bytes_per_step(grad_bytes: int, dp: int) -> int:
@@ -105,14 +153,20 @@ def padded(numel: int, n: int) -> int:
     return -(-numel // n) * n
 
 
-def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1) -> list[int]:
+def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1, experts: int = 0,
+                   moe_every: int = 1, ep: int = 1) -> list[int]:
     """Parameters per ZeRO-3 unit on one rank (each gathered as one flat buffer): the embedding
     (token and position tables), each block, the head (final LayerNorm and output layer). With
     tensor parallel t the vocabulary tables and the blocks' matrices (and column-parallel biases)
-    hold 1/t; per block (12h^2 + 7h)/t + 6h: row-parallel biases and LayerNorms stay whole."""
+    hold 1/t; per block (12h^2 + 7h)/t + 6h: row-parallel biases and LayerNorms stay whole.
+    A mixture-of-experts block: attention (4h^2 + 3h)/t + h, LayerNorms 4h, the router h*E and
+    E/ep experts, all whole on every tp rank."""
     h = d_model
-    block = (12 * h * h + 7 * h) // tp + 6 * h
-    return [vocab * h // tp + seq * h] + [block] * layers + [2 * h + h * vocab // tp]
+    moe = set(moe_blocks(layers, experts, moe_every))
+    dense = (12 * h * h + 7 * h) // tp + 6 * h
+    sparse = (4 * h * h + 3 * h) // tp + 5 * h + h * experts + (experts // ep) * mlp_params(h)
+    blocks = [sparse if i in moe else dense for i in range(layers)]
+    return [vocab * h // tp + seq * h] + blocks + [2 * h + h * vocab // tp]
 
 
 def gpt_local_param_count(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1) -> int:
@@ -120,8 +174,8 @@ def gpt_local_param_count(vocab: int, seq: int, d_model: int, layers: int, tp: i
     return sum(gpt_unit_sizes(vocab, seq, d_model, layers, tp))
 
 
-def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, head: bool = True
-                           ) -> float:
+def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, head: bool = True,
+                           moe: int | None = None) -> float:
     """Megatron TP without sequence parallel, per micro-step: forward all-reduces after each
     row-parallel layer (attention out, MLP proj: 2 per block) and after the vocabulary-parallel
     embedding (1); backward all-reduces before each column-parallel layer (QKV, fc: 2 per block)
@@ -132,14 +186,18 @@ def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, h
     vocabulary-parallel cross-entropy adds 3 all-reduces of b*s fp32 numbers (max, target logit,
     sum of exponentials).
     A pipeline stage holds `blocks` of the blocks, the embedding only on the first stage and the
-    head only on the last, and runs m micro-batches of b/(dp m) sequences per step."""
+    head only on the last, and runs m micro-batches of b/(dp m) sequences per step. `moe` of them
+    are mixture-of-experts blocks (default: the whole model's count): their experts are not split
+    over tp, so they have the attention's two all-reduces only."""
     steps = cfg.microbatches if getattr(cfg, "pp", 1) > 1 else cfg.grad_accum  # micro-steps
     micro = cfg.batch // (cfg.dp * steps)
     seq = cfg.seq // getattr(cfg, "cp", 1)  # context parallel: this rank's tokens
     act = micro * seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]
     t, h = cfg.tp, cfg.d_model
     L = cfg.layers if blocks is None else blocks
-    per_micro = (4 * L + embed + head) * wire_bytes("all_reduce", act, t) \
+    if moe is None:
+        moe = len(moe_blocks(cfg.layers, getattr(cfg, "experts", 0), getattr(cfg, "moe_every", 1)))
+    per_micro = (4 * L - 2 * moe + embed + head) * wire_bytes("all_reduce", act, t) \
         + head * 3 * wire_bytes("all_reduce", micro * seq * 4, t)
     if cfg.checkpointing == "full":
         # re-run up to the last saved tensor (the MLP's GELU output): without SP the attention
@@ -253,20 +311,33 @@ def run_theory(cfg, n_params: int) -> dict:
     ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
     if cfg.pp > 1:
         return _pipeline_theory(cfg)
-    units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp)
-    out = _rank_theory(cfg, units)
+    units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp, **_moe(cfg))
+    out = _rank_theory(cfg, units, expert_params_held(cfg, range(cfg.layers)))
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
     if cfg.tp > 1:
         out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg)
     if cfg.cp > 1:  # on the cp group: attention's traffic (plus the gradients' when dp = 1)
         wire = out["wire_bytes_per_step"]
         wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg)
-    return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers), **out,
-            "activations_per_layer": _activations_per_layer(cfg, micro)}
+    if getattr(cfg, "ep", 1) > 1:
+        out["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg)
+    return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
+                                        getattr(cfg, "experts", 0), getattr(cfg, "moe_every", 1)),
+            **out, "activations_per_layer": _activations_per_layer(cfg, micro)}
 
 
-def _rank_theory(cfg, units: list[int]) -> dict:
-    """Model states and data-parallel traffic of one rank holding `units` (parameters per unit)."""
+def _moe(cfg) -> dict:
+    return {"experts": getattr(cfg, "experts", 0), "moe_every": getattr(cfg, "moe_every", 1),
+            "ep": getattr(cfg, "ep", 1)}
+
+
+def _rank_theory(cfg, units: list[int], experts_held: int = 0) -> dict:
+    """Model states and data-parallel traffic of one rank holding `units` (parameters per unit).
+    With expert parallel (ep > 1) `experts_held` of them are expert parameters: their states are
+    ZeRO'd over, and their gradients averaged over, the edp ranks ((dp x cp)/ep), the rest's over
+    dp x cp."""
+    if getattr(cfg, "ep", 1) > 1 and experts_held:
+        return _expert_rank_theory(cfg, units, experts_held)
     n_params = sum(units)  # what one rank holds: all of it, its tensor-parallel slices, its stage
     micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # forward+backward passes
     hybrid = 0 < cfg.dp_shard < cfg.dp  # HYBRID_SHARD: shard in groups, replicate across them
@@ -295,6 +366,24 @@ def _rank_theory(cfg, units: list[int]) -> dict:
             "wire_bytes_per_step": wire}
 
 
+def _expert_rank_theory(cfg, units: list[int], experts_held: int) -> dict:
+    from types import SimpleNamespace
+    dense = _rank_theory(SimpleNamespace(**{**vars(cfg), "ep": 1}), [sum(units) - experts_held])
+    edp = cfg.dp * cfg.cp // cfg.ep
+    expert = _rank_theory(SimpleNamespace(**{**vars(cfg), "ep": 1, "dp": edp, "cp": 1,
+                                             "dp_shard": 0}), [experts_held])
+    ep_name, edp_name = expert_axes(cfg)
+    wire = dict(dense["wire_bytes_per_step"])
+    for g, b in expert["wire_bytes_per_step"].items():
+        g = edp_name if g == "dp" else g
+        wire[g] = wire.get(g, 0) + b
+    return {"n_params_per_rank": sum(units), "expert_params_per_rank": experts_held,
+            "padding_elements": dense["padding_elements"] + expert["padding_elements"],
+            "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
+                       for k in dense["memory"] | expert["memory"]},
+            "wire_bytes_per_step": wire}
+
+
 def _activations_per_layer(cfg, micro: int) -> dict:
     elem = BYTES_PER_PARAM[cfg.precision]  # activations are kept in the compute precision
     return {"ours": gpt_activation_bytes_per_layer(cfg.seq, micro, cfg.d_model, cfg.heads,
@@ -314,15 +403,21 @@ def _pipeline_theory(cfg) -> dict:
     stages = []
     for r in range(cfg.pp):
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
-                                     cfg.tp)
-        stage = _rank_theory(cfg, units)
+                                     cfg.tp, **_moe(cfg))
+        per = cfg.layers // len(schedule.owner)
+        mine = [i for c, o in enumerate(schedule.owner) if o == r for i in range(c * per, (c + 1) * per)]
+        stage = _rank_theory(cfg, units, expert_params_held(cfg, mine))
+        if getattr(cfg, "ep", 1) > 1:
+            stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
             schedule.owner, r, cfg.microbatches, boundary)
         if cfg.tp > 1:
             chunks = [c for c, o in enumerate(schedule.owner) if o == r]
             stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
                 cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner), embed=0 in chunks,
-                head=len(schedule.owner) - 1 in chunks)
+                head=len(schedule.owner) - 1 in chunks,
+                moe=len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
+                                                   getattr(cfg, "moe_every", 1)))))
         if cfg.cp > 1:
             chunks = [c for c, o in enumerate(schedule.owner) if o == r]
             wire = stage["wire_bytes_per_step"]
@@ -330,7 +425,9 @@ def _pipeline_theory(cfg) -> dict:
                 cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner))
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
-    return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers), **stages[0],
+    return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
+                                        getattr(cfg, "experts", 0), getattr(cfg, "moe_every", 1)),
+            **stages[0],
             "stages": stages, "activations_per_layer": _activations_per_layer(cfg, micro),
             "bubble": bubble_fraction(cfg.schedule, cfg.pp, cfg.microbatches, schedule.virtual)}
 
@@ -475,11 +572,12 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
 
 
 def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner: list[int],
-                         rank: int, tp: int = 1) -> list[int]:
+                         rank: int, tp: int = 1, experts: int = 0, moe_every: int = 1,
+                         ep: int = 1) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
     one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier."""
-    units = gpt_unit_sizes(vocab, seq, d_model, layers, tp)
+    units = gpt_unit_sizes(vocab, seq, d_model, layers, tp, experts, moe_every, ep)
     embeddings, blocks, head = units[:1], units[1:1 + layers], units[1 + layers:]
     n_chunks, per = len(owner), layers // len(owner)
     mine = []

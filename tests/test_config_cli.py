@@ -16,7 +16,7 @@ import pytest
 
 from parallel_mini import launch
 from parallel_mini.__main__ import main as cli_main
-from parallel_mini.config import NOT_YET, ConfigError, RunConfig
+from parallel_mini.config import ConfigError, RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable  # the venv's python when pytest runs from it
@@ -55,8 +55,20 @@ BAD = [
     (dict(zero=-1), "--zero"),
     (dict(zero="1"), "--zero"),
     (dict(zero=1, dp_mode="naive"), "--dp-mode"),  # ZeRO reduce-scatters by itself
-    # topics that have not landed (config.NOT_YET): refused, not silently ignored
-    *[(dict(**{name: 2}), "--" + name) for name in NOT_YET],
+    # expert parallel (issue 12's bad inputs): one line before any rank starts
+    (dict(ep=2), "--ep"),  # no experts to shard
+    (dict(dp=2, ep=2, experts=3), "--experts"),  # E not divisible by P
+    (dict(experts=4, top_k=5), "--top-k"),  # K > E
+    (dict(experts=4, capacity_factor=0.0), "--capacity-factor"),
+    (dict(experts=4, capacity_factor=-1.0), "--capacity-factor"),
+    (dict(dp=2, ep=4, experts=8, batch=8), "--ep"),  # ep does not divide the data-parallel ranks
+    (dict(dp=3, ep=2, experts=4, batch=6), "--ep"),
+    (dict(experts=-1), "--experts"),
+    (dict(experts=4, moe_every=0), "--moe-every"),
+    (dict(experts=4, moe_every=5, layers=4), "--moe-every"),
+    (dict(experts=4, cp=2), "--experts"),  # routing groups are whole sequences
+    (dict(experts=4, tp=2, sp=True), "--experts"),
+    (dict(dp=2, ep=2, experts=4, zero=3), "--ep"),
     (dict(steps=10_001), "--steps"),
 ]
 
@@ -113,7 +125,11 @@ def test_good_configs_validate_and_round_trip():
     (["--heads", "3"], "--d-model"),
     (["--dp-mode", "fast"], "--dp-mode"),
     (["--optimizer", "lamb"], "--optimizer"),
-    *[(["--" + name, "2"], "--" + name) for name in NOT_YET],
+    (["--ep", "2"], "--ep"),
+    (["--dp", "4", "--ep", "4", "--experts", "6"], "--experts"),
+    (["--experts", "4", "--top-k", "8"], "--top-k"),
+    (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor"),
+    (["--dp", "2", "--ep", "4", "--experts", "8"], "--ep"),
     (["--zero", "5"], "--zero"),
     (["--zero", "2", "--dp-mode", "naive"], "--dp-mode"),
     (["--precision", "fp16"], "--precision"),
