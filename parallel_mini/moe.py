@@ -22,9 +22,10 @@ Read in this order, each a pure function the lesson runs by itself:
    - router z-loss (ST-MoE, Zoph et al., 2022): mean (logsumexp of the logits)^2, keeps the
      logits small (bf16 softmax stays exact).
 
-The MoE layer has one seam, `experts`: the module that turns the dispatched rows into outputs.
-Here all E experts are local; expert parallel (parallel/expert.py) puts in one that holds E/P of
-them and moves the rows to their expert's rank with all-to-all.
+The MoE layer has two seams: `experts`, the module that turns the dispatched rows into outputs
+(here all E experts are local; expert parallel, parallel/expert.py, puts in one that holds E/P of
+them and moves the rows to their expert's rank with all-to-all), and `routing`, the function
+`route` (a lesson's exercise puts the learner's own in its place).
 """
 from __future__ import annotations
 
@@ -150,6 +151,7 @@ class MoE(nn.Module):
 
     log = None  # a list, set by apply_expert_parallel: one entry per forward (counts, losses)
     clock = None  # () -> the current step, for the log
+    routing = staticmethod(route)  # (logits [g, t, E], k, capacity) -> Routing
     loss_scale = 1.0  # AuxLoss's gradient: 1 / micro-batches per step (set by the engine)
 
     def __init__(self, d_model: int, experts: int, top_k: int, capacity_factor: float,
@@ -163,7 +165,8 @@ class MoE(nn.Module):
     def forward(self, x):  # [b, s, h]
         b, s, h = x.shape
         logits = self.router(x)  # [b, s, E]: each sequence is one routing group
-        r = route(logits, self.top_k, capacity(s, self.n_experts, self.top_k, self.capacity_factor))
+        r = self.routing(logits, self.top_k, capacity(s, self.n_experts, self.top_k,
+                                                      self.capacity_factor))
         token, gate, counts = dispatch_order(r, self.n_experts)  # [n], [n], [E]
         rows = x.reshape(b * s, h)[token]  # [n, h] grouped by expert
         t0 = time.perf_counter()
