@@ -8,6 +8,7 @@
     python -m parallel_mini.bench pp      # (e) our pipeline schedules vs torch.distributed.pipelining
     python -m parallel_mini.bench bubble  # (f) measured (own-device) pipeline bubble vs the formula
     python -m parallel_mini.bench cp      # (g) ring attention vs torch's, K/V transfer hidden
+    python -m parallel_mini.bench ep      # (h) expert parallel vs experts replicated; a2a split
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -34,7 +35,14 @@
 (g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
     torch's private ring template, on the same inputs; and, from our forward's own timing of each
     hop, the share of the hop's time during which the current block was being computed.
-(a) to (g) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(h) A mixture-of-experts GPT trained with its experts sharded over ep = N ranks against the same
+    model, data and ranks with every expert replicated (ep 1, plain data parallel), through the
+    engine (`engine.run`). Step time: median over the steps after the first (warm-up) and before
+    the last (the memory meter watches it and slows it). Per step and rank, from the run's own
+    records: the dispatch and combine all-to-alls (forward and backward, wall time of each call),
+    the counts exchange, and the experts' compute (forward timed in the layer, backward between
+    two autograd marks around the experts).
+(a) to (h) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
 PyTorch's versions is built on our GPT) are in `peers.py`, shared with the peer tests.
@@ -567,11 +575,74 @@ def _print_cp(rows):
                    f"{r['ours_over_torch']:.2f}", f"{r['kv_hidden']:.0%}"] for r in rows]))
 
 
+def _ep_split(report, rank: int, step: int) -> dict:
+    """Seconds of one rank's step spent in the expert-parallel all-to-alls (by phase) and in the
+    experts' compute (forward from the layer's log, backward from its autograd marks)."""
+    r = report.ranks[rank]
+    split = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0, "experts": 0.0}
+    for rec in r["comm"]:
+        if rec["step"] == step and rec.get("layer") == "moe":
+            split[rec["phase"]] += rec["end"] - rec["start"]
+    moe = r.get("moe", {})
+    split["experts"] += sum(e["compute_s"] for e in moe.get("log", []) if e["step"] == step)
+    step_events = [e for e in r["events"] if e["step"] == step]
+    t0, t1 = min(e["start"] for e in step_events), max(e["end"] for e in step_events)
+    for marks in moe.get("backward_marks", {}).values():
+        starts = [t for k, t in marks if k == "experts-backward-start" and t0 <= t <= t1]
+        ends = [t for k, t in marks if k == "experts-backward-end" and t0 <= t <= t1]
+        split["experts"] += sum(b - a for a, b in zip(starts, ends))
+    split["step"] = t1 - t0
+    return split
+
+
+def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch: int = 16,
+             d_model: int = 128) -> list[dict]:
+    from .engine import run
+    rows = []
+    for n in eps:
+        row = {"ranks": n, "experts": experts, "top_k": top_k}
+        for ep in (1, n):
+            cfg = RunConfig(dp=n, ep=ep, experts=experts, top_k=top_k, steps=steps, batch=batch,
+                            d_model=d_model, backend="gloo", timeout_s=600)
+            report = run(cfg)
+            measured = range(1, steps - 1)  # not the warm-up, not the metered last step
+            splits = [[_ep_split(report, r, s) for r in range(n)] for s in measured]
+            slowest = [max(x["step"] for x in per_rank) for per_rank in splits]
+            key = "sharded" if ep > 1 else "replicated"
+            row[f"{key}_ms"] = 1e3 * statistics.median(slowest)
+            row[f"{key}_split_ms"] = {k: 1e3 * statistics.median(x[k] for per in splits for x in per)
+                                      for k in ("counts", "dispatch", "experts", "combine")}
+            row[f"{key}_state_bytes"] = sum(report.ranks[0]["memory"][k]
+                                            for k in ("params", "grads", "optimizer"))
+            if ep > 1:
+                row["a2a_bytes_per_step"] = report.moe_wire_bytes_per_step(0)
+                row["a2a_uniform_formula"] = report.theory["ep_all_to_all_uniform"]
+        row["sharded_over_replicated"] = row["sharded_ms"] / row["replicated_ms"]
+        rows.append(row)
+    return rows
+
+
+def _print_ep(rows):
+    print("(h) expert parallel: step time with experts sharded over ep = N ranks vs replicated "
+          "(ep 1) on the same N data-parallel ranks; per-rank medians of the step's all-to-alls "
+          "and expert compute, measured; model states of rank 0")
+    print(_table(["ranks", "ep 1 ms", "ep N ms", "N/1", "dispatch ms", "experts ms", "combine ms",
+                  "counts ms", "states ep1 / epN", "a2a B/step (uniform formula)"],
+                 [[r["ranks"], f"{r['replicated_ms']:.1f}", f"{r['sharded_ms']:.1f}",
+                   f"{r['sharded_over_replicated']:.2f}",
+                   f"{r['sharded_split_ms']['dispatch']:.1f}",
+                   f"{r['sharded_split_ms']['experts']:.1f} ({r['replicated_split_ms']['experts']:.1f})",
+                   f"{r['sharded_split_ms']['combine']:.1f}", f"{r['sharded_split_ms']['counts']:.1f}",
+                   f"{r['replicated_state_bytes']:,} / {r['sharded_state_bytes']:,}",
+                   f"{r['a2a_bytes_per_step']:,.0f} ({r['a2a_uniform_formula']:,.0f})"] for r in rows]))
+    print("experts ms: sharded (replicated in brackets)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "all"])
+                                     "ep", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -615,6 +686,9 @@ def main(argv=None) -> int:
     if args.what in ("cp", "all"):
         out["cp"] = bench_cp()
         show(_print_cp, out["cp"])
+    if args.what in ("ep", "all"):
+        out["ep"] = bench_ep()
+        show(_print_ep, out["ep"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])

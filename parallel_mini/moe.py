@@ -110,6 +110,21 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
+class _Mark(torch.autograd.Function):
+    """Identity that notes the time backward passes it: two of them around the experts' compute
+    time its backward (the log's forward time is taken directly)."""
+
+    @staticmethod
+    def forward(ctx, x, marks: list, key: str):
+        ctx.marks, ctx.key = marks, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.marks.append((ctx.key, time.perf_counter()))
+        return grad, None, None
+
+
 class Experts(nn.Module):
     """`n` expert MLPs [h -> 4h -> h] with their weights stacked along a first expert dimension, so
     that expert parallel keeps a slice of them under the same names. `first`: the global index
@@ -119,6 +134,8 @@ class Experts(nn.Module):
         super().__init__()
         h = d_model
         self.first = first
+        self.backward_marks: list = []  # ("experts-backward-start" | "-end", time)
+        self.last_forward_s = 0.0
         self.fc_weight = nn.Parameter(torch.empty(n, 4 * h, h))
         self.fc_bias = nn.Parameter(torch.zeros(n, 4 * h))
         self.proj_weight = nn.Parameter(torch.empty(n, h, 4 * h))
@@ -130,11 +147,15 @@ class Experts(nn.Module):
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [n, h], the first counts[0] for expert 0 here, ... -> [n, h]. Every expert runs,
         even on no rows: its gradient is then zeros, on every rank alike."""
+        t0 = time.perf_counter()
+        rows = _Mark.apply(rows, self.backward_marks, "experts-backward-end")
         outs = []
         for e, x in enumerate(rows.split(counts)):
             hidden = F.gelu(F.linear(x, self.fc_weight[e], self.fc_bias[e]))  # [n_e, 4h]
             outs.append(F.linear(hidden, self.proj_weight[e], self.proj_bias[e]))  # [n_e, h]
-        return torch.cat(outs)
+        out = _Mark.apply(torch.cat(outs), self.backward_marks, "experts-backward-start")
+        self.last_forward_s = time.perf_counter() - t0
+        return out
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [n, h] sorted by expert, counts [E] -> [n, h] (all E experts are here)."""
@@ -169,13 +190,11 @@ class MoE(nn.Module):
                                                       self.capacity_factor))
         token, gate, counts = dispatch_order(r, self.n_experts)  # [n], [n], [E]
         rows = x.reshape(b * s, h)[token]  # [n, h] grouped by expert
-        t0 = time.perf_counter()
         y = self.experts(rows, counts) * gate.to(x.dtype)[:, None]  # [n, h], weighted
-        compute_s = time.perf_counter() - t0
         out = torch.zeros_like(x.reshape(b * s, h)).index_add(0, token, y).view(b, s, h)
         aux, z = load_balancing_loss(r), router_z_loss(logits)
         if self.log is not None and not _recomputing():
-            self._record(r, counts, aux, z, compute_s)
+            self._record(r, counts, aux, z, self.experts.last_forward_s)
         term = self.aux_loss_weight * aux + self.z_loss_weight * z
         return AuxLoss.apply(out, term, self.loss_scale)
 

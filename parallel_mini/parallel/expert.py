@@ -58,21 +58,6 @@ def _exchange(x, comm, axis, out_splits, in_splits, tags):
     return out
 
 
-class _Mark(torch.autograd.Function):
-    """Identity that notes when backward passes it (the experts' backward time, for the log)."""
-
-    @staticmethod
-    def forward(ctx, x, times: list, key: str):
-        ctx.times, ctx.key = times, key
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import time
-        ctx.times.append((ctx.key, time.perf_counter()))
-        return grad, None, None
-
-
 class ShardedExperts(Experts):
     """E/P of the experts (the same names, a slice along the expert dimension), and the all-to-all
     that brings them their rows from every rank of the ep group."""
@@ -86,7 +71,6 @@ class ShardedExperts(Experts):
             for name, param in self.named_parameters():
                 param.copy_(getattr(full, name)[p * n:(p + 1) * n])
         self.n_total, self.comm, self.axis, self.layer = len(full), comm, axis, layer
-        self.backward_marks: list = []
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         P, n, tags = self.comm.size(self.axis), len(self), {"layer": "moe", "block": self.layer}
@@ -100,10 +84,8 @@ class ShardedExperts(Experts):
         mine = _AllToAll.apply(rows, self.comm, self.axis, recv_splits, send_splits,
                                {**tags, "phase": "dispatch"})
         by_expert = _source_to_expert_order(received)  # [m] indices
-        mine = _Mark.apply(mine[by_expert], self.backward_marks, "experts-backward-end")
         # 4. the local experts
-        y = self.compute(mine, received.sum(0).tolist())  # [m, h]
-        y = _Mark.apply(y, self.backward_marks, "experts-backward-start")
+        y = self.compute(mine[by_expert], received.sum(0).tolist())  # [m, h]
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(len(by_expert), device=by_expert.device)
         # 5. combine: outputs home, in the order their rows left
@@ -154,8 +136,7 @@ class ExpertParallel:
         return {"moe": {"layers": [m.layer for m in ran],
                         "log": [entry for m in ran for entry in m.log],
                         "experts_here": {m.layer: [m.experts.first, len(m.experts)] for m in ran},
-                        "backward_marks": {m.layer: m.experts.backward_marks for m in ran
-                                           if isinstance(m.experts, ShardedExperts)}}}
+                        "backward_marks": {m.layer: m.experts.backward_marks for m in ran}}}
 
 
 def apply_expert_parallel(model: nn.Module, comm: Comm, axis: str | None,
