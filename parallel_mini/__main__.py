@@ -63,10 +63,16 @@ def _summary(report) -> str:
         lines.append(f"max |ours - reference| = {report.max_abs_diff:.2e} "
                      f"(losses {report.max_abs_diff_detail['losses']:.1e}, "
                      f"params {report.max_abs_diff_detail['params']:.1e})")
-    measured, predicted = report.wire_bytes_per_step(), report.theory["wire_bytes_per_step"]
+    model, predicted = report.wire_bytes_per_step(), report.theory["wire_bytes_per_step"]
+    written = report.wire_bytes_per_step(kind="measured")
+    shared = report.wire_groups_apportioned()
     for group, pred in predicted.items():
-        lines.append(f"wire bytes/step on {group}: measured {measured.get(group, 0):,.0f}  "
-                     f"theory {pred:,.0f}")
+        w = written.get(group, 0)
+        lines.append(f"wire bytes/step on {group}: theory {pred:,.0f}  ring model of the ops run "
+                     f"{model.get(group, 0):,.0f}  written to sockets "
+                     + ("(not measurable here)" if w is None else f"{w:,.0f} (measured" + (
+                         ", overlapping ops of other groups: split by model bytes)" if group in shared
+                         else ")")))
     if report.config.get("ep", 1) > 1:
         lines.append(f"all-to-all bytes/step (expert parallel, rank 0): routed "
                      f"{report.moe_wire_bytes_per_step():,.0f}  uniform-routing formula "

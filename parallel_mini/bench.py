@@ -9,6 +9,7 @@
     python -m parallel_mini.bench bubble  # (f) measured (own-device) pipeline bubble vs the formula
     python -m parallel_mini.bench cp      # (g) ring attention vs torch's, K/V transfer hidden
     python -m parallel_mini.bench ep      # (h) expert parallel vs experts replicated; a2a split
+    python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -42,7 +43,11 @@
     records: the dispatch and combine all-to-alls (forward and backward, wall time of each call),
     the counts exchange, and the experts' compute (forward timed in the layer, backward between
     two autograd marks around the experts).
-(a) to (h) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(i) Each collective on a sweep of sizes and world sizes, on gloo: the bytes this rank's process
+    wrote to its sockets during the op (comm.WireMeter: /proc/self/io's wchar, gloo's threads
+    included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
+    ones write more (per-message headers, and the algorithm gloo picks for small tensors).
+(a) to (i) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
 PyTorch's versions is built on our GPT) are in `peers.py`, shared with the peer tests.
@@ -638,11 +643,64 @@ def _print_ep(rows):
     print("experts ms: sharded (replicated in brackets)")
 
 
+WIRE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def _wire_rank(sizes: list[int], repeats: int) -> list[dict]:
+    """Each op on each size (bytes of the payload S, fp32), `repeats` times; the median ratio."""
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))
+    rows = []
+    for op in WIRE_OPS:
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            x = torch.ones(numel)
+            out = torch.empty(numel // n) if op == "reduce_scatter" else torch.empty(numel)
+            calls = {"all_reduce": lambda: comm.all_reduce(x, "dp"),
+                     "all_gather": lambda: comm.all_gather(x, x[:numel // n].clone(), "dp"),
+                     "reduce_scatter": lambda: comm.reduce_scatter(out, x, "dp"),
+                     "all_to_all": lambda: comm.all_to_all(out, x, "dp"),
+                     "broadcast": lambda: comm.broadcast(x, "dp", src=0)}
+            ratios = []
+            for _ in range(repeats):
+                dist.barrier()
+                calls[op]()
+                rec = comm.records[-1]
+                if rec["wire_bytes"]:
+                    ratios.append(rec["wire_bytes_measured"] / rec["wire_bytes"])
+            rec = comm.records[-1]
+            rows.append({"op": op, "ranks": n, "payload_bytes": rec["payload_bytes"],
+                         "model_bytes": rec["wire_bytes"], "written_bytes": rec["wire_bytes_measured"],
+                         "written_over_model": statistics.median(ratios) if ratios else None})
+    return rows
+
+
+def bench_wire(world_sizes=(2, 4), sizes=(4 * 1024, 64 * 1024, MB, 16 * MB), repeats: int = 3
+               ) -> list[dict]:
+    rows = []
+    for n in world_sizes:
+        res = run_ranks(_wire_rank, n, list(sizes), repeats, timeout=600, backend="gloo")
+        rows += [dict(r, rank=res_i.rank) for res_i in res[:2] for r in res_i.value]
+    return rows
+
+
+def _print_wire(rows):
+    print("(i) bytes written to sockets during each op (measured: /proc/self/io wchar, gloo's "
+          "threads included) / the ring model's bytes for it; ranks 0 and 1 (a broadcast's root "
+          "sends to every rank itself; the model's pipelined chain does not)")
+    print(_table(["op", "ranks", "rank", "payload", "model B", "written B", "written/model"],
+                 [[r["op"], r["ranks"], r["rank"], f"{r['payload_bytes']:,}", f"{r['model_bytes']:,}",
+                   f"{r['written_bytes']:,}" if r["written_bytes"] is not None else "-",
+                   f"{r['written_over_model']:.3f}" if r["written_over_model"] else "-"]
+                  for r in rows]))
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "all"])
+                                     "ep", "wire", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -689,6 +747,9 @@ def main(argv=None) -> int:
     if args.what in ("ep", "all"):
         out["ep"] = bench_ep()
         show(_print_ep, out["ep"])
+    if args.what in ("wire", "all"):
+        out["wire"] = bench_wire()
+        show(_print_wire, out["wire"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])

@@ -1,14 +1,18 @@
 """Collectives that keep a record of themselves, and ring all-reduce written on send/recv.
 
 Every call through `Comm` appends one record: op, group (a mesh axis), count (elements), payload
-bytes S, wire bytes (what this rank sends under the ring algorithm, `theory.wire_bytes`), the step,
-and wall/CPU time. Lessons and the app read these records; tests compare them with theory.
+bytes S, `wire_bytes` (the model: what this rank sends under the ring algorithm,
+`theory.wire_bytes`), `wire_bytes_measured` (what this process really wrote to its sockets during
+the op, see WireMeter; None where that cannot be read), the step, and wall/CPU time. Lessons and
+the app read these records; tests compare them with theory.
 
 Asynchronous calls return a handle whose completion time is taken by a callback when the backend
 finishes, not when someone waits: that is what makes overlap with backward visible.
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import torch
@@ -23,11 +27,72 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class WireMeter:
+    """Bytes this process really wrote to its sockets, per op: Linux counts every byte passed to
+    write()/send() by any thread of the process in `wchar` of /proc/self/io, gloo's I/O threads
+    included. The counter is read when an op starts and when it ends (for an async op: when gloo
+    reports it done, or at wait); the bytes written in between belong to the ops in flight. An op
+    that ran alone gets exactly its own bytes; ops that overlapped (bucketed all-reduces during
+    backward, a pipeline's sends) share each interval's bytes in proportion to their model bytes
+    and are marked `wire_shared` (with the groups they overlapped: `wire_shared_with`). A step's
+    total is exact either way; a group's sum is exact when none of its ops overlapped another
+    group's. Unavailable (None) off Linux and on NCCL, whose bytes go through
+    the GPU's own engines, not this process's sockets."""
+
+    def __init__(self, backend: str | None):
+        try:
+            self.fd = os.open("/proc/self/io", os.O_RDONLY) if backend == "gloo" else None
+        except OSError:
+            self.fd = None
+        self.lock = threading.Lock()
+        self.inflight: list[dict] = []
+        self.last = self._read() if self.fd is not None else 0
+
+    def _read(self) -> int:
+        for line in os.pread(self.fd, 1024, 0).splitlines():
+            if line.startswith(b"wchar:"):
+                return int(line.split()[1])
+        return 0
+
+    def _settle(self) -> None:
+        """Hand the bytes written since the last reading to the ops in flight (lock held)."""
+        now = self._read()
+        delta, self.last = now - self.last, now
+        if not self.inflight:
+            return  # written while no op ran (a print, a file): not communication
+        weights = [max(r["wire_bytes"], 1) for r in self.inflight]
+        groups = sorted({r["group"] for r in self.inflight})
+        for r, w in zip(self.inflight, weights):
+            r["wire_bytes_measured"] += delta * w / sum(weights)
+            if len(self.inflight) > 1:
+                r["wire_shared"] = True
+                r["wire_shared_with"] = sorted(set(r.get("wire_shared_with", [])) | set(groups))
+
+    def begin(self, rec: dict) -> None:
+        if self.fd is None:
+            rec["wire_bytes_measured"] = None
+            return
+        with self.lock:
+            self._settle()
+            rec["wire_bytes_measured"] = 0
+            self.inflight.append(rec)
+
+    def end(self, rec: dict) -> None:
+        if self.fd is None:
+            return
+        with self.lock:
+            if any(r is rec for r in self.inflight):
+                self._settle()
+                self.inflight = [r for r in self.inflight if r is not rec]
+                if not rec.get("wire_shared"):
+                    rec["wire_bytes_measured"] = int(rec["wire_bytes_measured"])
+
+
 class _Handle:
     """Wraps a torch.distributed Work; records when the op really completed."""
 
-    def __init__(self, work, record: dict):
-        self.work, self.record = work, record
+    def __init__(self, work, record: dict, meter: WireMeter):
+        self.work, self.record, self.meter = work, record, meter
         try:
             fut = work.get_future()
         except (AttributeError, RuntimeError):  # gloo's point-to-point work has no future
@@ -37,10 +102,12 @@ class _Handle:
 
     def _done(self, fut):
         self.record["end"] = time.perf_counter()
+        self.meter.end(self.record)
         return None
 
     def wait(self):
         self.work.wait()
+        self.meter.end(self.record)
         self.record.setdefault("end", time.perf_counter())
         self.record["waited_until"] = time.perf_counter()
 
@@ -53,6 +120,7 @@ class Comm:
         self.records: list[dict] = []
         self.step = 0  # set by the training loop; "setup" records use -1
         self.p2p_log: list[dict] = []  # every send, in order, with the first element (see ring)
+        self.wire = WireMeter(dist.get_backend() if dist.is_initialized() else None)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def size(self, axis: str) -> int:
@@ -72,7 +140,8 @@ class Comm:
     def _finish(self, rec, work, async_op, cpu0):
         rec["cpu"] = time.thread_time() - cpu0
         if async_op:
-            return _Handle(work, rec)
+            return _Handle(work, rec, self.wire)
+        self.wire.end(rec)
         rec["end"] = time.perf_counter()
         return None
 
@@ -85,9 +154,10 @@ class Comm:
         rec = self._record(op, axis, payload_tensor, count, wire, async_op=async_op,
                            **(tags or {}))
         if n == 1:  # a group of one: nothing moves (the copies above did the work)
-            rec["end"], rec["cpu"] = time.perf_counter(), 0.0
+            rec["end"], rec["cpu"], rec["wire_bytes_measured"] = time.perf_counter(), 0.0, 0
             return _Done() if async_op else None
         cpu0 = time.thread_time()
+        self.wire.begin(rec)
         work = call(self.mesh.groups[axis])
         return self._finish(rec, work, async_op, cpu0)
 
@@ -144,6 +214,7 @@ class Comm:
         offload's traffic is not collective, but it is bytes that cost time on a real bus."""
         nbytes = src.numel() * src.element_size()
         rec = self._record(direction, "pcie", nbytes, src.numel(), nbytes)
+        rec["wire_bytes_measured"] = None  # a memory copy here, not a socket
         cpu0 = time.thread_time()
         dst.copy_(src)
         rec["end"], rec["cpu"] = time.perf_counter(), time.thread_time() - cpu0
@@ -157,8 +228,9 @@ class Comm:
         keyword arguments (step, phase, chunk...) are kept in the send's log entry."""
         rec = self._record("send", axis, send, send.numel(), theory.wire_bytes(
             "send", send.numel() * send.element_size(), self.size(axis)), peer=dst)
-        self._record("recv", axis, recv, recv.numel(), 0, peer=src)
+        self._record("recv", axis, recv, recv.numel(), 0, peer=src, wire_bytes_measured=0)
         cpu0 = time.thread_time()
+        self.wire.begin(rec)
         g = self.mesh.groups[axis]
         ops = [dist.P2POp(dist.isend, send, self.mesh.global_rank(axis, dst), g),
                dist.P2POp(dist.irecv, recv, self.mesh.global_rank(axis, src), g)]
@@ -179,20 +251,23 @@ class Comm:
             "send", tensor.numel() * tensor.element_size(), self.size(axis)), peer=dst,
             async_op=True, **tags)
         cpu0 = time.thread_time()
+        self.wire.begin(rec)
         work = dist.isend(tensor, self.mesh.global_rank(axis, dst), group=self.mesh.groups[axis])
         return self._finish(rec, work, True, cpu0)
 
     def irecv(self, tensor: torch.Tensor, src: int, axis: str, **tags):
         """Start receiving into `tensor` from axis-rank `src`; returns a handle to wait on. Ring
         attention posts the next block's receive, then computes on the current one."""
-        rec = self._record("recv", axis, tensor, tensor.numel(), 0, peer=src, async_op=True, **tags)
+        rec = self._record("recv", axis, tensor, tensor.numel(), 0, peer=src, async_op=True,
+                           wire_bytes_measured=0, **tags)  # a receive writes nothing
         cpu0 = time.thread_time()
         work = dist.irecv(tensor, self.mesh.global_rank(axis, src), group=self.mesh.groups[axis])
         return self._finish(rec, work, True, cpu0)
 
     def recv(self, tensor: torch.Tensor, src: int, axis: str, **tags) -> None:
         """Receive into `tensor` from axis-rank `src`, blocking: the time spent here is waiting."""
-        rec = self._record("recv", axis, tensor, tensor.numel(), 0, peer=src, **tags)
+        rec = self._record("recv", axis, tensor, tensor.numel(), 0, peer=src,
+                           wire_bytes_measured=0, **tags)
         cpu0 = time.thread_time()
         dist.recv(tensor, self.mesh.global_rank(axis, src), group=self.mesh.groups[axis])
         self._finish(rec, None, False, cpu0)

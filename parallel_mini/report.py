@@ -26,17 +26,28 @@ class RunReport:
     extra: dict = field(default_factory=dict)
 
     # -- derived views -------------------------------------------------------------------------
-    def wire_bytes_per_step(self, rank: int = 0, group: str | None = None) -> dict[str, float]:
-        """Bytes this rank put on the wire per training step, by group. Expert parallel's
-        all-to-all depends on where the router sent tokens, so it is kept apart
+    def wire_bytes_per_step(self, rank: int = 0, group: str | None = None,
+                            kind: str = "model") -> dict[str, float | None]:
+        """Bytes this rank sent per training step, by group: kind "model" sums the ring model of
+        the ops that ran (records' `wire_bytes`), "measured" what the process wrote to its
+        sockets during them (`wire_bytes_measured`; None for a group where it could not be read).
+        Expert parallel's all-to-all depends on where the router sent tokens, so it is kept apart
         (moe_wire_bytes_per_step): what is left is traffic a formula predicts exactly."""
+        key = {"model": "wire_bytes", "measured": "wire_bytes_measured"}[kind]
         steps = max(1, self.config["steps"])
-        out: dict[str, float] = {}
+        out: dict[str, float | None] = {}
         for rec in self.ranks[rank]["comm"]:
             if rec["step"] >= 0 and (group is None or rec["group"] == group) \
                     and rec.get("layer") != "moe":
-                out[rec["group"]] = out.get(rec["group"], 0) + rec["wire_bytes"]
-        return {g: b / steps for g, b in out.items()}
+                g, v = rec["group"], rec.get(key)
+                out[g] = None if v is None or (g in out and out[g] is None) else out.get(g, 0) + v
+        return {g: (None if b is None else b / steps) for g, b in out.items()}
+
+    def wire_groups_apportioned(self, rank: int = 0) -> set[str]:
+        """Groups whose measured bytes include a share of an interval in which another group's op
+        was also writing (see comm.WireMeter): their split is by model bytes, their sum exact."""
+        return {rec["group"] for rec in self.ranks[rank]["comm"] if rec["step"] >= 0
+                and len(rec.get("wire_shared_with", [])) > 1}
 
     def moe_wire_bytes_per_step(self, rank: int = 0) -> float:
         """Expert parallel's all-to-all bytes this rank sent per step (counts, dispatch, combine;
@@ -60,7 +71,8 @@ class RunReport:
     def to_dict(self) -> dict:
         d = {"config": self.config, "world_size": self.world_size, "losses": self.losses,
              "wall_s": self.wall_s, "ranks": self.ranks, "theory": self.theory,
-             "measured": {"wire_bytes_per_step": self.wire_bytes_per_step()}}
+             "measured": {"wire_bytes_per_step": self.wire_bytes_per_step(),
+                          "wire_bytes_written_per_step": self.wire_bytes_per_step(kind="measured")}}
         if self.config.get("ep", 1) > 1:
             d["measured"]["ep_all_to_all_per_step"] = [self.moe_wire_bytes_per_step(r)
                                                        for r in range(len(self.ranks))]
