@@ -190,8 +190,7 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
         # state (optimizer moments included) exists, so that step holds the run's peak.
         metered = step == cfg.steps - 1
         if metered:
-            states = strategy.state_tensors()
-            live.add_existing(states["params"] + states["optimizer"] + strategy.buffers())
+            _register_states(live, strategy)
         batch = shard(global_batch(cfg, step), mesh.local_rank(batch_axis), mesh.size(batch_axis))
         batch = context.split(batch)  # [b/dp, s] -> [b/dp, s/cp]: this cp rank's tokens
         with live if metered else nullcontext():
@@ -200,6 +199,16 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     return losses, time.perf_counter() - t_start
+
+
+def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
+    """Tell the live-bytes meter about every state that exists before the metered step (the
+    host's too: ZeRO-Offload's master and moments). Last step's gradients may be freed by
+    zero_grad: their bytes leave when they do, so no reference to them is kept here."""
+    states = strategy.state_tensors()
+    live.add_existing([t for k, ts in states.items() if k != "grads" for t in ts]
+                      + strategy.buffers())
+    live.add_existing(states.pop("grads", []), freeable=True)
 
 
 def run(cfg: RunConfig, average_fn=None) -> RunReport:

@@ -95,10 +95,12 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.active = False
 
-    def add_existing(self, tensors):
+    def add_existing(self, tensors, freeable: bool = False):
+        """Storages that exist before the meter starts. `freeable`: they may die during the step
+        (last step's gradients, released by zero_grad), so their bytes leave when they do."""
         for t in tensors:
             if t is not None:
-                self._track(t.untyped_storage(), finalize=False)
+                self._track(t.untyped_storage(), finalize=freeable)
 
     def _set(self, key: int, nbytes: int) -> None:
         self.current += nbytes - self.live.get(key, 0)
