@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PORT ?= 8501
 
-.PHONY: install dev app lab test test-fast lessons lessons-execute bench chromium clean
+.PHONY: install dev app lab test test-fast soak lessons lessons-execute bench chromium clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ chromium:
 test: $(VENV)/.dev chromium
 	$(PY) tools/make_lessons.py --check
 	$(PY) -m pytest -q
+
+# The suite SOAK_N times (default 3), each from a fresh clone of HEAD; prints every failure
+soak:
+	SOAK_N=$(or $(SOAK_N),3) tools/soak.sh
 
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not browser and not notebooks"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# `make soak [SOAK_N=3]`: the whole suite, N times, each from a fresh clone of this repository's
+# HEAD (its own venv, as CI builds it), then every failure of every round. A flaky test is a bug:
+# this is how one is found before CI finds it. Exit 0 only if every round passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+n="${SOAK_N:-3}"
+repo="$(pwd)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/parallel_mini_soak.XXXXXX")"
+passed=0
+for i in $(seq 1 "$n"); do
+  dir="$work/round_$i"
+  git clone -q "$repo" "$dir"
+  start=$(date +%s)
+  (cd "$dir" && CI="${CI:-}" PYTHONUNBUFFERED=1 make test) > "$work/round_$i.log" 2>&1
+  rc=$?
+  took=$(( $(date +%s) - start ))
+  if [ "$rc" -eq 0 ]; then
+    passed=$((passed + 1))
+    echo "round $i/$n: passed in ${took} s ($(grep -Eo '[0-9]+ passed[^=]*' "$work/round_$i.log" | tail -1))"
+  else
+    echo "round $i/$n: FAILED (exit $rc) after ${took} s; log: $work/round_$i.log"
+    grep -E '^(FAILED|ERROR) ' "$work/round_$i.log" | sed 's/^/    /'
+    grep -E 'terminate called|Segmentation|Timed out|timeout' "$work/round_$i.log" | head -5 | sed 's/^/    /'
+  fi
+  rm -rf "$dir"  # the venv alone is ~1 GB; the log stays
+done
+echo "soak: $passed of $n rounds passed (logs in $work)"
+[ "$passed" -eq "$n" ]
