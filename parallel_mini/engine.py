@@ -165,6 +165,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     full = experts.gather_full(model, full)  # over ep: each rank's experts -> all of them
     full = gather_stage_parameters(full, mesh, axis="pp")  # over pp: stages -> the whole model
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
+           "metered_step": cfg.steps - 1,  # ran under the live-bytes meter: its ops are slower
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,

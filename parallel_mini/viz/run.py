@@ -186,18 +186,19 @@ def timeline_frame(report: dict, steps=None) -> pd.DataFrame:
     return df
 
 
-def timeline(report: dict, steps=None) -> alt.Chart:
+def timeline(report: dict, steps=None) -> alt.Chart | alt.LayerChart:
     """Gantt chart of what every rank did, as measured (wall clock, ms from the run's start). Two
     lanes per rank: compute (forward, backward, grad_sync = waiting for the gradient all-reduces,
     optimizer) and comm (each collective; bucketed all-reduces start during backward, which is the
     overlap DP buckets buy). `steps`: an int or a list of steps to show (default: all, plus setup)."""
     df = timeline_frame(report, steps)
     lanes = [f"rank {r['rank']} · {k}" for r in report["ranks"] for k in ("compute", "comm")]
+    metered = report["ranks"][0].get("metered_step")
     present = set(df["kind"]) if len(df) else set()
     domain = [k for k in KIND_ORDER if k in present] + sorted(present - set(KIND_ORDER))
     palette = dict(zip(KIND_ORDER, KIND_COLORS))
     colors = [palette.get(k, "#999999") for k in domain]
-    return alt.Chart(df).mark_bar(height=16).encode(
+    bars = alt.Chart(df).mark_bar(height=16).encode(
         x=alt.X("start_ms:Q", title="wall time from the run's start (ms)"),
         x2="end_ms:Q",
         y=alt.Y("lane:N", title=None, sort=lanes, axis=alt.Axis(labelLimit=200)),
@@ -208,7 +209,23 @@ def timeline(report: dict, steps=None) -> alt.Chart:
                  alt.Tooltip("duration_ms:Q", format=".2f", title="wall ms"),
                  alt.Tooltip("cpu_ms:Q", format=".2f", title="cpu ms"),
                  alt.Tooltip("waited_until_ms:Q", format=".2f", title="waited until (ms)")],
-    ).properties(autosize=PAD, width=640, height=24 * len(lanes), title=alt.TitleParams(
+    )
+    subtitle = ["ranks share the CPU cores, so the OS scheduler stretches wall times; "
+                "hover for each op's own CPU time"]
+    chart = bars
+    in_view = df[df["step"] == metered] if len(df) and metered is not None else df.iloc[:0]
+    if len(in_view):
+        # the memory meter sees every allocation of the last step: its ops run several times slower
+        span = pd.DataFrame([{"start_ms": in_view["start_ms"].min(), "end_ms": in_view["end_ms"].max(),
+                              "label": f"step {metered}: memory meter on (slower)"}])
+        shade = alt.Chart(span).mark_rect(color="#999999", opacity=0.15).encode(
+            x="start_ms:Q", x2="end_ms:Q")
+        label = alt.Chart(span).mark_text(align="left", baseline="top", dx=3, dy=2, fontSize=11,
+                                          color="#555555").encode(x="start_ms:Q", y=alt.value(0),
+                                                                  text="label:N")
+        chart = alt.layer(shade, bars, label)
+        subtitle.append(f"shaded: step {metered}, the one the memory meter watched (every op "
+                        f"slower); compare the other steps' times")
+    return chart.properties(autosize=PAD, width=640, height=24 * len(lanes), title=alt.TitleParams(
         f"Timeline of {_run_label(report)} on {report['world_size']} ranks (wall clock)",
-        subtitle="ranks share the CPU cores, so the OS scheduler stretches wall times; "
-                 "hover for each op's own CPU time", anchor="start"))
+        subtitle=subtitle, anchor="start"))
