@@ -35,8 +35,10 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = _OneLineParser(prog="parallel-mini", description=__doc__.splitlines()[0])
+def _parser(explicit: bool = False) -> argparse.ArgumentParser:
+    """`explicit`: every default suppressed, so that parsing tells which flags were given."""
+    ap = _OneLineParser(prog="parallel-mini", description=__doc__.splitlines()[0],
+                        argument_default=argparse.SUPPRESS if explicit else None)
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train the tiny GPT on N ranks and report what was measured")
     for f in dataclasses.fields(RunConfig):
@@ -45,11 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             run.add_argument(flag, action="store_true", help="compare with the single-process reference"
-                             if f.name == "reference" else None)
+                             if f.name == "reference" else None,
+                             **({"default": argparse.SUPPRESS} if explicit else {}))
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
-            run.add_argument(flag, type=typ, default=default, help=_HELP.get(f.name))
+            run.add_argument(flag, type=typ, default=argparse.SUPPRESS if explicit else default,
+                             help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
     run.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every op "
@@ -93,13 +97,13 @@ def _summary(report) -> str:
     return "\n".join(lines)
 
 
-def _pipeline_defaults(values: dict) -> None:
+def _pipeline_defaults(values: dict) -> str:
     """Without --layers and --steps: RunConfig's 4 layers and 3 steps, or, for a pipeline,
     schedules.BLOCKS_PER_CHUNK blocks in every chunk (the embeddings and the head then weigh
     little beside a stage's blocks) and trace.PIPELINE_STEPS steps (the bubble's op costs come
-    from 4 timed steps), said on stderr."""
+    from 4 timed steps); returns the note to print once the run is accepted."""
     chosen = []
-    if values["pp"] > 1:
+    if values["pp"] > 1 and values["virtual_stages"] >= 0:  # (a negative one is refused next)
         from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers, virtual_stages
         from .trace import PIPELINE_STEPS
         if values["layers"] is None:
@@ -109,12 +113,14 @@ def _pipeline_defaults(values: dict) -> None:
         if values["steps"] is None:
             values["steps"] = PIPELINE_STEPS
             chosen.append(f"--steps {PIPELINE_STEPS}")
-        if chosen:
-            print(f"note: {' '.join(chosen)} (a pipeline's defaults: {BLOCKS_PER_CHUNK} blocks per "
-                  f"chunk, {PIPELINE_STEPS - 2} timed steps; give them to choose)", file=sys.stderr)
+    note = ""
+    if chosen:
+        note = (f"note: {' '.join(chosen)} (a pipeline's defaults: {BLOCKS_PER_CHUNK} blocks per "
+                f"chunk, {PIPELINE_STEPS - 2} timed steps; give them to choose)")
     for name in ("layers", "steps"):
         if values[name] is None:
             values[name] = getattr(RunConfig, name)
+    return note
 
 
 def _write_stdout(text: str) -> None:
@@ -134,16 +140,54 @@ def _write_stdout(text: str) -> None:
         data = data[os.write(fd, data):]
 
 
+# Flags that only one kind of layout reads: given without it, they would be silently ignored.
+IGNORED_UNLESS = {
+    ("schedule", "microbatches", "virtual_stages"):
+        (lambda c: c.pp > 1, "a pipeline reads", "add --pp 2 or more"),
+    ("cp_impl",): (lambda c: c.cp > 1, "context parallel reads", "add --cp 2 or more"),
+    ("top_k", "capacity_factor", "moe_every", "aux_loss_weight", "z_loss_weight"):
+        (lambda c: c.experts > 0, "a mixture-of-experts model reads", "add --experts E"),
+    ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed",
+                     "bucketed data parallel reads", "ZeRO and --dp-mode naive do not bucket"),
+}
+
+
+def _refuse_ignored(given: set[str], cfg: RunConfig) -> None:
+    for names, (applies, who, fix) in IGNORED_UNLESS.items():
+        ignored = [n for n in names if n in given]
+        if ignored and not applies(cfg):
+            flags = " ".join(f"--{n.replace('_', '-')}" for n in ignored)
+            it = "it" if len(ignored) == 1 else "them"
+            raise ConfigError(f"{flags}: this run would ignore {it}; only {who} {it} ({fix})")
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """An output file's directory must exist and be writable before the run, not after it."""
+    if not path or path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: cannot write a file there")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    given = set(vars(_parser(explicit=True).parse_args(argv)))
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    _pipeline_defaults(values)
+    note = _pipeline_defaults(values)
     try:
         cfg = RunConfig(**values, extra={"progress": args.progress}).validate()
+        _refuse_ignored(given, cfg)
+        _check_output("--json", args.json)
+        _check_output("--trace", args.trace)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if note:  # only for a run that will start: a refused one gets its one line
+        print(note, file=sys.stderr)
     from .engine import run  # imported late: a bad flag answers without loading torch.distributed
     from .launch import RankError
     from .launch import under_torchrun

@@ -6,6 +6,8 @@ The CLI prints that line and exits 2; the app shows it; nothing is launched.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 
 from .launch import MAX_LOCAL_RANKS, under_torchrun
@@ -109,6 +111,9 @@ class RunConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ConfigError(f"{_flag(name)} {v!r}: must be a number")
+            if not math.isfinite(v):
+                raise ConfigError(f"{_flag(name)} {v!r}: must be a finite number (training with "
+                                  f"it would run to NaN or never end)")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"--seed {self.seed!r}: must be a whole number")
         for name, allowed in CHOICES.items():
@@ -181,7 +186,25 @@ class RunConfig:
         if self.steps > 10_000 or self.layers * self.d_model ** 2 > 64 * 1024 ** 2:
             raise ConfigError("the model or run is far beyond toy scale for local ranks: keep "
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
+        if not under_torchrun():
+            self._validate_fits()
         return self
+
+    def _validate_fits(self) -> None:
+        """Refuse a local run that would not fit in this machine's memory, with the estimate
+        (theory.local_run_bytes_estimate), instead of letting it swap, die or time out."""
+        from .theory import local_run_bytes_estimate
+        available = _available_memory()
+        if available is None:
+            return
+        est = local_run_bytes_estimate(self)
+        if est["total"] > available / 2:
+            parts = ", ".join(f"{k} {_gb(est[k])}" for k in ("activations", "logits", "states", "data")
+                              if est[k] > 2 ** 20)
+            raise ConfigError(f"this run needs about {_gb(est['total'])} of memory ({self.world_size} "
+                              f"rank{'s' * (self.world_size > 1)} x {_gb(est['per_rank'])}: {parts}), more than half of the "
+                              f"{_gb(available)} this machine has available; lower --batch, --seq, "
+                              f"--vocab, --d-model or --layers")
 
 
     def _validate_experts(self) -> None:
@@ -243,10 +266,10 @@ class RunConfig:
 
     def _validate_pipeline(self) -> None:
         from .parallel.schedules import virtual_stages
-        v = virtual_stages(self.schedule, self.virtual_stages)
-        if self.virtual_stages < 0:
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 0:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: must be >= 1 (or 0 for the "
                               f"schedule's default)")
+        v = virtual_stages(self.schedule, self.virtual_stages)
         if self.schedule == "zbv" and v != 2:
             raise ConfigError(f"--virtual-stages {v}: zbv lays exactly 2 chunks per rank out in a V; "
                               f"leave --virtual-stages at 0")
@@ -291,6 +314,25 @@ class RunConfig:
         if self.fp32_grad_accum:
             raise ConfigError(f"--fp32-grad-accum with --pp {self.pp}: fp32 gradient buffers inside "
                               f"pipeline stages are not available yet; use one of them at a time")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new processes (Linux MemAvailable), else the physical total."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.1f} GB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.0f} MB"
 
 
 def _flag(name: str) -> str:

@@ -488,6 +488,29 @@ def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing
     return kept + elem_bytes * a * s * s * b / tp + s * s
 
 
+RANK_BASELINE_BYTES = 400 * 2 ** 20  # one rank's interpreter, torch and gloo, measured ~300 MB
+
+
+def local_run_bytes_estimate(cfg) -> dict:
+    """A generous estimate of what one local run needs in all, to refuse a run that cannot fit
+    before any rank starts. Per rank: 20 bytes per parameter it holds (fp32 Adam plus a spare
+    gradient buffer), every block's activations for the rank's whole share of the batch (as if
+    every micro-batch were in flight), the logits three times (logits, softmax, gradient), the
+    global batch of token ids (inputs and targets, int64: every rank draws it), and
+    RANK_BASELINE_BYTES. Returns the parts and the total over the world's ranks."""
+    local_params = sum(gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp,
+                                      **_moe(cfg)))
+    b = cfg.batch // cfg.dp
+    acts = cfg.layers * gpt_activation_bytes_per_layer(cfg.seq, b, cfg.d_model, cfg.heads, "none",
+                                                       4, cfg.tp, cfg.sp, cfg.cp, cfg.cp_impl)
+    logits = 3 * 4 * b * (cfg.seq // cfg.cp) * (cfg.vocab // cfg.tp)
+    data = 2 * 8 * cfg.batch * cfg.seq
+    per_rank = {"states": 20 * local_params, "activations": int(acts), "logits": logits,
+                "data": data, "baseline": RANK_BASELINE_BYTES}
+    return {**per_rank, "per_rank": sum(per_rank.values()),
+            "total": cfg.world_size * sum(per_rank.values())}
+
+
 # Model presets for theory-only rows (too big to run here). Shapes after the public Llama configs;
 # n_params is the headline size the memory table uses.
 PRESETS = {
