@@ -230,15 +230,16 @@ def test_cli_json_report_has_the_run_contract(cli_runs):
 
 
 def test_pipeline_defaults_for_layers_and_steps(capsys):
-    """Without --layers/--steps a pipeline gets 4 blocks per chunk and 6 steps (said on stderr);
-    what the learner gives is kept, and a run without --pp keeps RunConfig's defaults silently."""
+    """Without --layers/--steps a pipeline gets 4 blocks per chunk and 6 steps (a note, printed
+    once the run is accepted); what the learner gives is kept, and a run without --pp keeps
+    RunConfig's defaults silently."""
     from parallel_mini.__main__ import _pipeline_defaults
 
     def chosen(**given):
         values = {"pp": 1, "schedule": "gpipe", "virtual_stages": 0, "layers": None, "steps": None,
                   **given}
-        _pipeline_defaults(values)
-        return values["layers"], values["steps"], capsys.readouterr().err
+        note = _pipeline_defaults(values)
+        return values["layers"], values["steps"], note
 
     assert chosen() == (RunConfig.layers, RunConfig.steps, "")
     layers, steps, note = chosen(pp=4)
