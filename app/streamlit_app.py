@@ -32,6 +32,7 @@ pages = {
         st.Page("app_pages/pipeline.py", title="Pipeline bubbles", icon="🫧", url_path="pipeline"),
         st.Page("app_pages/long_sequences.py", title="Long sequences", icon="🧵",
                 url_path="long_sequences"),
+        st.Page("app_pages/experts.py", title="Experts", icon="🔀", url_path="experts"),
     ],
 }
 st.navigation(pages).run()

@@ -235,14 +235,15 @@ def expert_load(report, layer: int | None = None, step: int | None = None,
     experts = [_expert_label(rep, e) for e in range(E)]
     total = int(df["assignments"].sum())
     dropped = int(df.loc[df["status"] == "dropped", "assignments"].sum())
-    x = alt.X("expert_label:N", title=None, sort=experts,
-              axis=alt.Axis(labelAngle=-30 if rep["config"].get("ep", 1) > 1 else 0))
+    x = alt.X("expert_label:N", title=None, sort=experts,  # "expert e" over "ep rank p"
+              axis=alt.Axis(labelAngle=0, labelExpr="split(datum.label, ' · ')"))
     top = max(cap, int(df.groupby("expert")["assignments"].sum().max()) if len(df) else 0)
     bars = alt.Chart(df).mark_bar().encode(
         x=x, y=alt.Y("assignments:Q", stack="zero", title="token assignments in the step",
                      scale=alt.Scale(domain=[0, 1.15 * top])),
         color=alt.Color("status:N", title=None, sort=LOAD_STATUS,
-                        scale=alt.Scale(domain=LOAD_STATUS, range=LOAD_COLORS)),
+                        scale=alt.Scale(domain=LOAD_STATUS, range=LOAD_COLORS),
+                        legend=alt.Legend(orient="bottom")),
         order=alt.Order("order:Q"),
         tooltip=["expert_label:N", "status:N", "assignments:Q"],
     ).transform_calculate(order=f"indexof({LOAD_STATUS}, datum.status)")
@@ -429,9 +430,11 @@ def all_to_all_matrix(report, step: int | None = None, phase: str | None = None,
                                                scale=alt.Scale(scheme="blues", domainMin=0)))
     own = alt.Chart(df[df["own"]]).mark_rect(color="#eeeeee", stroke="#999",
                                             strokeDash=[3, 3]).encode(x=x, y=y, tooltip=tip)
+    df["ink"] = ["#777" if own else "white" if v > 0.6 * top / div else "black"
+                 for own, v in zip(df["own"], df["value"])]  # legible on dark cells
     text = alt.Chart(df).mark_text(fontSize=11, lineBreak="\n").encode(
-        x=x, y=y, text="label:N",
-        color=alt.condition(alt.datum.own, alt.value("#777"), alt.value("black")))
+        x=x, y=y, text="label:N", color=alt.Color("ink:N", legend=None, scale=alt.Scale(
+            domain=["#777", "white", "black"], range=["#777", "white", "black"])))
     what = ("all phases (counts, dispatch, combine)" if phase is None
             else f"the {phase} all-to-alls") + (", forward and backward" if direction is None
                                                  else f", {direction} only")
@@ -478,7 +481,8 @@ def all_to_all_vs_uniform(report) -> alt.LayerChart:
         y=alt.Y("value:Q", title=f"all-to-all bytes sent per step ({unit})"),
         tooltip=["rank:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
     color = alt.Color("source:N", title=None, sort=sources, legend=alt.Legend(
-        orient="bottom", columns=1), scale=alt.Scale(domain=sources, range=["#4c78a8", "#bab0ac"]))
+        orient="bottom", columns=1, labelLimit=400), scale=alt.Scale(domain=sources,
+                                                                  range=["#4c78a8", "#bab0ac"]))
     return alt.layer(
         base.mark_bar().encode(color=color),
         base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
