@@ -135,3 +135,24 @@ def test_live_run_routing_load_wire_memory_and_the_aux_pair():
     _widget(at.select_slider, "Capacity factor").set_value(1.0).run()
     assert len(at.warning) == 2 and all("settings changed" in w.value for w in at.warning)
     assert len(_titles(at)) == 6  # the last results stay drawn under the warnings
+
+
+def test_ep1_keeps_every_expert_on_every_rank():
+    """ep = 1 (dp 2, E = 4, top-1): no all-to-all to draw, every expert's states on every rank."""
+    at = _app(PAGE)
+    _widget(at.radio, "Expert-parallel ranks").set_value(1)
+    _widget(at.radio, "Experts per MoE layer").set_value(4)
+    _widget(at.radio, "Experts per token").set_value(1).run()
+    at.button[0].click().run()
+    _assert_clean(at)
+    assert any(i.value.startswith("ep = 1: every rank holds every expert") for i in at.info)
+    assert not [t for t in _titles(at) if t.startswith("All-to-all")]
+    experts = LAYERS * 4 * theory.mlp_params(D)
+    assert _metric(at, "Expert parameters per rank (theory)") == f"{experts:,}"
+    assert _metric(at, "All expert parameters (theory)") == f"{experts:,}"
+    assert _metric(at, "Ranks whose measured states equal theory") == "2 of 2"
+    mem = _rows_with(_chart(at, "Model states per rank"), "bytes")
+    assert {r["who"] for r in mem} == {"rank 0", "rank 1"}  # nothing to compare with
+    cells = [r for r in _rows_with(_chart(at, "Routing of rank 0's tokens"), "choice_label")
+             if "mid" not in r]
+    assert len(cells) == BATCH // 2 * SEQ and {r["choice_label"] for r in cells} == {"1st choice"}

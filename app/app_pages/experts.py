@@ -238,7 +238,8 @@ def show_memory(rep: dict) -> None:
     m1, m2, m3 = st.columns(3)
     m1.metric("Ranks whose measured states equal theory to the byte",
               f"{equal} of {len(rep['ranks'])}")
-    m2.metric("Expert parameters per rank (theory)", f"{th['expert_params_per_rank']:,}",
+    held = th.get("expert_params_per_rank", all_experts)  # (only given when ep > 1)
+    m2.metric("Expert parameters per rank (theory)", f"{held:,}",
               help=f"E/P = {E}/{P} experts × {n} MoE layers × (8h² + 5h)")
     m3.metric("All expert parameters (theory)", f"{all_experts:,}",
               help=f"each rank holds 1/{P} of them" if P > 1 else "every rank holds all of them")
