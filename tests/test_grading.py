@@ -335,3 +335,230 @@ def test_library_merge_works_again_after_a_refusal():
     lse, lse_t = torch.zeros(1, 1, 1), torch.zeros(1, 1, 1)
     out, new = context._merge(torch.zeros(1, 1, 1, 1), lse, torch.ones(1, 1, 1, 1), lse_t)
     assert out.item() == pytest.approx(0.5) and new.item() == pytest.approx(0.6931, abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# check_route (lesson 07): top-k routing with capacity, in the MoE layers of a real ep run
+# ---------------------------------------------------------------------------------------------
+import math  # noqa: E402
+
+from parallel_mini import moe  # noqa: E402
+
+
+def capacity_right(tokens, experts, k, factor):
+    return math.ceil(factor * tokens * k / experts)
+
+
+def _slots(expert, E, order="choice"):
+    """Queue places: "choice" (right), or a usual mistake: "token" (token by token),
+    "per-choice" (each choice column its own queue), "one-queue" (one queue for all groups)."""
+    g, t, k = expert.shape
+    choices = expert.tolist()
+    slots = [[[0] * k for _ in range(t)] for _ in range(g)]
+    shared = [0] * E
+    for group in range(g):
+        taken = shared if order == "one-queue" else [0] * E
+        pairs = ([(i, j) for i in range(t) for j in range(k)] if order == "token"
+                 else [(i, j) for j in range(k) for i in range(t)])
+        for i, j in pairs:
+            if order == "per-choice" and i == 0:
+                taken = [0] * E
+            e = choices[group][i][j]
+            slots[group][i][j] = taken[e]
+            taken[e] += 1
+    return torch.tensor(slots, dtype=torch.long).view(g, t, k)
+
+
+def route_right(logits, k, cap):
+    """A loop over the queues."""
+    probs = logits.float().softmax(-1)
+    top_p, expert = torch.sort(probs, dim=-1, descending=True, stable=True)
+    top_p, expert = top_p[..., :k], expert[..., :k]
+    slot = _slots(expert, probs.shape[-1])
+    return moe.Routing(expert, top_p / top_p.sum(-1, keepdim=True), slot, slot < cap, probs)
+
+
+def route_right_vectorised(logits, k, cap):
+    """Another form: argsort(stable), gates as a softmax over the k chosen logits, slots by a
+    cumulative count over the choice-major flattening."""
+    probs = logits.softmax(-1)
+    expert = probs.argsort(dim=-1, descending=True, stable=True)[..., :k]
+    gate = logits.gather(-1, expert).softmax(-1)
+    onehot = F.one_hot(expert.transpose(1, 2).reshape(expert.shape[0], -1), logits.shape[-1])
+    slot = ((onehot.cumsum(1) - 1) * onehot).sum(-1).view(expert.shape[0], k, -1).transpose(1, 2)
+    return moe.Routing(expert, gate, slot, slot < cap, probs)
+
+
+def route_stub(logits, k, cap):
+    raise NotImplementedError("exercise")
+
+
+def capacity_stub(tokens, experts, k, factor):
+    raise NotImplementedError("exercise")
+
+
+def _changed(**fields):
+    """route_right with some fields replaced: fields[name](r, logits, k, cap) -> tensor."""
+    def route(logits, k, cap):
+        r = route_right(logits, k, cap)
+        for name, make in fields.items():
+            setattr(r, name, make(r, logits, k, cap))
+        return r
+    return route
+
+
+route_ties_higher = _changed(expert=lambda r, logits, k, cap: logits.shape[-1] - 1 - torch.sort(
+    r.probs.flip(-1), dim=-1, descending=True, stable=True)[1][..., :k])
+route_topk = _changed(expert=lambda r, logits, k, cap: r.probs.topk(k, dim=-1).indices)
+route_not_renormalised = _changed(gate=lambda r, logits, k, cap: r.probs.gather(-1, r.expert))
+route_detached_gates = _changed(gate=lambda r, logits, k, cap: r.gate.detach())
+def _queued(order):
+    """route_right with its queues filled in another order (slot and keep)."""
+    return _changed(slot=lambda r, logits, k, cap: _slots(r.expert, logits.shape[-1], order),
+                    keep=lambda r, logits, k, cap: _slots(r.expert, logits.shape[-1], order) < cap)
+
+
+route_token_major = _queued("token")
+route_queue_per_choice = _queued("per-choice")
+route_one_queue = _queued("one-queue")
+route_slots_from_one = _changed(slot=lambda r, logits, k, cap: r.slot + 1,
+                                keep=lambda r, logits, k, cap: r.slot + 1 <= cap)
+route_keeps_one_more = _changed(keep=lambda r, logits, k, cap: r.slot <= cap)
+route_drops_nothing = _changed(keep=lambda r, logits, k, cap: torch.ones_like(r.keep))
+route_int32_experts = _changed(expert=lambda r, logits, k, cap: r.expert.int())
+
+
+def route_tuple(logits, k, cap):
+    r = route_right(logits, k, cap)
+    return r.expert, r.gate, r.slot, r.keep, r.probs
+
+
+def route_calls_library(logits, k, cap):
+    return moe.route(logits, k, cap)
+
+
+from parallel_mini.moe import route as imported_library_route  # noqa: E402
+
+
+def route_calls_imported_library(logits, k, cap):
+    return imported_library_route(logits, k, cap)
+
+
+def route_calls_library_seam(logits, k, cap):
+    return moe.MoE.routing(logits, k, cap)
+
+
+def capacity_floor(tokens, experts, k, factor):
+    return math.floor(factor * tokens * k / experts)
+
+
+def capacity_plus_one(tokens, experts, k, factor):
+    return int(factor * tokens * k / experts) + 1
+
+
+def capacity_calls_library(tokens, experts, k, factor):
+    return moe.capacity(tokens, experts, k, factor)
+
+
+def route_library_on_ranks_only(logits, k, cap):
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return route_calls_library(logits, k, cap)
+    return route_right(logits, k, cap)
+
+
+def route_token_major_on_ranks_only(logits, k, cap):
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return route_token_major(logits, k, cap)
+    return route_right(logits, k, cap)
+
+
+def test_route_stub_is_not_attempted():
+    from parallel_mini.grading import check_route
+    for grade in (check_route(route_stub), check_route(route_stub, capacity_right),
+                  check_route(route_right, capacity_stub)):
+        assert grade.status == "not attempted" and "NotImplementedError" in grade.message
+    assert "capacity" in check_route(route_right, capacity_stub).message
+
+
+@pytest.mark.parametrize("right", [route_right, route_right_vectorised])
+def test_route_right_answers_train_as_the_library_on_real_ranks(right):
+    from parallel_mini.grading import ROUTE_RUN_CASES, check_route
+    grade = check_route(right, capacity_right)
+    assert grade.status == "correct", grade
+    runs = grade.details["runs"]
+    assert len(runs) == len(ROUTE_RUN_CASES)
+    # the learner's route was what ran: once per MoE layer, micro-batch and step on every rank
+    assert runs[0]["route_calls_per_rank"] == [2 * 1 * 2] * 2
+    assert runs[1]["route_calls_per_rank"] == [2 * 2 * 2] * 4
+    for row in runs:
+        assert 0 < row["dropped"] < row["assignments"]  # the cases do drop tokens
+        assert row["max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (route_ties_higher, r"tied probabilities.*ties are broken toward the higher index"),
+    (route_topk, r"tied probabilities.*torch.topk makes no promise"),
+    (route_not_renormalised, r"gates are not renormalised"),
+    (route_detached_gates, r"gate carries no gradient to the router"),
+    (route_token_major, r"queues are filled token by token"),
+    (route_queue_per_choice, r"each choice starts a queue of its own"),
+    (route_one_queue, r"one queue runs over all the sequences"),
+    (route_slots_from_one, r"slots count from 1"),
+    (route_keeps_one_more, r"capacity off by one: an expert kept cap \+ 1"),
+    (route_drops_nothing, r"nothing was dropped"),
+    (route_int32_experts, r"expert is torch.int32; it must be int64"),
+    (route_tuple, r"returned a tuple of 5"),
+    (route_calls_library, r"called the library's own route"),
+    (route_calls_imported_library, r"called the library's own route"),
+    (route_calls_library_seam, r"called the library's own route"),
+])
+def test_route_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
+    import parallel_mini.engine
+    import parallel_mini.launch
+    from parallel_mini.grading import check_route
+
+    def no_ranks(*args, **kwargs):
+        raise RuntimeError("an in-process refusal must not start any rank")
+
+    monkeypatch.setattr(parallel_mini.launch, "run_ranks", no_ranks)
+    monkeypatch.setattr(parallel_mini.engine, "run", no_ranks)
+    with pytest.raises(AssertionError, match=message):
+        check_route(wrong, capacity_right)
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (capacity_floor, r"capacity\(tokens=10, experts=4, k=1, factor=1.0\) rounds down"),
+    (capacity_plus_one, r"capacity\(tokens=32, experts=8, k=2, factor=1.0\) one slot too many"),
+    (capacity_calls_library, r"called the library's own capacity"),
+])
+def test_capacity_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
+    import parallel_mini.launch
+    from parallel_mini.grading import check_route
+
+    monkeypatch.setattr(parallel_mini.launch, "run_ranks", None)
+    with pytest.raises(AssertionError, match=message):
+        check_route(route_right, wrong)
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (route_library_on_ranks_only, r"called the library's own route"),
+    # (k = 1 in the first case: token by token is then the right order; the k = 2 case refuses)
+    (route_token_major_on_ranks_only, r"at dp=4 x ep=4 .*: rank \d, step \d, layer \d: with your "
+                                      r"route the experts kept"),
+])
+def test_route_refused_on_real_ranks(wrong, message):
+    from parallel_mini.grading import check_route
+    with pytest.raises(AssertionError, match=message):
+        check_route(wrong, capacity_right)
+
+
+def test_library_routing_works_again_after_a_refusal():
+    from parallel_mini.grading import check_route
+    with pytest.raises(AssertionError):
+        check_route(route_calls_library)
+    r = moe.route(torch.zeros(1, 4, 3), 2, 2)
+    assert r.expert.tolist() == [[[0, 1]] * 4] and r.keep.sum().item() == 4
+    assert moe.capacity(10, 4, 1, 1.0) == 3
+    assert len(moe.dispatch_order(r, 3)[0]) == 4
