@@ -147,12 +147,11 @@ def _dp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
 
 def _overlap_with(records: list[dict], step: int, start: float, end: float) -> float:
     """Of the all-reduce time of `step` (launch to completion, as the backend reported it), the
-    share that ran while backward was still computing [start, end]."""
-    spans = [(r["start"], r["end"]) for r in records
-             if r["step"] == step and r["op"] == "all_reduce" and "end" in r]
-    total = sum(b - a for a, b in spans)
-    inside = sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
-    return inside / total if total > 0 else 0.0
+    share that ran while backward was still computing [start, end]: the computation lesson 02
+    shows (experiments.allreduce_overlap, overlapped_share)."""
+    from .experiments import allreduce_overlap, overlapped_share
+
+    return overlapped_share(allreduce_overlap(records, step, start, end))
 
 
 def bench_dp(dps=(2, 4), warmup: int = 5, steps: int = 20, bucket_mb: float = 0.25,

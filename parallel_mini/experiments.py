@@ -4,15 +4,33 @@ page or a lesson draws. The app's pages call these and never run code on a rank 
 
 - `tp_mlp_shards(cfg_dict)`: the MLP weights tensor parallel leaves on each rank, read back from
   the ranks, and the column-then-row-parallel MLP redone with them (the app's Tensor parallel page).
+- `wire_bytes_experiment(n, nbytes)`: each collective once on n ranks, the bytes every rank really
+  wrote to its sockets beside the ring model's count (lesson 01).
+- `dp_overlap_experiment(dp)`: naive, bucketed and one-bucket data parallel, interleaved runs; step
+  times and how much of the bucketed all-reduce time overlapped backward (lesson 02).
+
+And what a training run's timeline says, read from a RunReport (plain data, no ranks started):
+
+- `timed_steps(report)`: the steps whose times mean something (not the warm-up, not the metered one);
+- `step_times(report)`: per rank and timed step, the step's wall time and each op kind's wall and
+  CPU time (lesson 02's step times, lesson 03's recompute cost);
+- `allreduce_overlap(records, step, backward_start, backward_end)` and `overlapped_share(rows)`:
+  per all-reduce, when it was launched and finished relative to the end of backward, and the share
+  of all-reduce time that fell within backward's wall-clock span (`python -m parallel_mini.bench
+  dp` too);
+- `bucket_overlap(report)`: the same for every rank and timed step of a data-parallel run.
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import Comm
 from .config import RunConfig
-from .launch import run_ranks
+from .launch import rank_device, run_ranks
 from .mesh import build_mesh
 from .model import build_model
 from .parallel.tensor import apply_tensor_parallel
@@ -66,3 +84,197 @@ def tp_mlp_shards(cfg_dict: dict, tokens: int = 8, timeout: float = 60.0) -> lis
     results = run_ranks(_tp_mlp_shards_rank, cfg_dict["tp"], cfg_dict, tokens, timeout=timeout,
                         pg_timeout=timeout)
     return [res.value for res in sorted(results, key=lambda res: res.rank)]
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes on the wire: the ring model against what gloo really writes (lesson 01)
+# ---------------------------------------------------------------------------------------------
+WIRE_OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _wire_rank(numel: int, repeats: int) -> list[dict]:
+    n, r = dist.get_world_size(), dist.get_rank()
+    comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))
+    dev = rank_device()
+    x = torch.ones(numel, device=dev)  # [numel] fp32: S = 4 * numel bytes, the same for every op
+    piece, out = torch.ones(numel // n, device=dev), torch.empty(numel, device=dev)
+    calls = {"all_reduce": lambda: comm.all_reduce(x, "dp"),
+             "broadcast": lambda: comm.broadcast(x, "dp", src=0),
+             "all_gather": lambda: comm.all_gather(out, piece, "dp"),
+             "reduce_scatter": lambda: comm.reduce_scatter(piece, x, "dp"),
+             "all_to_all": lambda: comm.all_to_all(out, x, "dp")}
+    rows = []
+    for op in WIRE_OPS:
+        written = []
+        for _ in range(repeats):
+            dist.barrier()  # nothing else in flight: the bytes written during the op are its own
+            calls[op]()
+            written.append(comm.records[-1]["wire_bytes_measured"])
+        rec = comm.records[-1]
+        rows.append({"op": op, "rank": r, "payload_bytes": rec["payload_bytes"],
+                     "ring_model_bytes": rec["wire_bytes"],
+                     "written_bytes": (None if None in written else
+                                       int(statistics.median(written)))})
+    return rows
+
+
+def wire_bytes_experiment(n: int = 4, nbytes: int = 2 ** 20, repeats: int = 3,
+                          timeout: float = 60.0) -> list[dict]:
+    """Each collective on n ranks over an fp32 tensor of `nbytes` (S: the full tensor, as in
+    theory.wire_bytes): one row per (op, rank) with the ring model's bytes (the op's record,
+    `wire_bytes`) and the bytes the rank really wrote to its sockets during the op (median of
+    `repeats` calls, `wire_bytes_measured`; None where it cannot be read: off Linux, on NCCL).
+    The model assumes a ring (a pipelined chain for broadcast); gloo does not always use one."""
+    numel = max(n, nbytes // 4 // n * n)
+    rows = [row for res in run_ranks(_wire_rank, n, numel, repeats, timeout=timeout,
+                                     pg_timeout=timeout, backend="gloo") for row in res.value]
+    return sorted(rows, key=lambda row: (WIRE_OPS.index(row["op"]), row["rank"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# a training run's timeline: step times and overlap (lessons 02 and 03, bench dp)
+# ---------------------------------------------------------------------------------------------
+def _as_dict(report) -> dict:
+    return report.to_dict() if hasattr(report, "to_dict") else report
+
+
+def timed_steps(report, warmup: int = 1) -> list[int]:
+    """The steps whose times mean something: not the first `warmup` ones (first allocations; data
+    parallel learns its bucket order in step 0) and not the metered one (the last: every op runs
+    several times slower under the live-bytes meter)."""
+    d = _as_dict(report)
+    metered = {r.get("metered_step") for r in d["ranks"]}
+    return [s for s in range(warmup, d["config"]["steps"]) if s not in metered]
+
+
+def step_times(report, warmup: int = 1) -> list[dict]:
+    """One row per rank and timed step: `step_ms`, the wall time from the step's first op to its
+    last (forward of the first micro-batch to the end of the optimizer step), and for every op kind
+    its wall (`<kind>_ms`) and CPU (`<kind>_cpu_ms`) time, summed over micro-batches. CPU time is
+    the rank's own thread only: what the op would take on a device of its own, whoever else shares
+    the cores; wall time includes the waiting."""
+    d = _as_dict(report)
+    keep = set(timed_steps(d, warmup))
+    rows = []
+    for r in d["ranks"]:
+        by_step: dict[int, list[dict]] = {}
+        for e in r["events"]:
+            if e.get("step") in keep:
+                by_step.setdefault(e["step"], []).append(e)
+        for step, events in sorted(by_step.items()):
+            row = {"rank": r["rank"], "step": step,
+                   "step_ms": 1e3 * (max(e["end"] for e in events) - min(e["start"] for e in events))}
+            for e in events:
+                row[f"{e['kind']}_ms"] = row.get(f"{e['kind']}_ms", 0.0) + 1e3 * (e["end"] - e["start"])
+                row[f"{e['kind']}_cpu_ms"] = row.get(f"{e['kind']}_cpu_ms", 0.0) + 1e3 * e.get("cpu", 0.0)
+            rows.append(row)
+    return rows
+
+
+def allreduce_overlap(records: list[dict], step: int, backward_start: float,
+                      backward_end: float) -> list[dict]:
+    """One row per all-reduce of `step` in `records` (one rank's comm records): when it was launched
+    and when it finished (as the backend reported it: the completion callback, not the wait),
+    both in ms relative to the end of backward (negative: before backward ended), its duration,
+    and how much of it fell within backward's wall-clock span [backward_start, backward_end]: on a
+    machine whose ranks share cores, backward may be waiting for a core during part of it."""
+    rows = []
+    for c in records:
+        if c.get("step") != step or c["op"] != "all_reduce" or "end" not in c:
+            continue
+        inside = max(0.0, min(c["end"], backward_end) - max(c["start"], backward_start))
+        rows.append({"bucket": c.get("bucket"), "grads_pending": c.get("grads_pending"),
+                     "launch_ms": 1e3 * (c["start"] - backward_end),
+                     "finish_ms": 1e3 * (c["end"] - backward_end),
+                     "allreduce_ms": 1e3 * (c["end"] - c["start"]),
+                     "overlapped_ms": 1e3 * inside,
+                     "backward_ms": 1e3 * (backward_end - backward_start)})
+    return rows
+
+
+def overlapped_share(rows: list[dict]) -> float:
+    """Of the all-reduce time in `rows` (allreduce_overlap's), the share that overlapped backward:
+    0 when every all-reduce ran after backward, 1 when all of them finished inside it."""
+    total = sum(row["allreduce_ms"] for row in rows)
+    return sum(row["overlapped_ms"] for row in rows) / total if total > 0 else 0.0
+
+
+def bucket_overlap(report, warmup: int = 1) -> list[dict]:
+    """allreduce_overlap for every rank and timed step of a data-parallel run (RunReport or its
+    dict), against the backward that synchronised (the last micro-batch's), with `rank`, `step`
+    and `finished_in_backward` added."""
+    d = _as_dict(report)
+    keep = set(timed_steps(d, warmup))
+    rows = []
+    for r in d["ranks"]:
+        for step in sorted(keep):
+            backward = [e for e in r["events"] if e["kind"] == "backward" and e.get("step") == step]
+            if not backward:
+                continue
+            last = max(backward, key=lambda e: e["end"])  # the micro-step whose backward syncs
+            for row in allreduce_overlap(r["comm"], step, last["start"], last["end"]):
+                rows.append({"rank": r["rank"], "step": step, **row,
+                             "finished_in_backward": row["finish_ms"] <= 0.0})
+    return rows
+
+
+def _median(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def dp_overlap_experiment(dp: int = 4, batch: int = 8, bucket_mb: float = 0.25, steps: int = 6,
+                          repeats: int = 2, **model) -> dict:
+    """Data parallel three ways on the same model and data: `naive` (one all-reduce per gradient,
+    after backward), `bucketed` (buckets of `bucket_mb`, each all-reduced as soon as backward has
+    filled it) and `one bucket` (bucketed with every gradient in one bucket: it can only start when
+    backward ends, so the same code without the overlap). `repeats` runs of `steps` steps each,
+    the modes interleaved (A B C, then C B A, ...) so that a machine that gets busier or quieter
+    does not favour one mode.
+
+    Returns {"summary": one row per mode: medians over ranks x timed steps x runs of the step time,
+    backward (wall, and the rank's own CPU time), waiting for the gradients after backward
+    (grad_sync), the share of all-reduce time
+    that overlapped backward, all-reduces per step and how many finished before backward ended;
+    "steps": step_times rows with `mode` and `run`; "buckets": bucket_overlap rows of the bucketed
+    runs; "config": what ran}."""
+    from .engine import run  # engine imports much of the library: only when a run is asked for
+
+    base = RunConfig(dp=dp, batch=batch, steps=steps, **model).validate()
+    n_params = sum(1 for _ in build_model(base).parameters())
+    grad_mb = 4 * sum(p.numel() for p in build_model(base).parameters()) / 2 ** 20
+    modes = {"naive": base.replace(dp_mode="naive"),
+             "bucketed": base.replace(dp_mode="bucketed", bucket_mb=bucket_mb),
+             "one bucket": base.replace(dp_mode="bucketed", bucket_mb=2 * grad_mb + 1)}
+    order = list(modes)
+    step_rows, bucket_rows = [], []
+    for rep in range(repeats):
+        for mode in (order if rep % 2 == 0 else order[::-1]):
+            report = run(modes[mode]).to_dict()
+            step_rows += [{"mode": mode, "run": rep, **row} for row in step_times(report)]
+            overlap = [{"mode": mode, "run": rep, **row} for row in bucket_overlap(report)]
+            bucket_rows += overlap
+    summary = []
+    for mode in order:
+        st = [row for row in step_rows if row["mode"] == mode]
+        ov = [row for row in bucket_rows if row["mode"] == mode]
+        per_step: dict[tuple, list[dict]] = {}
+        for row in ov:
+            per_step.setdefault((row["run"], row["rank"], row["step"]), []).append(row)
+        summary.append({
+            "mode": mode, "bucket_mb": modes[mode].bucket_mb if mode != "naive" else None,
+            "allreduces_per_step": _median(len(v) for v in per_step.values()),
+            "step_ms": _median(row["step_ms"] for row in st),
+            "backward_ms": _median(row["backward_ms"] for row in st),
+            "backward_cpu_ms": _median(row["backward_cpu_ms"] for row in st),
+            "grad_sync_ms": _median(row["grad_sync_ms"] for row in st),
+            "overlapped_share": _median(overlapped_share(v) for v in per_step.values()),
+            "finished_in_backward": _median(sum(r["finished_in_backward"] for r in v)
+                                            for v in per_step.values()),
+            "samples": len(st)})
+    return {"summary": summary, "steps": step_rows,
+            "buckets": [row for row in bucket_rows if row["mode"] == "bucketed"],
+            "config": {"dp": dp, "batch": batch, "steps": steps, "repeats": repeats,
+                       "bucket_mb": bucket_mb, "gradient_tensors": n_params,
+                       "gradient_mb": grad_mb, "timed_steps": timed_steps(
+                           {"config": {"steps": steps}, "ranks": [{"metered_step": steps - 1}]})}}

@@ -1,9 +1,12 @@
 """One training run, drawn from its `RunReport.to_dict()` (lesson 02, the Data parallel page):
 
     loss_curves(report)    loss per step: live run vs the single-process reference
-    comm_bytes(report)     wire bytes per step per rank: measured vs theory
+    comm_bytes(report)     wire bytes per step per rank, from the comm records, vs theory; with
+                           written=True also the bytes written to sockets (measured)
     memory_bars(report)    memory per rank by category: measured vs theory, with the live peak
     timeline(report)       Gantt of compute and comm per rank (wall clock)
+    bucket_overlap(rows)   each bucket's all-reduce, launch to finish, relative to the end of backward
+                           (rows: experiments.bucket_overlap or dp_overlap_experiment's "buckets")
 """
 from __future__ import annotations
 
@@ -62,50 +65,78 @@ def loss_curves(report: dict) -> alt.LayerChart:
         "Loss per step: live run vs single-process reference", subtitle=subtitle, anchor="start"))
 
 
-def comm_bytes_frame(report: dict) -> pd.DataFrame:
-    """Wire bytes per training step, per rank and group: measured (the rank's comm records of the
-    steps, summed and divided by the step count) and theory (report['theory'])."""
+COMM_SOURCES = ["measured (written to sockets)", "ring model", "theory"]
+COMM_SOURCE_COLORS = ["#4c78a8", "#9ecae9", "#bab0ac"]
+
+
+def comm_bytes_frame(report: dict, written: bool = False) -> pd.DataFrame:
+    """Bytes per training step, per rank and group, summed over the steps and divided by their count.
+
+    written=False (the app's Data parallel page): "measured", the ring model's count of the calls the
+    rank really made (records' `wire_bytes`), beside "theory", the formula for the config.
+    written=True (lesson 02): three sources, named for what they are: "measured (written to
+    sockets)", what the rank's process really wrote during its ops (records' `wire_bytes_measured`;
+    left out where it cannot be read), "ring model" (the records' `wire_bytes`) and "theory"."""
     steps = max(1, report["config"]["steps"])
     theory_b = report["theory"].get("wire_bytes_per_step", {})
+    model_label = COMM_SOURCES[1] if written else "measured"
     rows = []
     for r in report["ranks"]:
-        measured: dict[str, float] = {g: 0.0 for g in theory_b}
+        model: dict[str, float] = {g: 0.0 for g in theory_b}
+        sent: dict[str, float | None] = {g: 0.0 for g in theory_b}
         for rec in r["comm"]:
             if rec["step"] >= 0:
-                measured[rec["group"]] = measured.get(rec["group"], 0.0) + rec["wire_bytes"]
-        for g, b in measured.items():
-            rows.append({"rank": r["rank"], "group": g, "source": "measured", "bytes": b / steps})
+                g = rec["group"]
+                model[g] = model.get(g, 0.0) + rec["wire_bytes"]
+                w, so_far = rec.get("wire_bytes_measured"), sent.get(g, 0.0)
+                sent[g] = None if w is None or so_far is None else so_far + w
+        for g, b in model.items():
+            if written and sent.get(g) is not None:
+                rows.append({"rank": r["rank"], "group": g, "source": COMM_SOURCES[0],
+                             "bytes": sent[g] / steps})
+            rows.append({"rank": r["rank"], "group": g, "source": model_label, "bytes": b / steps})
             if g in theory_b:
                 rows.append({"rank": r["rank"], "group": g, "source": "theory",
                              "bytes": float(theory_b[g])})
     return pd.DataFrame(rows, columns=["rank", "group", "source", "bytes"])
 
 
-def comm_bytes(report: dict) -> alt.LayerChart:
-    """Grouped bars per rank (and process group): bytes this rank put on the wire per training step,
-    measured from its comm records beside theory's 2(N-1)/N * gradient bytes."""
-    df = comm_bytes_frame(report)
+def comm_bytes(report: dict, written: bool = False) -> alt.LayerChart:
+    """Grouped bars per rank (and process group): bytes this rank sent per training step, counted
+    from its comm records beside theory's 2(N-1)/N * gradient bytes (data parallel). With
+    written=True, the bytes its process really wrote to its sockets come first, and the records'
+    count is named what it is, the ring model of the calls made (see comm_bytes_frame)."""
+    df = comm_bytes_frame(report, written)
     div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
     df["value"] = df["bytes"] / div
     multi = df["group"].nunique() > 1
     df["who"] = ("rank " + df["rank"].astype(str)
                  + (" · " + df["group"] if multi else ""))
+    sources = list(dict.fromkeys(s for s in (*COMM_SOURCES, "measured") if s in set(df["source"])))
+    palette = {**dict(zip(COMM_SOURCES, COMM_SOURCE_COLORS)), "measured": "#4c78a8"}
     base = alt.Chart(df).encode(
         x=alt.X("who:N", title="rank" + (" · group" if multi else ""),
                 axis=alt.Axis(labelAngle=0)),
-        xOffset=alt.XOffset("source:N", sort=["measured", "theory"]),
-        y=alt.Y("value:Q", title=f"wire bytes per step ({unit})",
+        xOffset=alt.XOffset("source:N", sort=sources),
+        y=alt.Y("value:Q", title=f"{'bytes' if written else 'wire bytes'} per step ({unit})",
                 scale=alt.Scale(domainMin=0) if df["value"].max() > 0 else alt.Scale(domain=[0, 1])),
         tooltip=["who:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
+    if written:
+        title = "Bytes each rank sends per step: written to sockets, ring model, theory"
+        subtitle = ["measured: what the rank's process wrote to its sockets during its ops",
+                    "ring model: the calls it made, each counted as a ring sends it; "
+                    "theory: the formula for the config"]
+    else:
+        title = "Bytes each rank sends per step: measured vs theory"
+        subtitle = "theory: all-reduce of every gradient once per step, 2(N−1)/N · gradient bytes"
     return alt.layer(
         base.mark_bar().encode(color=alt.Color(
-            "source:N", title=None, scale=alt.Scale(domain=["measured", "theory"],
-                                                    range=["#4c78a8", "#bab0ac"]))),
+            "source:N", title=None, sort=sources,
+            scale=alt.Scale(domain=sources, range=[palette[c] for c in sources]),
+            legend=alt.Legend(orient="bottom", labelLimit=300) if written else alt.Legend())),
         base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
-    ).properties(autosize=PAD, width=max(240, 90 * df["who"].nunique()), height=240, title=alt.TitleParams(
-        "Bytes each rank sends per step: measured vs theory",
-        subtitle="theory: all-reduce of every gradient once per step, 2(N−1)/N · gradient bytes",
-        anchor="start"))
+    ).properties(autosize=PAD, width=max(240, (120 if written else 90) * df["who"].nunique()),
+                 height=240, title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
 
 def memory_frame(report: dict) -> pd.DataFrame:
@@ -229,3 +260,44 @@ def timeline(report: dict, steps=None) -> alt.Chart | alt.LayerChart:
     return chart.properties(autosize=PAD, width=640, height=24 * len(lanes), title=alt.TitleParams(
         f"Timeline of {_run_label(report)} on {report['world_size']} ranks (wall clock)",
         subtitle=subtitle, anchor="start"))
+
+
+def bucket_overlap(rows: list[dict], title: str | None = None) -> alt.LayerChart:
+    """One bar per bucket all-reduce (every rank, timed step and run, translucent, so that where
+    they pile up the bar is dark): from its launch to its completion as the backend reported it, in
+    ms relative to the end of the backward that filled it (0, the black rule; the shaded band, in
+    backward's colour, is the median backward). A black tick marks the median launch and finish of each bucket. Left of 0:
+    the all-reduce ran before backward returned; right of 0: after it, where only waiting is left.
+    `rows`: experiments.bucket_overlap(report), or dp_overlap_experiment(...)["buckets"]."""
+    df = pd.DataFrame(rows)
+    df["label"] = [f"bucket {b} ({p} grads pending)" for b, p in zip(df["bucket"], df["grads_pending"])]
+    labels = list(dict.fromkeys(df.sort_values("bucket")["label"]))
+    y = alt.Y("label:N", title=None, sort=labels, axis=alt.Axis(labelLimit=260))
+    bars = alt.Chart(df).mark_bar(height=14, opacity=max(0.06, min(0.5, 3 / max(1, len(df) / len(labels))))).encode(
+        x=alt.X("launch_ms:Q", title="ms relative to the end of backward (negative: before it ended)"),
+        x2="finish_ms:Q", y=y, color=alt.value("#e45756"),
+        tooltip=["label:N", "rank:Q", "step:Q", alt.Tooltip("launch_ms:Q", format=".2f"),
+                 alt.Tooltip("finish_ms:Q", format=".2f"), alt.Tooltip("allreduce_ms:Q", format=".2f"),
+                 alt.Tooltip("overlapped_ms:Q", format=".2f")])
+    med = (df.groupby("label", as_index=False)
+             .agg(launch_ms=("launch_ms", "median"), finish_ms=("finish_ms", "median")))
+    ticks = [alt.Chart(med).mark_tick(color="black", thickness=2, size=18).encode(
+        x=alt.X(f"{k}:Q"), y=y, tooltip=["label:N", alt.Tooltip(f"{k}:Q", format=".2f", title=f"median {k}")])
+        for k in ("launch_ms", "finish_ms")]
+    band = pd.DataFrame([{"start": -float(df["backward_ms"].median()), "end": 0.0,
+                          "label": "backward (median)"}])
+    shade = alt.Chart(band).mark_rect(color="#f58518", opacity=0.15).encode(x="start:Q", x2="end:Q")
+    rule = alt.Chart(pd.DataFrame([{"x": 0.0}])).mark_rule(color="black", strokeWidth=2).encode(x="x:Q")
+    text = alt.Chart(band).mark_text(align="right", baseline="top", dx=-3, dy=2, fontSize=11,
+                                     color="#555555").encode(x="end:Q", y=alt.value(0),
+                                                             text=alt.value("backward ends"))
+    n = df.groupby(["run", "rank", "step"]).ngroups if {"run", "rank", "step"} <= set(df) else \
+        df.groupby(["rank", "step"]).ngroups
+    return alt.layer(shade, bars, *ticks, rule, text).properties(
+        autosize=PAD, width=620, height=40 * len(labels) + 20, title=alt.TitleParams(
+            title or "When each bucket's all-reduce ran, relative to the end of backward (measured)",
+            subtitle=[f"one translucent bar per rank and timed step ({n} in all); black ticks: "
+                      f"median launch and finish; shaded: the median backward",
+                      "finish: when gloo reported the all-reduce done (a callback), not when the "
+                      "rank waited for it"],
+            anchor="start"))
