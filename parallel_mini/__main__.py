@@ -90,8 +90,19 @@ def _summary(report) -> str:
                          f"{sum(e['aux'] for e in log) / len(log):.4f}")
     if "bubble" in report.extra:
         b = report.extra["bubble"]
-        lines.append(f"bubble: measured {b['measured']:.1%} (own-device replay; wall clock "
-                     f"{b['measured_wall']:.1%})  theory {b['theory']:.1%}")
+        wall, gap = b["wall"], b["wall"]["gap_to_formula"]
+        lines.append(f"bubble: measured (wall clock) {wall['overall']:.1%}  replayed (measured op "
+                     f"times, own-device schedule) {b['replayed']['overall']:.1%}  theory (formula) "
+                     f"{b['theory']:.1%}")
+        share = wall["op_cpu_over_wall_per_rank"]
+        lines.append(f"  wall clock: {wall['placement']}; the ops' CPU time is "
+                     f"{min(share):.0%}-{max(share):.0%} of their wall time (100%: nothing else "
+                     f"ran on the rank's core)")
+        from .trace import GAP_PARTS
+        lines.append("  wall clock minus formula, points: " + "  ".join(
+            f"{GAP_PARTS[k]} {100 * v:+.1f}" for k, v in gap.items())
+            + (f"  (median p2p latency {1e3 * wall['p2p_latency_median_s']:.2f} ms)"
+               if wall["p2p_latency_median_s"] is not None else ""))
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
     return "\n".join(lines)

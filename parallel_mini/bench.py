@@ -6,7 +6,7 @@
     python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
     python -m parallel_mini.bench tp      # (d) our tensor (+ sequence) parallel vs DTensor
     python -m parallel_mini.bench pp      # (e) our pipeline schedules vs torch.distributed.pipelining
-    python -m parallel_mini.bench bubble  # (f) measured (own-device) pipeline bubble vs the formula
+    python -m parallel_mini.bench bubble  # (f) pipeline bubble, wall clock and replayed, vs the formula
     python -m parallel_mini.bench cp      # (g) ring attention vs torch's, K/V transfer hidden
     python -m parallel_mini.bench ep      # (h) expert parallel vs experts replicated; a2a split
     python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
@@ -30,9 +30,13 @@
     Schedule1F1B, ScheduleInterleaved1F1B, each a PipelineStage per chunk of the same split
     (`peers.TorchPipeline`: our `partition` and `forward_chunk` inside, torch's schedule and p2p
     around), same data and Adam arithmetic, steps interleaved as in (a).
-(f) The pipeline's "done means" run repeated: `run --pp 4 --microbatches 8 --schedule S --reference`
-    with the CLI's pipeline defaults, N times per schedule; the own-device bubble minus the formula
-    (points), how many runs land within 3 points, and the largest |ours - reference|.
+(f) The pipeline's "done means" runs repeated: `run --pp P --microbatches M --schedule S
+    --reference` with the CLI's pipeline defaults, N times per schedule, at P x M = 2 x 4 (on a
+    machine with 2 cores or more each rank pinned to a core of its own) and 4 x 8. Against the
+    formula (points): the bubble measured on the wall clock, how many runs land within 5 points, and
+    what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p hand-off and
+    latency, between ops, medians); the bubble replayed with the measured op CPU times (own-device
+    schedule), within 3 points; and the largest |ours - reference|.
 (g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
     torch's private ring template, on the same inputs; and, from our forward's own timing of each
     hop, the share of the hop's time during which the current block was being computed.
@@ -402,35 +406,51 @@ def bench_warm(repeats: int = 10, dp: int = 4, steps: int = 2) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# (f) the bubble, measured against the formula, over repeated runs
+# (f) the bubble, measured (wall clock) and replayed, against the formula, over repeated runs
 # ---------------------------------------------------------------------------------------------
-def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), pp: int = 4, m: int = 8,
+def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4), (4, 8)),
                  repeats: int = 5) -> list[dict]:
     from .engine import run
     from .parallel.schedules import pipeline_layers, virtual_stages
-    from .trace import PIPELINE_STEPS
+    from .trace import GAP_PARTS, PIPELINE_STEPS
 
     rows = []
-    for name in schedules:
-        cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
-                        layers=pipeline_layers(pp, virtual_stages(name)),
-                        steps=PIPELINE_STEPS).validate()
-        runs = []
-        for i in range(repeats):
-            report = run(cfg)
-            b = report.extra["bubble"]
-            runs.append({"measured": b["measured"], "theory": b["theory"],
-                         "points": 100 * (b["measured"] - b["theory"]),
-                         "max_abs_diff": report.max_abs_diff})
-            print(f"  {name} run {i + 1}/{repeats}: bubble {b['measured']:.1%} vs formula "
-                  f"{b['theory']:.1%}", file=sys.stderr, flush=True)
-        points = [r["points"] for r in runs]
-        rows.append({"schedule": name, "pp": pp, "microbatches": m, "layers": cfg.layers,
-                     "steps": cfg.steps, "repeats": repeats, "runs": runs,
-                     "median_points": statistics.median(points),
-                     "max_abs_points": max(abs(x) for x in points),
-                     "within_3_points": sum(abs(x) <= 3 for x in points),
-                     "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
+    for pp, m in setups:
+        for name in schedules:
+            cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
+                            layers=pipeline_layers(pp, virtual_stages(name)),
+                            steps=PIPELINE_STEPS).validate()
+            runs = []
+            for i in range(repeats):
+                report = run(cfg)
+                b = report.extra["bubble"]
+                wall = b["wall"]
+                runs.append({"wall": wall["overall"], "replayed": b["replayed"]["overall"],
+                             "theory": b["theory"],
+                             "wall_points": 100 * (wall["overall"] - b["theory"]),
+                             "replayed_points": 100 * (b["replayed"]["overall"] - b["theory"]),
+                             "gap_points": {k: 100 * v for k, v in wall["gap_to_formula"].items()},
+                             "p2p_latency_median_s": wall["p2p_latency_median_s"],
+                             "op_cpu_over_wall_min": min(wall["op_cpu_over_wall_per_rank"]),
+                             "ranks_shared_cores": wall["ranks_shared_cores"],
+                             "max_abs_diff": report.max_abs_diff})
+                print(f"  pp {pp} m {m} {name} run {i + 1}/{repeats}: bubble measured (wall clock) "
+                      f"{wall['overall']:.1%}, replayed {b['replayed']['overall']:.1%}, formula "
+                      f"{b['theory']:.1%}", file=sys.stderr, flush=True)
+            latencies = [r["p2p_latency_median_s"] for r in runs if r["p2p_latency_median_s"] is not None]
+            rows.append({
+                "schedule": name, "pp": pp, "microbatches": m, "layers": cfg.layers,
+                "steps": cfg.steps, "repeats": repeats, "runs": runs,
+                "ranks_shared_cores": runs[0]["ranks_shared_cores"],
+                "wall_median_points": statistics.median(r["wall_points"] for r in runs),
+                "wall_within_5_points": sum(abs(r["wall_points"]) <= 5 for r in runs),
+                "gap_median_points": {k: statistics.median(r["gap_points"][k] for r in runs)
+                                      for k in GAP_PARTS},
+                "p2p_latency_median_s": statistics.median(latencies) if latencies else None,
+                "op_cpu_over_wall_min": min(r["op_cpu_over_wall_min"] for r in runs),
+                "replayed_median_points": statistics.median(r["replayed_points"] for r in runs),
+                "replayed_within_3_points": sum(abs(r["replayed_points"]) <= 3 for r in runs),
+                "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
     return rows
 
 
@@ -497,17 +517,29 @@ def _print_pp(rows):
 
 
 def _print_bubble(rows):
+    from .trace import GAP_PARTS
     r0 = rows[0]
-    print(f"(f) pipeline bubble, own-device replay minus the formula (points), pp {r0['pp']}, "
-          f"{r0['microbatches']} micro-batches, {r0['steps']} steps, {r0['repeats']} runs each")
-    print(_table(["schedule", "layers", "formula", "measured (each run)", "median", "max |.|",
-                  "within 3", "max |ours - ref|"],
-                 [[r["schedule"], r["layers"], f"{r['runs'][0]['theory']:.1%}",
-                   " ".join(f"{x['measured']:.1%}" for x in r["runs"]),
-                   f"{r['median_points']:+.1f}", f"{r['max_abs_points']:.1f}",
-                   f"{r['within_3_points']}/{r['repeats']}", f"{r['max_abs_diff']:.1e}"]
+    print(f"(f) pipeline bubble against the formula: measured (wall clock) and replayed (measured op "
+          f"times, own-device schedule), {r0['steps']} steps, {r0['repeats']} runs each")
+    print(_table(["pp", "m", "schedule", "cores", "formula", "wall clock (each run)", "median",
+                  "within 5", "replayed (each run)", "median", "within 3", "max |ours - ref|"],
+                 [[r["pp"], r["microbatches"], r["schedule"],
+                   {False: "own", True: "shared", None: "?"}[r["ranks_shared_cores"]],
+                   f"{r['runs'][0]['theory']:.1%}",
+                   " ".join(f"{x['wall']:.1%}" for x in r["runs"]), f"{r['wall_median_points']:+.1f}",
+                   f"{r['wall_within_5_points']}/{r['repeats']}",
+                   " ".join(f"{x['replayed']:.1%}" for x in r["runs"]),
+                   f"{r['replayed_median_points']:+.1f}",
+                   f"{r['replayed_within_3_points']}/{r['repeats']}", f"{r['max_abs_diff']:.1e}"]
                   for r in rows]))
-    print("    zb's formula takes each run's measured F, B, W costs")
+    print("    cores: own = each rank pinned to a core of its own, shared = more ranks than cores; "
+          "zb's formula takes each run's measured F, B, W costs")
+    print("  wall clock minus formula, what it is made of (trace.wall_gap; points, medians over runs)")
+    print(_table(["pp", "m", "schedule", *GAP_PARTS.values(), "p2p latency ms", "op CPU/wall (min)"],
+                 [[r["pp"], r["microbatches"], r["schedule"]]
+                  + [f"{r['gap_median_points'][k]:+.1f}" for k in GAP_PARTS]
+                  + ["-" if r["p2p_latency_median_s"] is None else f"{1e3 * r['p2p_latency_median_s']:.2f}",
+                     f"{r['op_cpu_over_wall_min']:.0%}"] for r in rows]))
 
 
 def _print_warm(w):
@@ -711,6 +743,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pp degrees for (e)")
     ap.add_argument("--warm-repeats", type=int, default=10, help="repeated runs for warm")
     ap.add_argument("--bubble-repeats", type=int, default=5, help="runs per schedule for (f)")
+    ap.add_argument("--bubble-setups", nargs="+", default=["2x4", "4x8"], metavar="PxM",
+                    help="pipeline ranks x micro-batches for (f)")
+    ap.add_argument("--bubble-schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb"],
+                    help="schedules for (f)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     return ap
 
@@ -738,7 +774,8 @@ def main(argv=None) -> int:
         out["pp"] = bench_pp(tuple(args.pp))
         show(_print_pp, out["pp"])
     if args.what in ("bubble", "all"):
-        out["bubble"] = bench_bubble(repeats=args.bubble_repeats)
+        setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in args.bubble_setups)
+        out["bubble"] = bench_bubble(tuple(args.bubble_schedules), setups, args.bubble_repeats)
         show(_print_bubble, out["bubble"])
     if args.what in ("cp", "all"):
         out["cp"] = bench_cp()

@@ -8,6 +8,10 @@ single-threaded process that imported torch once; every rank is a cheap fork of 
 Functions defined in a notebook cannot be pickled by reference (they live in `__main__`), so the
 function and its arguments are shipped *by value* with cloudpickle.
 
+Timing: when the machine has at least as many cores as the run has ranks, each local rank is pinned
+to a core of its own (rank i to the i-th core this process may use), with one thread: no rank then
+waits for a core another rank holds, and its wall clock measures the run (see `pin_to_core`).
+
 Failure contract: a rank that raises fails the whole run promptly with that rank's traceback; a rank
 that dies without a word (e.g. gloo aborts when ranks disagree on a tensor size) is reported with its
 exit signal; a run that exceeds `timeout` (a deadlock) is killed with a message naming the ranks that
@@ -59,6 +63,7 @@ class RankResult:
     rank: int
     value: object
     output: str  # what the rank printed
+    placement: dict | None = None  # pin_to_core's record: where the rank ran
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,8 +119,39 @@ def connect_gloo_lazily() -> None:
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
 
+def pin_to_core(rank: int, world_size: int) -> dict:
+    """Pin this process to a core of its own when every rank can have one: rank i to the i-th of
+    the cores this process may use (sorted `os.sched_getaffinity`), called first thing in a fresh
+    rank, so that the threads gloo starts later inherit the core. With fewer cores than ranks
+    nothing is pinned: the ranks share the cores and the OS moves them as it likes. A run of one
+    rank is not pinned either: it has no other rank to share with, and two such runs at once (a
+    test suite's workers) would otherwise both sit on the first core.
+
+    Returns what was done, for the report: {"pinned", "cores" (the rank's cores afterwards),
+    "cores_available", "how"}. Other processes of the machine may still run on a pinned core: the
+    timeline's CPU / wall time of an op says how much of it the rank really had its core."""
+    if not hasattr(os, "sched_setaffinity"):  # macOS, Windows: no affinity API
+        return {"pinned": False, "cores": None, "cores_available": os.cpu_count(),
+                "how": "not pinned: this OS has no sched_setaffinity; ranks may share cores"}
+    cores = sorted(os.sched_getaffinity(0))
+    if world_size == 1:
+        return {"pinned": False, "cores": cores, "cores_available": len(cores),
+                "how": "not pinned: a single rank shares its cores with no other rank"}
+    if world_size > len(cores):
+        return {"pinned": False, "cores": cores, "cores_available": len(cores),
+                "how": f"not pinned: {world_size} ranks on {len(cores)} cores share them"}
+    os.sched_setaffinity(0, {cores[rank]})
+    return {"pinned": True, "cores": sorted(os.sched_getaffinity(0)), "cores_available": len(cores),
+            "how": f"pinned to core {cores[rank]} (rank {rank} of {world_size}, {len(cores)} cores)"}
+
+
+TORCHRUN_PLACEMENT = {"pinned": False, "cores": None, "cores_available": None,
+                      "how": "under torchrun: CPU affinity left as the launcher set it"}
+
+
 def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo):
-    torch.set_num_threads(1)  # ranks share the machine's cores; more threads only fight
+    placement = pin_to_core(rank, world_size)  # before any thread exists: they inherit it
+    torch.set_num_threads(1)  # one compute thread per rank: ranks do not fight over cores
     connect_gloo_lazily()
     out = _Tee(sys.__stderr__ if echo else None)
     status, value, started = "ok", None, False
@@ -129,12 +165,17 @@ def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo)
             device_for(backend, rank)
             started = True
             value = fn(*args, **kwargs)
+            if isinstance(value, dict) and "events" in value:
+                # a rank's report with a timeline (engine.train_rank): its times are read
+                # against where the rank ran (trace.bubble's wall view)
+                value.setdefault("placement", placement)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         status, value = ("error" if started else "start_error"), traceback.format_exc()
     try:
-        conn.send_bytes(cloudpickle.dumps((status, value, out.buf.getvalue())))
+        conn.send_bytes(cloudpickle.dumps((status, value, out.buf.getvalue(), placement)))
     except BaseException:  # noqa: BLE001 - e.g. an unpicklable result
-        conn.send_bytes(cloudpickle.dumps(("error", traceback.format_exc(), out.buf.getvalue())))
+        conn.send_bytes(cloudpickle.dumps(("error", traceback.format_exc(), out.buf.getvalue(),
+                                           placement)))
     conn.close()
     # Skip interpreter teardown: gloo's destructor can block on peers that already failed.
     os._exit(0)
@@ -276,11 +317,11 @@ def _collect(procs, conns, timeout) -> list[RankResult]:
         for r in pending:
             if conns[r] in ready or conns[r].poll():  # poll() is also true at EOF
                 try:
-                    status, value, outputs[r] = cloudpickle.loads(conns[r].recv_bytes())
+                    status, value, outputs[r], placement = cloudpickle.loads(conns[r].recv_bytes())
                 except EOFError:  # the rank closed its pipe without a word: it died
                     raise _died(r, procs, outputs) from None
                 if status == "ok":
-                    results[r] = RankResult(r, value, outputs[r])
+                    results[r] = RankResult(r, value, outputs[r], placement)
                     continue
                 error = (_StartFailed if status == "start_error" else RankError)(r, value, outputs)
                 raise _root_cause(error, procs, pending, outputs)
@@ -297,7 +338,9 @@ def under_torchrun() -> bool:
 
 
 def init_from_env(backend: str | None = None, pg_timeout: float = 60.0) -> torch.device:
-    """Initialise the default process group from torchrun's environment; returns this rank's device."""
+    """Initialise the default process group from torchrun's environment; returns this rank's device.
+    The CPU affinity is left as the launcher set it (a cluster's job script pins, or not, on
+    purpose); TORCHRUN_PLACEMENT says so in the report."""
     torch.set_num_threads(1)
     connect_gloo_lazily()
     backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

@@ -1,11 +1,15 @@
 """The "Pipeline bubbles" page, driven headless with AppTest. Before any run the two schedules are
 drawn as planned, and the idle share of each drawn plan is the textbook formula (computed here by
 hand). A live run (two of them in this file: GPipe vs 1F1B on 4 stages, interleaved vs zero bubble
-on 2) puts the measured step on the page: the bubble shown is the idle share of the timeline drawn
-(recomputed here from the chart's own bars), the p2p bytes per stage equal the count by hand,
+on 2) puts the step on the page, measured on the wall clock and replayed with the measured op
+times: the bubble shown in each view is the idle share of the timeline drawn (recomputed here from
+the chart's own bars), the page says whether the ranks had cores of their own, the p2p bytes per
+stage equal the count by hand,
 GPipe keeps m micro-batches in flight on every stage and 1F1B p − r, and the losses equal the
 single-process reference. A bad combination shows the one-line ConfigError and starts nothing."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import streamlit as st
@@ -15,7 +19,7 @@ from test_app import _app, _assert_clean, _chart, _charts, _rows_with, _widget
 
 PAGE = "app_pages/pipeline.py"
 ACT = 4 * 32 * 64  # one micro-batch's activation [1, 32, 64] in fp32, bytes
-OWN, WALL = "as if each rank had its own device", "as measured (wall clock)"
+OWN, WALL = "replayed (measured op times, own-device schedule)", "measured (wall clock)"
 
 
 @pytest.fixture(autouse=True)
@@ -122,24 +126,34 @@ def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference():
     at.button[0].click().run()
     _assert_clean(at)
     p, m = 4, 8
+    shared = len(os.sched_getaffinity(0)) < p if hasattr(os, "sched_getaffinity") else None
     for s in ("gpipe", "1f1b"):
         assert float(_widget(at.metric, f"max |run − reference| (losses, final params): {s}")
                      .value) <= 1e-5
-        # the bubble shown is the idle share of the timeline drawn (own-device replay)
-        own = _idle_share(_timeline_rows(_chart(at, f"{s}: {OWN}")))
-        assert 0 < own < 1
-        assert _percent(at, f"Own device: {s}") == pytest.approx(100 * own, abs=0.05 + 1e-9)
+        # first the measurement: the bubble shown is the idle share of the wall-clock step drawn
+        wall = _idle_share(_timeline_rows(_chart(at, f"{s}: {WALL}")))
+        assert 0 < wall < 1
+        assert _percent(at, f"Measured: {s}") == pytest.approx(100 * wall, abs=0.05 + 1e-9)
         assert _widget(at.metric, f"Formula: {s}").value == "27.3%"
-        assert 0 < _percent(at, f"Wall clock: {s}") < 100
+        assert 0 < _percent(at, f"Replayed: {s}") < 100
+        subtitle = " ".join(_chart(at, f"{s}: {WALL}")["spec"]["title"]["subtitle"])
+        if shared is not None:  # the page says whether the 4 ranks had cores of their own
+            assert ("ranks shared" in subtitle) == shared and ("core of its own" in subtitle) != shared
     bars = {(r["schedule"], r["source"]): r["bubble"]
             for r in _rows_with(_chart(at, "Pipeline bubble"), "source")}
-    assert set(bars) == {(s, src) for s in ("gpipe", "1f1b")
-                         for src in ("measured (own device)", "measured (wall clock)", "formula")}
+    assert set(bars) == {(s, src) for s in ("gpipe", "1f1b") for src in (WALL, OWN, "formula")}
     for s in ("gpipe", "1f1b"):
         assert bars[s, "formula"] == theory.bubble_fraction(s, p, m) == pytest.approx(3 / 11)
-        assert bars[s, "measured (own device)"] == pytest.approx(
-            _idle_share(_timeline_rows(_chart(at, f"{s}: {OWN}"))), abs=1e-9)
-        assert 0 < bars[s, "measured (wall clock)"] < 1
+        assert 0 < bars[s, WALL] < 1 and 0 < bars[s, OWN] < 1
+    assert any("Wall clock minus formula, points" in c.value for c in at.caption)
+
+    # the replay of the same runs: no new run, the numbers of the replay drawn
+    _set(at, "radio", "View", OWN)
+    _assert_clean(at)
+    for s in ("gpipe", "1f1b"):
+        own = _idle_share(_timeline_rows(_chart(at, f"{s}: {OWN}")))
+        assert _percent(at, f"Replayed: {s}") == pytest.approx(100 * own, abs=0.05 + 1e-9)
+        assert bars[s, OWN] == pytest.approx(own, abs=1e-9)
     # two timelines on one time axis
     domains = {c["spec"]["title"]["text"]: [lay["encoding"]["x"]["scale"]["domain"]
                                             for lay in c["spec"]["layer"]][0]
@@ -165,12 +179,12 @@ def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference():
             assert got == {f"rank {r}": by_hand[r] for r in range(p)}, (s, src)
         assert _widget(at.metric, f"Stages sending exactly the formula's bytes: {s}").value == "4 of 4"
 
-    # the wall-clock view of the same step: no new run, the same numbers
+    # back to the wall clock: the same numbers
     _set(at, "radio", "View", WALL)
     _assert_clean(at)
     for s in ("gpipe", "1f1b"):
         wall = _idle_share(_timeline_rows(_chart(at, f"{s}: {WALL}")))
-        assert _percent(at, f"Wall clock: {s}") == pytest.approx(100 * wall, abs=0.05 + 1e-9)
+        assert _percent(at, f"Measured: {s}") == pytest.approx(100 * wall, abs=0.05 + 1e-9)
     # a knob that changes the runs starts nothing: the page says the result is stale
     _set(at, "slider", "Micro-batches", 4)
     _assert_clean(at)
@@ -197,6 +211,15 @@ def test_live_interleaved_vs_zero_bubble_on_two_stages():
     assert bars["interleaved (v = 2)", "formula"] == pytest.approx(1 / 9)
     # zero bubble's formula takes the measured F, B, W times: below 1F1B's (p-1)/(m+p-1)
     assert 0 < bars["zb", "formula"] < theory.bubble_fraction("1f1b", p, m)
+    # the wall clock first: with 2 ranks and 2 cores or more, each rank had a core of its own
+    for lab in ("interleaved (v = 2)", "zb"):
+        chart = _chart(at, f"{lab}: {WALL}")
+        if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= p:
+            assert "core of its own" in " ".join(chart["spec"]["title"]["subtitle"])
+        assert _percent(at, f"Measured: {lab.split(' ')[0]}") == pytest.approx(
+            100 * _idle_share(_timeline_rows(chart)), abs=0.05 + 1e-9)
+    assert len([r for r in _timeline_rows(_chart(at, f"zb: {WALL}")) if r["kind"] == "W"]) == p * m
+    _set(at, "radio", "View", OWN)
     inter = _timeline_rows(_chart(at, f"interleaved (v = 2): {OWN}"))
     assert {(r["rank"], r["chunk"]) for r in inter if r["kind"] == "F"} == {
         (0, 0), (0, 2), (1, 1), (1, 3)}
@@ -204,7 +227,7 @@ def test_live_interleaved_vs_zero_bubble_on_two_stages():
     assert len([r for r in zb if r["kind"] == "W"]) == p * m
     for lab in ("interleaved (v = 2)", "zb"):
         own = _idle_share(_timeline_rows(_chart(at, f"{lab}: {OWN}")))
-        assert bars[lab, "measured (own device)"] == pytest.approx(own, abs=1e-9)
+        assert bars[lab, OWN] == pytest.approx(own, abs=1e-9)
     # interleaved: 4 chunks on 2 ranks, 3 boundaries crossed twice by each micro-batch: 3m each
     rows = _rows_with(_chart(at, "Bytes each stage sends per step: interleaved"), "source")
     assert {(r["stage"], r["source"]): r["bytes"] for r in rows} == {

@@ -1,7 +1,8 @@
 """Pipeline parallel: schedules as data (pure), the runner on real ranks against the reference,
-measured bytes and memory against theory, the bubble, the trace."""
+measured bytes and memory against theory, the bubble (wall clock, replayed), the trace."""
 import copy
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,8 @@ from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.parallel import schedules as S
-from parallel_mini.trace import chrome_trace, own_device_costs, own_device_replay
+from parallel_mini.launch import run_ranks
+from parallel_mini.trace import bubble, chrome_trace, own_device_costs, own_device_replay, wall_gap, wall_view
 
 
 # -- schedules, no ranks ------------------------------------------------------------------------
@@ -115,7 +117,8 @@ def test_pp4_equals_reference(schedule, layers):
     report = run(RunConfig(pp=4, layers=layers, microbatches=8, schedule=schedule, steps=2,
                            reference=True))
     _check_against_theory(report)
-    assert set(report.extra["bubble"]) >= {"measured", "theory", "measured_wall"}
+    assert set(report.extra["bubble"]) >= {"wall", "replayed", "theory"}
+    assert "measured" not in report.extra["bubble"]  # the replay is not a measurement
 
 
 def test_dp_times_pp_equals_reference():
@@ -161,13 +164,96 @@ def test_replay_trace_and_cli(tmp_path):
     assert len(ops) == 2 * 2 * 4 * 3  # ranks x kinds x micro-batches x steps
     b = report.extra["bubble"]
     assert b["theory"] == pytest.approx(1 / 5)
-    assert 0 <= b["measured"] < 1 and 0 <= b["measured_wall"] < 1
+    assert 0 <= b["replayed"]["overall"] < 1 and 0 <= b["wall"]["overall"] < 1
     path = tmp_path / "t.json"
     out = subprocess.run([sys.executable, "-m", "parallel_mini", "run", "--pp", "2", "--steps", "2",
                           "--trace", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "bubble: measured" in out.stdout
+    assert "bubble: measured (wall clock) " in out.stdout
+    assert "replayed (measured op times, own-device schedule)" in out.stdout
     assert any(e.get("cat") == "send" or e.get("name") == "send" for e in json.loads(path.read_text())["traceEvents"])
+
+
+# -- the wall-clock bubble ------------------------------------------------------------------------
+def _where_am_i():
+    import torch
+    return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_ranks_get_a_core_of_their_own_when_there_are_enough():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        got = run_ranks(_where_am_i, 2)
+        assert [r.value for r in got] == [([cores[0]], 1), ([cores[1]], 1)]
+        assert [r.placement["pinned"] for r in got] == [True, True]
+    crowd = len(cores) + 1  # more ranks than cores: nobody is pinned, the cores are shared
+    got = run_ranks(_where_am_i, crowd)
+    assert all(r.value == (cores, 1) and not r.placement["pinned"] for r in got)
+    assert "share them" in got[0].placement["how"]
+
+
+def _gpipe_by_hand(bookkeeping: float = 0.0) -> dict:
+    """GPipe, p = 2, m = 1, written as the events a run records: F = 1 s, B = 2 s, each message
+    handed to the link in 0.1 s and arriving 0.5 s after its op ended; rank 1 spends `bookkeeping`
+    seconds between its F and its B."""
+    def ev(kind, start, end, chunk, **extra):
+        return {"kind": kind, "step": 0, "microbatch": 0, "stage": chunk, "start": start,
+                "end": end, "cpu": end - start, **extra}
+    g = bookkeeping
+    rank0 = [ev("F", 0, 1, 0), ev("send", 1, 1.1, 0, message="act", to_chunk=1),
+             ev("wait", 1.1, 5 + g, 0, waiting_for="B0.1"), ev("B", 5 + g, 7 + g, 0)]
+    rank1 = [ev("wait", 0, 1.5, 1, waiting_for="F0.0"), ev("F", 1.5, 2.5, 1),
+             ev("B", 2.5 + g, 4.5 + g, 1), ev("send", 4.5 + g, 4.6 + g, 1, message="grad", to_chunk=0)]
+    ranks = [{"rank": r, "coords": {"dp": 0, "pp": r}, "events": es, "placement": {
+        "pinned": True, "cores": [r], "cores_available": 2, "how": ""}} for r, es in enumerate((rank0, rank1))]
+    return type("Report", (), {"config": {"schedule": "gpipe", "pp": 2, "microbatches": 1,
+                                          "virtual_stages": 0, "steps": 1}, "ranks": ranks})()
+
+
+@pytest.mark.parametrize("bookkeeping", [0.0, 0.2])
+def test_wall_gap_splits_the_idle_time_into_what_was_measured(bookkeeping):
+    report = _gpipe_by_hand(bookkeeping)
+    span = 7 + bookkeeping
+    gap = wall_gap(report, 0, report.ranks)
+    assert gap["per_rank"] == pytest.approx([1 - 3 / span] * 2)  # 3 s of F + B on each rank
+    assert gap["p2p_latencies_s"] == pytest.approx([0.5, 0.5])  # both receivers were blocked
+    assert gap["replay_stage_means"] == gap["replay_each_op"] == pytest.approx(1 / 2)  # the formula
+    # with the hand-offs and latencies put back, the replay is the run, bookkeeping aside
+    assert gap["replay_each_op_and_links"] == pytest.approx(1 - 3 / 7)
+    # where each rank's idle seconds went: waiting in a receive, handing a message over, the rest
+    # (rank 1: its bookkeeping, and the drain after its last op)
+    split = [[x[k] * span for k in ("waiting_on_messages", "sending", "other")] for x in gap["idle_per_rank"]]
+    assert split[0] == pytest.approx([3.9 + bookkeeping, 0.1, 0.0])
+    assert split[1] == pytest.approx([1.5, 0.1, 2.4 + bookkeeping])
+    b = bubble(report)
+    assert b["theory"] == 1 / 2 and b["wall"]["ranks_shared_cores"] is False
+    parts = b["wall"]["gap_to_formula"]
+    assert parts["stage_imbalance"] == parts["op_time_variation"] == pytest.approx(0.0)
+    assert parts["p2p_hand_off_and_latency"] == pytest.approx(1 / 2 - 3 / 7)
+    assert parts["between_ops"] == pytest.approx(3 / 7 - 3 / span)
+
+
+def test_wall_clock_bubble_of_a_pinned_pipeline():
+    """`bubble.wall` is the idle share of the recorded wall-clock ops (recomputed here from the raw
+    events); the report says where the ranks ran."""
+    report = run(RunConfig(pp=2, microbatches=4, schedule="gpipe", steps=3))
+    wall = report.extra["bubble"]["wall"]
+    ranks = sorted(report.ranks, key=lambda r: r["coords"]["pp"])
+    ops = [[e for e in r["events"] if e["step"] == 1 and e["kind"] in "FB"] for r in ranks]
+    t0, t1 = min(e["start"] for es in ops for e in es), max(e["end"] for es in ops for e in es)
+    by_hand = [1 - sum(e["end"] - e["start"] for e in es) / (t1 - t0) for es in ops]
+    assert wall["per_step"] == [pytest.approx(sum(by_hand) / 2, abs=1e-12)]
+    assert wall["overall"] == pytest.approx(sum(by_hand) / 2, abs=1e-12)
+    assert wall_view(report, 1)  # the same events, drawn
+    assert all(0 < x <= 1.0 + 1e-9 for x in wall["op_cpu_over_wall_per_rank"])
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
+        assert [r["placement"]["pinned"] for r in ranks] == [True, True]
+        assert wall["ranks_shared_cores"] is False and "core of its own" in wall["placement"]
+    crowded = run(RunConfig(pp=len(os.sched_getaffinity(0)) + 1, microbatches=1, schedule="gpipe",
+                            layers=len(os.sched_getaffinity(0)) + 1, steps=1))
+    assert crowded.extra["bubble"]["wall"]["ranks_shared_cores"] is True
+    assert "shared" in crowded.extra["bubble"]["wall"]["placement"]
 
 
 @pytest.mark.parametrize("zero,schedule", [(1, "1f1b"), (2, "zb"), (2, "interleaved"), (3, "gpipe"),

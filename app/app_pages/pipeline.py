@@ -1,8 +1,10 @@
 """Pipeline bubbles: two schedules drawn as planned (unit costs, the formula's bubble beside them),
-then run live on p ranks: each rank's step as a Gantt chart in two views (replayed as if each rank
-had its own device, and the wall clock as measured on shared cores), the bubble measured in both
-views against the formula, the activations each stage holds in flight, the point-to-point bytes
-per stage against `theory`, and the losses against the single-process reference."""
+then run live on p ranks: each rank's step as a Gantt chart in two views (measured on the wall
+clock, each rank pinned to a core of its own when the machine has enough, and replayed with the
+measured op CPU times as if each rank had its own device), the bubble in both views against the
+formula with what the wall clock's gap to it is made of, the activations each stage holds in
+flight, the point-to-point bytes per stage against `theory`, and the losses against the
+single-process reference."""
 import math
 import json
 
@@ -25,7 +27,8 @@ MODEL = {"d_model": 64, "heads": 4, "seq": 32, "vocab": 128}  # the toy; one seq
 STEPS = trace.PIPELINE_STEPS  # step 0 warms up, steps 1-4 are timed, the last is memory-metered
 PLAN_COSTS = {"F": 1.0, "B": 2.0}  # a backward costs about two forwards
 PLAN_COSTS_SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}  # B + W = the unsplit backward
-VIEWS = {"own": "as if each rank had its own device", "wall": "as measured (wall clock)"}
+VIEWS = {"wall": trace.LABELS["wall"], "own": trace.LABELS["replayed"]}  # the measurement first
+
 CHART_WIDTH = 440  # two timelines side by side in the wide layout
 WIDE_WIDTH = 960  # one timeline per row, when a rank runs too many ops to read them side by side
 SIDE_BY_SIDE_OPS = 24  # most ops per rank drawn side by side
@@ -53,6 +56,13 @@ def formula_latex(schedule: str, pp: int, m: int, v: int) -> str:
     # (p-1)(F+B-W) / ((p-1)(F+B-W) + m(F+B+W)), with F = B = W
     return (rf"\frac{{p-1}}{{3m+p-1}} = \frac{{{pp - 1}}}{{{3 * m + pp - 1}}}"
             rf"\quad (F = B = W)")
+
+
+def cores_in_short(shared: bool | None, pp: int) -> str:
+    """trace.placement's note, short enough for a chart's subtitle."""
+    return {False: f"wall clock: each of the {pp} ranks pinned to a core of its own",
+            True: f"wall clock: the {pp} ranks shared the cores (waits include core contention)",
+            None: "wall clock: whether the ranks shared cores is not known"}[shared]
 
 
 def ops_per_rank(schedule: str, m: int, v: int) -> int:
@@ -103,58 +113,76 @@ def show_live(result: dict, current: bool) -> None:
 
     st.subheader("2 · One training step, measured")
     view = st.radio("View", list(VIEWS.values()), horizontal=True,
-                    help="Own device: every op replayed in the order the rank ran it, with its "
-                         "recorded CPU time, each rank a device of its own. Wall clock: the times "
-                         "as measured, on cores the ranks share.")
-    views = {lab: (trace.own_device_replay(rep, step) if view == VIEWS["own"]
-                   else trace.wall_view(rep, step)) for lab, rep in reports.items()}
+                    help="Measured (wall clock): every op's start and end as the ranks ran it. "
+                         "Replayed: every op in the order the rank ran it, with its stage's measured "
+                         "CPU time, each rank a device of its own and links instant (a simulation "
+                         "fed with measurements).")
+    own = view == VIEWS["own"]
+    views = {lab: (trace.own_device_replay(rep, step) if own else trace.wall_view(rep, step))
+             for lab, rep in reports.items()}
     x_max = 1e3 * max(max(t["end"] for t in timed) for timed in views.values())
     places, width = timeline_layout(k["schedules"], k["m"], k["v"])
     for col, (lab, timed) in zip(places, views.items()):
         b = bubbles[lab]
+        wall, replayed = b["wall"], b["replayed"]
         short = lab.split(" ")[0]
-        own = view == VIEWS["own"]
         with col:
             st.altair_chart(timeline_chart(
                 timed, f"{lab}: {view}",
                 subtitle=[f"{'a typical step' if own else f'step {step}'} of {STEPS} (0 warms up), {k['pp']} ranks, {k['m']} micro-batches; "
-                          f"bubble {b['measured'] if own else b['measured_wall_per_step'][0]:.1%}",
+                          f"bubble {replayed['overall'] if own else wall['per_step'][0]:.1%}",
                           f"each op its stage's own CPU time (10th percentile over steps {step}-{b['steps'][-1]})" if own
-                          else "waits: a rank blocked on a neighbour's message (or on the core)"],
+                          else "waits: a rank blocked on a neighbour's message",
+                          cores_in_short(wall["ranks_shared_cores"], k["pp"])],
                 seconds=True, width=width, x_max=x_max), width="content")
             m1, m2, m3 = st.columns(3)
-            m1.metric(f"Own device: {short}", f"{b['measured']:.1%}",
-                      help="Mean over ranks of the share of the replayed step each rank computed "
-                           "nothing (trace.bubble)")
-            m2.metric(f"Wall clock: {short}", f"{b['measured_wall_per_step'][0]:.1%}",
-                      help=f"The same share on the wall clock in step {step}, measured on shared "
-                           f"cores (mean over the timed steps: {b['measured_wall']:.1%})")
+            m1.metric(f"Measured: {short}", f"{wall['per_step'][0]:.1%}",
+                      help=f"Mean over ranks of the share of step {step} on the wall clock in which "
+                           f"each rank computed nothing (trace.bubble; mean over the timed steps: "
+                           f"{wall['overall']:.1%}). {wall['placement']}.")
+            m2.metric(f"Replayed: {short}", f"{replayed['overall']:.1%}",
+                      help="The same share in the own-device replay: each op its stage's measured "
+                           "CPU time, links instant (a simulation fed with measurements; with equal "
+                           "op costs it returns the formula)")
             m3.metric(f"Formula: {short}", f"{b['theory']:.1%}",
                       help="theory.bubble_fraction" + (" with the measured F, B, W CPU times"
                                                        if "W" in b["op_cpu_s"] else ""))
+            gap = ", ".join(f"{trace.GAP_PARTS[part]} {100 * x:+.1f}" for part, x in wall["gap_to_formula"].items())
+            share = wall["op_cpu_over_wall_per_rank"]
             cpu = ", ".join(f"{kind} {1e3 * t:.2f} ms" for kind, t in b["op_cpu_s"].items())
-            st.caption(f"Own-device CPU time per op (per chunk, mean over stages): {cpu}. Own-device idle share per rank: "
-                       + ", ".join(f"{x:.0%}" for x in b["measured_per_rank"]) + ".")
+            st.caption(f"Wall clock minus formula, points (trace.wall_gap, measured): {gap}. "
+                       f"The ops' CPU time is {min(share):.0%}-{max(share):.0%} of their wall time "
+                       f"(100%: nothing else ran on the rank's core). Replay: CPU time per op (per "
+                       f"chunk, mean over stages) {cpu}; idle share per rank "
+                       + ", ".join(f"{x:.0%}" for x in replayed["per_rank"]) + ".")
 
-    rows = [{"schedule": lab, "source": src, "bubble": b[field]} for lab, b in bubbles.items()
-            for src, field in (("measured (own device)", "measured"),
-                               ("measured (wall clock)", "measured_wall"), ("formula", "theory"))]
-    st.altair_chart(viz.bubble_bars(rows, subtitle=[
-        f"p = {k['pp']}, m = {k['m']}; measured: steps {step}-{bubbles[next(iter(bubbles))]['steps'][-1]}, mean over the ranks",
-        "formula: theory.bubble_fraction (zero bubble with the measured F, B, W times)"]),
-        width="content")
+    rows = [{"schedule": lab, "source": trace.LABELS[src], "bubble": value}
+            for lab, b in bubbles.items()
+            for src, value in (("wall", b["wall"]["overall"]), ("replayed", b["replayed"]["overall"]),
+                               ("theory", b["theory"]))]
+    st.altair_chart(viz.bubble_bars(rows, title="Pipeline bubble: measured (wall clock), replayed and formula", subtitle=[
+        f"p = {k['pp']}, m = {k['m']}; steps {step}-{bubbles[next(iter(bubbles))]['steps'][-1]}, mean over the ranks; "
+        + next(iter(bubbles.values()))["wall"]["placement"],
+        "formula: theory.bubble_fraction (zero bubble with the measured F, B, W times)"])
+        .configure_legend(labelLimit=0), width="content")  # the replay's label in full
+    shared = next(iter(bubbles.values()))["wall"]["ranks_shared_cores"]
+    cores = (f"This run's {k['pp']} ranks **shared** the cores: the OS interleaved them, so a rank "
+             f"also stalled while another rank had its core, and those stalls look like bubble "
+             f"(p = 2 gives each rank a core on a 2-core laptop)." if shared else
+             "This run had a core per rank." if shared is False else
+             "Whether this run's ranks shared cores is not known.")
     st.markdown(f"""
-    **Why two views.** On this machine {k['pp']} ranks share the CPU cores, so the operating system
-    interleaves them: on the wall clock a rank is also stalled while another rank has its core, and
-    those stalls look like bubble (the grey *waiting* bars, the long idle stretches). A GPU per rank
-    would not have them. So every op also records the rank's **own CPU time**, and the *own device*
-    view replays each rank's recorded order through the schedule's dependencies with those times:
-    the run as it would look with one device per rank and instant links. An op takes the 10th
-    percentile of its measured CPU times: on shared cores an op runs slower whenever another rank
-    disturbs it, and a device of its own would not. That is the bubble to read against the formula.
-    It lands a point or two above it: the stages are not quite equal (stage 0 also holds the
-    embeddings, the last stage the LM head and the loss, hence {S.BLOCKS_PER_CHUNK} blocks per chunk),
-    while the formula assumes equal stages.
+    **Measured, and replayed.** The wall clock is the measurement: when this machine has a core
+    for every rank, each rank is pinned to a core of its own with one thread, and the idle share on
+    the wall clock is the bubble. {cores}
+    What separates it from the formula is measured from the same events (caption above): the stages
+    are not equal (stage 0 also holds the embeddings, the last stage the LM head and the loss, hence
+    {S.BLOCKS_PER_CHUNK} blocks per chunk), ops vary in time, every message takes a moment to cross,
+    and the runner does some bookkeeping between ops. The *replay* runs each rank's recorded order
+    through the schedule with the op's measured **CPU** time (its 10th percentile over the timed
+    steps) and instant links: the step as it would look with one device per rank. It is a
+    simulation, not a measurement: with equal op costs it returns the formula by construction, so
+    its gap to the formula shows only what unequal op costs do.
     """)
 
     # --- 3. memory -------------------------------------------------------------------------------
@@ -271,7 +299,8 @@ smaller share of the step: (p − 1)/(m + p − 1) for GPipe and 1F1B.
 
 c1, c2, c3 = st.columns(3)
 pp = c1.radio("Pipeline stages (p)", [2, 4], index=1, horizontal=True,
-              help="One rank per stage; at most 4 ranks share this machine's cores.")
+              help="One rank per stage, each pinned to a core of its own when this machine has "
+                   "p cores or more (else the ranks share the cores).")
 m = c1.slider("Micro-batches per step (m)", 1, 16, 8,
               help="One sequence of 32 tokens each: the batch is m sequences.")
 first = c2.selectbox("Schedule", SCHEDULES, index=SCHEDULES.index("gpipe"),
