@@ -34,9 +34,9 @@
     --reference` with the CLI's pipeline defaults, N times per schedule, at P x M = 2 x 4 (on a
     machine with 2 cores or more each rank pinned to a core of its own) and 4 x 8. Against the
     formula (points): the bubble measured on the wall clock, how many runs land within 5 points, and
-    what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p hand-off and
-    latency, between ops, medians); the bubble replayed with the measured op CPU times (own-device
-    schedule), within 3 points; and the largest |ours - reference|.
+    what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p messages
+    (hand-off, latency, receive), between ops, medians); the bubble replayed with the measured op
+    CPU times (own-device schedule), within 3 points; and the largest |ours - reference|.
 (g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
     torch's private ring template, on the same inputs; and, from our forward's own timing of each
     hop, the share of the hop's time during which the current block was being computed.

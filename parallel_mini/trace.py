@@ -5,8 +5,8 @@ Measured (wall clock): every op event's start and end. When the machine has at l
 as the run has ranks, the launcher pins each rank to a core of its own with one thread
 (launch.pin_to_core): no rank waits for a core another rank holds, and the idle share of each rank
 on the wall clock is the bubble, measured. The rest of the gap to the formula is then measured too,
-from the same events (`wall_gap`): stage imbalance, op-time variation, the hand-off and latency of
-point-to-point messages, and the bookkeeping between ops. With more ranks than cores the ranks
+from the same events (`wall_gap`): stage imbalance, op-time variation, point-to-point messages
+(hand-off, latency, receive), and the bookkeeping between ops. With more ranks than cores the ranks
 share cores, a rank's wall clock also counts the time the OS gave its core to another rank, and the
 wall view says so.
 
@@ -123,7 +123,7 @@ LABELS = {"wall": "measured (wall clock)",
           "replayed": "replayed (measured op times, own-device schedule)",
           "theory": "formula"}
 GAP_PARTS = {"stage_imbalance": "stage imbalance", "op_time_variation": "op-time variation",
-             "p2p_hand_off_and_latency": "p2p hand-off and latency", "between_ops": "between ops"}
+             "p2p_messages": "p2p messages (hand-off, latency, receive)", "between_ops": "between ops"}
 
 
 def placement(report) -> dict:
@@ -149,10 +149,11 @@ def placement(report) -> dict:
     return {"ranks_shared_cores": None, "note": records[0]["how"]}
 
 
-def _replay_with_links(schedule, duration, hand_off, latency) -> list[dict]:
+def _replay_with_links(schedule, duration, hand_off, latency, receive) -> list[dict]:
     """schedules.simulate with the links put back: after each op its rank spends `hand_off(rank,
-    op)` handing the op's message to the link, and a message from another rank arrives
-    `latency(dep, op)` after the op that made it ended."""
+    op)` handing the op's message to the link; a message from another rank arrives `latency(dep)`
+    after the op that made it ended, and taking it costs the receiver `receive(dep)` when it is
+    already there (a receive that blocks ends when the message arrives: in the latency)."""
     end, clock, position, timed = {}, [0.0] * schedule.pp, [0] * schedule.pp, []
     owner = schedule.owner
     while any(position[r] < len(ops) for r, ops in enumerate(schedule.ops)):
@@ -163,8 +164,9 @@ def _replay_with_links(schedule, duration, hand_off, latency) -> list[dict]:
                 deps = dependencies(op, schedule.n_chunks)
                 if any(d not in end for d in deps):
                     break
-                start = max([clock[r]] + [end[d] + (latency(d, op) if owner[d.chunk] != r else 0.0)
-                                          for d in deps])
+                remote = [d for d in deps if owner[d.chunk] != r]
+                start = max([clock[r] + sum(receive(d) for d in remote)]
+                            + [end[d] + (latency(d) if d in remote else 0.0) for d in deps])
                 end[op] = start + duration(r, op)
                 clock[r] = end[op] + hand_off(r, op)
                 timed.append({"rank": r, "kind": op.kind, "microbatch": op.microbatch,
@@ -190,10 +192,11 @@ def wall_gap(report, step: int, pipeline: list[dict] | None = None) -> dict:
 
     And the bubble replayed through the schedule with the op times this step really took on the
     wall clock, adding one measured effect at a time: each stage's mean op time (the formula's
-    equal stages -> stage imbalance), each op its own time (op-time variation), the senders'
-    hand-off and each message's latency (op end to the receiver holding it, measured where the
-    receiver was already blocked on it; elsewhere the median of those, at most what that message
-    can have taken). What is left to the measured bubble happens between ops."""
+    equal stages -> stage imbalance), each op its own time (op-time variation), then the messages:
+    the senders' hand-off ("send" events), each message's latency (op end to the receiver holding
+    it, measured where the receiver was already blocked on it; elsewhere the median of those, at
+    most what that message can have taken) and the receive of a message that was already there
+    (its "wait" event). What is left to the measured bubble happens between ops."""
     schedule = for_config(report.config)
     pipeline = pipeline or _pipelines(report)[0]
     pp = schedule.pp
@@ -223,7 +226,7 @@ def wall_gap(report, step: int, pipeline: list[dict] | None = None) -> dict:
              for rank, es in enumerate(ev) for e in es if e["kind"] == "send"}
     waits = {(rank, e["microbatch"], e["stage"], e["waiting_for"][0]): e
              for rank, es in enumerate(ev) for e in es if e["kind"] == "wait" and e["microbatch"] is not None}
-    latencies, bounds = [], {}
+    latencies, bounds, receives = [], {}, {}
     for (rank, kind, micro, chunk), op_event in ops.items():
         to = chunk + 1 if kind == "F" else chunk - 1
         if kind == "W" or not 0 <= to < schedule.n_chunks or schedule.owner[to] == rank:
@@ -234,6 +237,8 @@ def wall_gap(report, step: int, pipeline: list[dict] | None = None) -> dict:
         bounds[(kind, micro, chunk)] = wait["end"] - op_event["end"]
         if wait["start"] < op_event["end"]:  # the receiver was blocked on this very message
             latencies.append(wait["end"] - op_event["end"])
+        else:  # it was there already: the wait is the cost of taking it
+            receives[(kind, micro, chunk)] = wait["end"] - wait["start"]
     typical = statistics.median(latencies) if latencies else 0.0
 
     def hand_off(rank, op):
@@ -241,8 +246,11 @@ def wall_gap(report, step: int, pipeline: list[dict] | None = None) -> dict:
         e = sends.get((rank, message, op.microbatch, to)) if op.kind != "W" else None
         return e["end"] - e["start"] if e else 0.0
 
-    def latency(dep, op):
+    def latency(dep):
         return min(typical, bounds.get((dep.kind, dep.microbatch, dep.chunk), typical))
+
+    def receive(dep):
+        return receives.get((dep.kind, dep.microbatch, dep.chunk), 0.0)
 
     def mean_idle(timed):
         return statistics.fmean(idle_fractions(timed, pp))
@@ -250,7 +258,7 @@ def wall_gap(report, step: int, pipeline: list[dict] | None = None) -> dict:
     return {"per_rank": [x["idle"] for x in idle], "idle_per_rank": idle,
             "replay_stage_means": mean_idle(simulate(schedule, lambda r, op: stage_mean[(r, op.kind, op.chunk)])),
             "replay_each_op": mean_idle(simulate(schedule, wall)),
-            "replay_each_op_and_links": mean_idle(_replay_with_links(schedule, wall, hand_off, latency)),
+            "replay_each_op_and_links": mean_idle(_replay_with_links(schedule, wall, hand_off, latency, receive)),
             "p2p_latencies_s": latencies}
 
 
@@ -290,7 +298,7 @@ def bubble(report) -> dict:
             "replays": dict(zip(("stage_means", "each_op", "each_op_and_links"), chain[1:])),
             "gap_to_formula": {"stage_imbalance": chain[1] - chain[0],
                                "op_time_variation": chain[2] - chain[1],
-                               "p2p_hand_off_and_latency": chain[3] - chain[2],
+                               "p2p_messages": chain[3] - chain[2],
                                "between_ops": overall - chain[3]},
             "p2p_latency_median_s": statistics.median(latencies) if latencies else None,
             "p2p_messages_waited_on": len(latencies)}

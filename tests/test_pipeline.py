@@ -230,8 +230,74 @@ def test_wall_gap_splits_the_idle_time_into_what_was_measured(bookkeeping):
     assert b["theory"] == 1 / 2 and b["wall"]["ranks_shared_cores"] is False
     parts = b["wall"]["gap_to_formula"]
     assert parts["stage_imbalance"] == parts["op_time_variation"] == pytest.approx(0.0)
-    assert parts["p2p_hand_off_and_latency"] == pytest.approx(1 / 2 - 3 / 7)
+    assert parts["p2p_messages"] == pytest.approx(1 / 2 - 3 / 7)
     assert parts["between_ops"] == pytest.approx(3 / 7 - 3 / span)
+
+
+def _gpipe_m2_slow_last_stage() -> dict:
+    """GPipe, p = 2, m = 2 as recorded: rank 0's F 1 s, rank 1's 2 s, every B 2 s, hand-off 0.1 s,
+    latency 0.5 s; F1's activation is there before rank 1 asks for it, and taking it costs 0.2 s."""
+    def ev(kind, micro, start, end, chunk, **extra):
+        return {"kind": kind, "step": 0, "microbatch": micro, "stage": chunk, "start": start,
+                "end": end, "cpu": end - start, **extra}
+    rank0 = [ev("F", 0, 0, 1, 0), ev("send", 0, 1, 1.1, 0, message="act", to_chunk=1),
+             ev("F", 1, 1.1, 2.1, 0), ev("send", 1, 2.1, 2.2, 0, message="act", to_chunk=1),
+             ev("wait", 0, 2.2, 8.2, 0, waiting_for="B0.1"), ev("B", 0, 8.2, 10.2, 0),
+             ev("wait", 1, 10.2, 10.3, 0, waiting_for="B1.1"), ev("B", 1, 10.3, 12.3, 0)]
+    rank1 = [ev("wait", 0, 0, 1.5, 1, waiting_for="F0.0"), ev("F", 0, 1.5, 3.5, 1),
+             ev("wait", 1, 3.5, 3.7, 1, waiting_for="F1.0"), ev("F", 1, 3.7, 5.7, 1),
+             ev("B", 0, 5.7, 7.7, 1), ev("send", 0, 7.7, 7.8, 1, message="grad", to_chunk=0),
+             ev("B", 1, 7.8, 9.8, 1), ev("send", 1, 9.8, 9.9, 1, message="grad", to_chunk=0)]
+    ranks = [{"rank": r, "coords": {"dp": 0, "pp": r}, "events": es, "placement": {
+        "pinned": True, "cores": [r], "cores_available": 2, "how": ""}} for r, es in enumerate((rank0, rank1))]
+    return type("Report", (), {"config": {"schedule": "gpipe", "pp": 2, "microbatches": 2,
+                                          "virtual_stages": 0, "steps": 1}, "ranks": ranks})()
+
+
+def test_wall_gap_with_a_slow_stage_and_a_message_waiting():
+    report = _gpipe_m2_slow_last_stage()
+    gap = wall_gap(report, 0, report.ranks)
+    assert gap["per_rank"] == pytest.approx([1 - 6 / 12.3, 1 - 8 / 12.3])
+    # latencies are read where the receiver asked before the message's op ended (F0, B0); rank 0
+    # asks for B1's gradient after B1 ended: its 0.1 s wait counts as taking the message, which
+    # with the latency bound (wait end - B1's end) replays the same start
+    assert gap["p2p_latencies_s"] == pytest.approx([0.5] * 2)
+    # each stage's own op times, instant links: rank 0 idles 5 of 11 s, rank 1 3 of 11
+    assert gap["replay_stage_means"] == gap["replay_each_op"] == pytest.approx(4 / 11)
+    # hand-offs, latencies and the 0.2 s taking F1's activation put back: the run exactly
+    assert gap["replay_each_op_and_links"] == pytest.approx(1 - 7 / 12.3)
+    parts = bubble(report)["wall"]["gap_to_formula"]
+    assert parts["stage_imbalance"] == pytest.approx(4 / 11 - 1 / 3)
+    assert parts["p2p_messages"] == pytest.approx(1 - 7 / 12.3 - 4 / 11)
+    assert parts["between_ops"] == pytest.approx(0.0, abs=1e-12)
+    split = [[x[k] * 12.3 for k in ("waiting_on_messages", "sending", "other")] for x in gap["idle_per_rank"]]
+    assert split == [pytest.approx([6.1, 0.2, 0.0]), pytest.approx([1.7, 0.2, 2.4])]
+
+
+def test_wall_gap_counts_the_senders_hand_off():
+    """GPipe, p = 2, m = 2, equal stages, messages handed over in 0.1 s and arriving 0.05 s after
+    their op: each hand-off delays the sender's next op, which the next rank waits for."""
+    def ev(kind, micro, start, end, chunk, **extra):
+        return {"kind": kind, "step": 0, "microbatch": micro, "stage": chunk, "start": start,
+                "end": end, "cpu": end - start, **extra}
+    act = {"message": "act", "to_chunk": 1}
+    grad = {"message": "grad", "to_chunk": 0}
+    rank0 = [ev("F", 0, 0, 1, 0), ev("send", 0, 1, 1.1, 0, **act), ev("F", 1, 1.1, 2.1, 0),
+             ev("send", 1, 2.1, 2.2, 0, **act), ev("wait", 0, 2.2, 5.2, 0, waiting_for="B0.1"),
+             ev("B", 0, 5.2, 7.2, 0), ev("wait", 1, 7.2, 7.3, 0, waiting_for="B1.1"), ev("B", 1, 7.3, 9.3, 0)]
+    rank1 = [ev("wait", 0, 0, 1.05, 1, waiting_for="F0.0"), ev("F", 0, 1.05, 2.05, 1),
+             ev("wait", 1, 2.05, 2.15, 1, waiting_for="F1.0"), ev("F", 1, 2.15, 3.15, 1),
+             ev("B", 0, 3.15, 5.15, 1), ev("send", 0, 5.15, 5.25, 1, **grad),
+             ev("B", 1, 5.25, 7.25, 1), ev("send", 1, 7.25, 7.35, 1, **grad)]
+    report = type("Report", (), {"config": {"schedule": "gpipe", "pp": 2, "microbatches": 2,
+                                            "virtual_stages": 0, "steps": 1},
+                                 "ranks": [{"rank": r, "coords": {"pp": r}, "events": es}
+                                           for r, es in enumerate((rank0, rank1))]})()
+    gap = wall_gap(report, 0, report.ranks)
+    assert gap["p2p_latencies_s"] == pytest.approx([0.05] * 4)
+    assert gap["replay_each_op"] == pytest.approx(1 / 3)  # (p - 1)/(m + p - 1): equal stages
+    assert gap["replay_each_op_and_links"] == pytest.approx(1 - 6 / 9.3) == gap["per_rank"][0]
+    assert bubble(report)["wall"]["ranks_shared_cores"] is None  # no placement recorded
 
 
 def test_wall_clock_bubble_of_a_pinned_pipeline():

@@ -177,7 +177,8 @@ def show_live(result: dict, current: bool) -> None:
     the wall clock is the bubble. {cores}
     What separates it from the formula is measured from the same events (caption above): the stages
     are not equal (stage 0 also holds the embeddings, the last stage the LM head and the loss, hence
-    {S.BLOCKS_PER_CHUNK} blocks per chunk), ops vary in time, every message takes a moment to cross,
+    {S.BLOCKS_PER_CHUNK} blocks per chunk), ops vary in time, every message takes a moment to hand
+    over, cross and take,
     and the runner does some bookkeeping between ops. The *replay* runs each rank's recorded order
     through the schedule with the op's measured **CPU** time (its 10th percentile over the timed
     steps) and instant links: the step as it would look with one device per rank. It is a
