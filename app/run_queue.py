@@ -1,0 +1,139 @@
+"""A bounded, first-come-first-served queue of rank processes for the whole app server.
+
+Streamlit runs every session's script in its own thread of one server process; without a bound,
+eight sessions asking for eight different 4-rank runs start 32 rank processes at once on a laptop's
+2 cores and all of them crawl. Here every live run first asks the server's one `RunQueue` for as
+many slots as it will start rank processes (its world size) and gives them back when its ranks
+have exited. At most `bound` rank processes run at once (default: the machine's cores; set
+`PARALLEL_MINI_MAX_RANKS` to change it). Requests are served in arrival order: a later small
+request does not overtake an earlier big one (no starvation). A request bigger than the bound
+(4 ranks on a 2-slot server) would wait forever; it runs alone instead, once everything ahead of it
+has finished.
+
+Nothing here knows about Streamlit: a waiting request calls `on_wait(position, waited_s)` every
+`poll_s` seconds, and whatever that callback raises (Streamlit's rerun when the learner changes a
+control) takes the request out of the queue. The app's side is in live_runs.py.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+ENV_BOUND = "PARALLEL_MINI_MAX_RANKS"
+
+
+def bound_from_env(environ=os.environ) -> int:
+    """The server's bound on rank processes: $PARALLEL_MINI_MAX_RANKS, else the machine's cores."""
+    raw = environ.get(ENV_BOUND, "").strip()
+    if not raw:
+        return os.cpu_count() or 1
+    try:
+        bound = int(raw)
+    except ValueError:
+        bound = 0
+    if bound < 1:
+        raise ValueError(f"{ENV_BOUND}={raw!r}: give a whole number of rank processes >= 1 "
+                         f"(unset, it is this machine's {os.cpu_count()} cores)")
+    return bound
+
+
+class RunQueue:
+    """At most `bound` rank processes at once, granted in arrival order (see module docstring)."""
+
+    def __init__(self, bound: int):
+        if bound < 1:
+            raise ValueError(f"bound must be >= 1 rank process, got {bound}")
+        self.bound = bound
+        self._cond = threading.Condition()
+        self._waiting: collections.deque = collections.deque()  # tickets, first come first
+        self.in_use = 0        # slots held now (rank processes running or about to start)
+        self.peak_in_use = 0   # the most slots ever held at once (tests read it)
+        self.granted = 0       # requests served so far
+
+    # -- asking -----------------------------------------------------------------------------
+    def oversize(self, ranks: int) -> bool:
+        """A request bigger than the bound: it runs alone rather than never."""
+        return ranks > self.bound
+
+    def _fits(self, ranks: int) -> bool:
+        if self.oversize(ranks):
+            return self.in_use == 0
+        return self.in_use + ranks <= self.bound
+
+    def _grant(self, ranks: int) -> None:
+        self.in_use += ranks
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        self.granted += 1
+
+    def try_acquire(self, ranks: int) -> bool:
+        """Take `ranks` slots now if nobody is waiting and they are free; never waits."""
+        with self._cond:
+            if self._waiting or not self._fits(ranks):
+                return False
+            self._grant(ranks)
+            return True
+
+    def acquire(self, ranks: int, on_wait=None, poll_s: float = 0.5) -> float:
+        """Wait for `ranks` slots in arrival order; returns the seconds waited. While waiting,
+        `on_wait(position, waited_s)` is called every `poll_s` s (position 1 = next to run); if it
+        raises, the request leaves the queue and the exception propagates."""
+        ticket = object()
+        t0 = time.monotonic()
+        with self._cond:
+            self._waiting.append(ticket)
+        try:
+            while True:
+                with self._cond:
+                    if self._waiting[0] is ticket and self._fits(ranks):
+                        self._waiting.popleft()
+                        self._grant(ranks)
+                        self._cond.notify_all()  # the next in line may fit beside us
+                        return time.monotonic() - t0
+                    position = self._waiting.index(ticket) + 1
+                if on_wait is not None:
+                    on_wait(position, time.monotonic() - t0)  # outside the lock: it may draw
+                with self._cond:  # the test again under the lock: no wake-up is lost
+                    if not (self._waiting[0] is ticket and self._fits(ranks)):
+                        self._cond.wait(poll_s)
+        except BaseException:
+            with self._cond:
+                if ticket in self._waiting:
+                    self._waiting.remove(ticket)
+                    self._cond.notify_all()  # the one behind us may be at the head now
+            raise
+
+    def release(self, ranks: int) -> None:
+        with self._cond:
+            self.in_use -= ranks
+            assert self.in_use >= 0, "released more rank slots than were taken"
+            self._cond.notify_all()
+
+    @contextmanager
+    def slot(self, ranks: int, on_wait=None, poll_s: float = 0.5):
+        """`with queue.slot(n): run n ranks`: acquire, run, release (also on an exception)."""
+        self.acquire(ranks, on_wait, poll_s)
+        try:
+            yield
+        finally:
+            self.release(ranks)
+
+    # -- looking ----------------------------------------------------------------------------
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+
+_SERVER_QUEUE: RunQueue | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def server_queue() -> RunQueue:
+    """The one queue of this server process, made on first use with `bound_from_env()`."""
+    global _SERVER_QUEUE
+    with _SERVER_LOCK:
+        if _SERVER_QUEUE is None:
+            _SERVER_QUEUE = RunQueue(bound_from_env())
+        return _SERVER_QUEUE

@@ -1,0 +1,210 @@
+"""The app server's bounded queue of rank processes (app/run_queue.py, used by app/live_runs.py):
+first come first served with positions, a request bigger than the bound runs alone, a request that
+leaves while waiting frees its place, identical requests share one run, and a load test: 20
+sessions asking at once for distinct live runs all get answers and never more rank processes live
+than the bound (counted from /proc, not from the queue's own books)."""
+from __future__ import annotations
+
+import multiprocessing.forkserver as mp_forkserver
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))
+
+import run_queue  # noqa: E402
+from run_queue import RunQueue, bound_from_env  # noqa: E402
+
+
+class Waiter(threading.Thread):
+    """One request: records every position it was told while waiting, then holds its slots until
+    `done` is set."""
+
+    def __init__(self, q: RunQueue, ranks: int, order: list, on_wait=None):
+        super().__init__(daemon=True)
+        self.q, self.ranks, self.order = q, ranks, order
+        self.positions: list[int] = []
+        self.granted, self.done = threading.Event(), threading.Event()
+        self.error = None
+        self._extra = on_wait
+
+    def _on_wait(self, position, waited_s):
+        self.positions.append(position)
+        if self._extra:
+            self._extra(position, waited_s)
+
+    def run(self):
+        try:
+            self.q.acquire(self.ranks, self._on_wait, poll_s=0.005)
+        except RuntimeError as err:
+            self.error = err
+            return
+        self.order.append(self)
+        self.granted.set()
+        self.done.wait(5)
+        self.q.release(self.ranks)
+
+
+def _queued(q: RunQueue, n: int):
+    deadline = time.monotonic() + 5
+    while q.waiting() != n:
+        assert time.monotonic() < deadline, f"{q.waiting()} waiting, expected {n}"
+        time.sleep(0.002)
+
+
+def test_first_come_first_served_with_positions_and_oversize():
+    q = RunQueue(2)
+    assert q.try_acquire(2)                      # a run of 2 ranks holds every slot
+    order: list = []
+    b = Waiter(q, 1, order)
+    b.start(); _queued(q, 1)
+    big = Waiter(q, 4, order)                    # 4 > bound 2: runs alone, rather than never
+    big.start(); _queued(q, 2)
+    d = Waiter(q, 1, order)
+    d.start(); _queued(q, 3)
+    assert not q.try_acquire(1)                  # nobody jumps the queue
+    time.sleep(0.03)
+    assert b.positions[-1] == 1 and big.positions[-1] == 2 and d.positions[-1] == 3
+
+    q.release(2)
+    assert b.granted.wait(5)
+    time.sleep(0.03)                             # a slot is free, but `big` is ahead of d
+    assert not big.granted.is_set() and not d.granted.is_set()
+    assert big.positions[-1] == 1 and d.positions[-1] == 2
+
+    b.done.set()
+    assert big.granted.wait(5)
+    assert q.in_use == 4 and not d.granted.is_set()   # alone: d waits although it would fit
+    big.done.set()
+    assert d.granted.wait(5)
+    d.done.set()
+    for t in (b, big, d):
+        t.join(5)
+    assert order == [b, big, d]
+    assert q.in_use == 0 and q.peak_in_use == 4 and q.granted == 4
+
+
+def test_a_request_that_leaves_while_waiting_frees_its_place():
+    """Streamlit's rerun (a control changed) is raised from the waiting callback: the request must
+    leave the queue, and the one behind it must not wait for it."""
+    q = RunQueue(1)
+    assert q.try_acquire(1)
+    order: list = []
+
+    def leave(position, waited_s):
+        raise RuntimeError("the learner changed a control")
+
+    gone = Waiter(q, 1, order, on_wait=leave)
+    gone.start(); gone.join(5)
+    assert isinstance(gone.error, RuntimeError) and q.waiting() == 0
+    after = Waiter(q, 1, order)
+    after.start(); _queued(q, 1)
+    q.release(1)
+    assert after.granted.wait(5)
+    after.done.set(); after.join(5)
+    assert order == [after] and q.in_use == 0
+
+
+def test_the_bound_comes_from_the_environment(monkeypatch):
+    assert bound_from_env({}) == os.cpu_count()
+    assert bound_from_env({"PARALLEL_MINI_MAX_RANKS": "3"}) == 3
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(ValueError, match="PARALLEL_MINI_MAX_RANKS=.*whole number"):
+            bound_from_env({"PARALLEL_MINI_MAX_RANKS": bad})
+
+
+@pytest.fixture
+def live_runs(monkeypatch):
+    import streamlit as st
+
+    import live_runs as lr
+    st.cache_data.clear()
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", None)
+    yield lr
+    st.cache_data.clear()
+
+
+def test_identical_requests_share_one_run(live_runs, monkeypatch):
+    """Two sessions asking at once for the same configuration: one run, both answered."""
+    calls = []
+
+    def slow_ring(n, numel, timed_mb=None):
+        calls.append((n, numel))
+        time.sleep(0.3)
+        return {"n": n, "numel": numel}
+
+    monkeypatch.setattr(live_runs.collectives, "ring_experiment", slow_ring)
+    out = [None, None]
+
+    def ask(i):
+        out[i] = live_runs.ring_experiment(2, 8, 0.0)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert calls == [(2, 8)]
+    assert out[0]["numel"] == out[1]["numel"] == 8
+
+
+def _live_rank_processes(forkserver_pid: int) -> int:
+    """Ranks alive now: children of the forkserver that are not zombies, read from /proc."""
+    n = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == forkserver_pid and state != "Z":
+            n += 1
+    return n
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="counts rank processes in /proc")
+def test_twenty_sessions_at_once_all_answered_within_the_bound(live_runs, monkeypatch):
+    """20 sessions ask at once for 20 distinct ring all-reduces on 2 ranks each, through the app's
+    cached wrapper, on a server bounded to 4 rank processes."""
+    bound, sessions = 4, 20
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", RunQueue(bound))
+    live_runs.ring_experiment(2, 4, 0.0)  # starts the forkserver, so /proc can be watched
+    fs_pid = mp_forkserver._forkserver._forkserver_pid
+    assert fs_pid, "no forkserver: the ranks could not be counted"
+
+    seen, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            seen.append(_live_rank_processes(fs_pid))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    answers: dict[int, dict] = {}
+
+    def session(i):
+        answers[i] = live_runs.ring_experiment(2, 8 + i, 0.0)  # distinct: numel 8..27
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stop.set()
+    sampler.join(5)
+
+    assert sorted(answers) == list(range(sessions))
+    for i, exp in answers.items():
+        assert exp["numel"] == 8 + i and exp["int_exact"], exp
+    q = run_queue._SERVER_QUEUE
+    assert q.in_use == 0 and q.peak_in_use <= bound
+    assert max(seen) <= bound, f"{max(seen)} rank processes alive at once, bound {bound}"
+    assert max(seen) >= 2, "the sampler never saw a run's ranks: it proves nothing"
