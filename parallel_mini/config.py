@@ -77,6 +77,8 @@ class RunConfig:
     seed: int = 0
     # run
     reference: bool = False
+    save: str = ""  # a directory: save a distributed checkpoint there after the last step
+    resume: str = ""  # a --save directory (or its step_N): continue from it up to --steps
     backend: str = "auto"
     timeout_s: float = 120.0
     extra: dict = field(default_factory=dict)  # free-form tags (e.g. which lesson asked)
@@ -188,6 +190,9 @@ class RunConfig:
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
         if not under_torchrun():
             self._validate_fits()
+        if self.save or self.resume:
+            from .checkpoint import check_flags  # (reads the checkpoint's meta.json)
+            check_flags(self)
         return self
 
     def _validate_fits(self) -> None:

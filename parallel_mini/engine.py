@@ -24,6 +24,7 @@ engine calls nothing else on them.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from . import checkpoint
 from .comm import Comm
 from .config import RunConfig
 from .data import global_batch, shard
@@ -153,8 +155,12 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     runner = make_runner(cfg, model, comm, timeline, live, act)  # 6
     strategy = parallelize(model, comm, cfg, average_fn, experts)  # 7
     runner.attach(strategy)  # 8
+    start = checkpoint.load(cfg.resume, model, strategy, mesh) if cfg.resume else 0
 
-    losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context)
+    losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start)
+    if cfg.save:  # after the last step; DCP's own collectives, not training traffic
+        checkpoint.save(cfg.save, cfg.steps, model, strategy, mesh, cfg,
+                        kill_rank=cfg.extra.get("kill_rank_during_save"))
     memory = model_state_bytes(strategy.state_tensors())
     memory["transient"] = strategy.transient_bytes()
     memory["activations_peak"] = runner.activation_peak()
@@ -165,7 +171,8 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     full = experts.gather_full(model, full)  # over ep: each rank's experts -> all of them
     full = gather_stage_parameters(full, mesh, axis="pp")  # over pp: stages -> the whole model
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
-           "metered_step": cfg.steps - 1,  # ran under the live-bytes meter: its ops are slower
+           "metered_step": cfg.steps - start - 1,  # ran under the live-bytes meter: slower ops
+           "resumed_from_step": start,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,
@@ -173,32 +180,36 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
            **runner.report(), **context.report(), **experts.report()}
     if cfg.reference and mesh.rank == 0:  # PipeDream: the same micro-batches, one update each
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
-        out["reference_losses"] = ref_losses
-        out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses, ref_params)
+        out["reference_losses"] = ref_losses[start:]  # uninterrupted, from step 0: these steps
+        out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses[start:], ref_params)
     return out
 
 
 def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live: LiveBytes,
-           mesh: Mesh, context: ContextParallel) -> tuple[list[float], float]:
-    """The steps; the last one under the live-bytes meter. Returns the global loss per step and
-    the wall-clock seconds of all steps."""
+           mesh: Mesh, context: ContextParallel, start: int = 0) -> tuple[list[float], float]:
+    """The steps after `start` (a resumed run's checkpoint step); the last one under the
+    live-bytes meter. Returns the global loss per step and the wall-clock seconds of all steps.
+    Records (comm, events) number the steps of this run from 0; the data are those of step
+    start + step (batches are a pure function of the step: that is the data position)."""
     batch_axis, losses = mesh.axis_for("batch"), []
     dist.barrier()  # line the ranks up so their timelines share a start
     t_start = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(cfg.steps - start):
         comm.step = step
         # The live-bytes meter slows every op ~4x, so it watches only the last step: by then every
         # state (optimizer moments included) exists, so that step holds the run's peak.
-        metered = step == cfg.steps - 1
+        metered = step == cfg.steps - start - 1
         if metered:
             _register_states(live, strategy)
-        batch = shard(global_batch(cfg, step), mesh.local_rank(batch_axis), mesh.size(batch_axis))
+        batch = global_batch(cfg, start + step)
+        batch = shard(batch, mesh.local_rank(batch_axis), mesh.size(batch_axis))
         batch = context.split(batch)  # [b/dp, s] -> [b/dp, s/cp]: this cp rank's tokens
         with live if metered else nullcontext():
             local = runner.train_step(step, batch)  # mean loss over this rank's tokens
         losses.append(_mean_over(local, mesh, mesh.axis_for("loss")))
         if cfg.extra.get("progress") and mesh.rank == 0:
-            print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+            print(f"step {start + step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr,
+                  flush=True)
     return losses, time.perf_counter() - t_start
 
 
@@ -228,4 +239,15 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
                             pg_timeout=min(cfg.timeout_s, 60.0), backend=backend,
                             average_fn=average_fn)
         per_rank = [r.value for r in results]
-    return merge_rank_results(cfg, per_rank, wall_s=time.perf_counter() - t0)
+    start = per_rank[0]["resumed_from_step"]
+    # A resumed run's records cover the steps it trained: the report counts those (per-step
+    # bytes, the bubble's timed steps), and says where it started.
+    merged = dataclasses.replace(cfg, steps=cfg.steps - start) if start else cfg
+    report = merge_rank_results(merged, per_rank, wall_s=time.perf_counter() - t0)
+    if cfg.resume:
+        report.extra["resumed_from_step"] = start
+        print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained steps "
+              f"{start + 1}-{cfg.steps}", file=sys.stderr)
+    if cfg.save:
+        report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
+    return report
