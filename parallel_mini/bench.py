@@ -2,7 +2,7 @@
 
     python -m parallel_mini.bench dp      # (a) DP step time vs DDP, (b) ring vs gloo all-reduce
     python -m parallel_mini.bench ring    # (b) only
-    python -m parallel_mini.bench warm    # p50/p90 of a repeated 4-rank, 2-step engine.run
+    python -m parallel_mini.bench warm    # p50/p90 of a repeated live run at pages' defaults
     python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
     python -m parallel_mini.bench tp      # (d) our tensor (+ sequence) parallel vs DTensor
     python -m parallel_mini.bench pp      # (e) our pipeline schedules vs torch.distributed.pipelining
@@ -389,20 +389,44 @@ def bench_ring(n: int = 4, sizes_mb=(1, 16, 64), repeats: int = 5) -> list[dict]
 # ---------------------------------------------------------------------------------------------
 # warm path: a repeated small run, as the app's "run live" button does it
 # ---------------------------------------------------------------------------------------------
-def bench_warm(repeats: int = 10, dp: int = 4, steps: int = 2) -> dict:
+# The pages' default settings, as their "Run live" sends them (app/app_pages/data_parallel.py,
+# ring.py): what a class sees first, and what a teacher re-runs with "Fresh measurement".
+WARM_RUNS = {
+    "Data parallel page, default settings": ("run", {
+        "dp": 2, "dp_mode": "bucketed", "bucket_mb": 0.25, "grad_accum": 1, "steps": 4, "batch": 8,
+        "reference": True}),
+    "Ring all-reduce page, default settings": ("ring", {"n": 4, "numel": 16, "timed_mb": 4}),
+    "engine.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
+}
+
+
+def _warm_call(kind: str, settings: dict):
+    """One live run the way the app's cached wrappers make it (app/live_runs.py), minus the cache."""
+    from .collectives import ring_experiment
     from .engine import run
 
-    cfg = RunConfig(dp=dp, steps=steps).validate()
-    t0 = time.perf_counter()
-    run(cfg)  # the first call starts the forkserver
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
+    if kind == "ring":
+        return ring_experiment(settings["n"], settings["numel"], timed_mb=settings["timed_mb"])
+    return run(RunConfig.from_dict(settings)).to_dict()
+
+
+def bench_warm(repeats: int = 10, runs: dict = WARM_RUNS) -> dict:
+    """The latency of a repeated live run (forkserver and imports warm): p50 / p90 over `repeats`
+    runs of each page's default settings, after a first call that starts the forkserver."""
+    rows = []
+    for name, (kind, settings) in runs.items():
         t0 = time.perf_counter()
-        run(cfg)
-        times.append(time.perf_counter() - t0)
-    return {"dp": dp, "steps": steps, "repeats": repeats, "first_s": first,
-            "p50_s": _quantile(times, 0.5), "p90_s": _quantile(times, 0.9), "times_s": times}
+        _warm_call(kind, settings)
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _warm_call(kind, settings)
+            times.append(time.perf_counter() - t0)
+        rows.append({"run": name, "settings": settings, "repeats": repeats, "first_s": first,
+                     "p50_s": _quantile(times, 0.5), "p90_s": _quantile(times, 0.9),
+                     "times_s": times})
+    return {"rows": rows}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,8 +567,11 @@ def _print_bubble(rows):
 
 
 def _print_warm(w):
-    print(f"warm path: engine.run(dp={w['dp']}, steps={w['steps']}) x {w['repeats']}: "
-          f"p50 {w['p50_s']:.2f} s  p90 {w['p90_s']:.2f} s  (first call {w['first_s']:.2f} s)")
+    print("warm path: a repeated live run, measured on this machine (cores shared with whatever "
+          "else runs: see the load average)")
+    print(_table(["live run", "repeats", "p50 s", "p90 s", "first call s"],
+                 [[r["run"], r["repeats"], f"{r['p50_s']:.2f}", f"{r['p90_s']:.2f}",
+                   f"{r['first_s']:.2f}"] for r in w["rows"]]))
 
 
 # ---------------------------------------------------------------------------------------------
