@@ -35,7 +35,7 @@ cfg = {"dp": dp, "dp_mode": mode, "bucket_mb": bucket_mb, "grad_accum": grad_acc
        "steps": steps, "batch": batch, "reference": True}
 if st.button("Run live", type="primary"):
     run_live("dp", cfg, f"Training on {dp} rank(s) and the single-process reference…",
-             training_run, json.dumps(cfg, sort_keys=True), fresh=fresh)
+             training_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp)
 
 report, current = last_result("dp", cfg)
 if report is None:

@@ -152,7 +152,8 @@ the same data and seed, weight 0 and the weight chosen above:
                f"on {dp_for(ep)} ranks (ep {ep}); each run takes a few seconds here.")
     if a2.button(label, key="experts_aux_run"):
         run_live("experts_aux", key, f"Training with aux-loss weight 0 and {aux:g}…",
-                 aux_experiment, json.dumps(key, sort_keys=True), fresh=fresh)
+                 aux_experiment, json.dumps(key, sort_keys=True), fresh=fresh,
+                 ranks=dp_for(ep), own_progress=True)
     result, current = last_result("experts_aux", key)
     if result is None:
         st.info(f"Press **{label}** to train the pair ({steps} steps each) and compare.")
@@ -284,7 +285,7 @@ key = {"experts": experts, "top_k": top_k, "factor": factor, "ep": ep, "aux": au
 if st.button("Run live", type="primary", disabled=error is not None,
              help=f"Trains the MoE toy on {dp_for(ep)} ranks and on one process (the reference)."):
     run_live("experts", key, f"Training E = {experts}, top-{top_k} on {dp_for(ep)} ranks…",
-             experts_run, json.dumps(cfg, sort_keys=True), fresh=fresh)
+             experts_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp_for(ep))
 
 report, current = last_result("experts", key)
 if report is None:

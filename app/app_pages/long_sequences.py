@@ -296,7 +296,7 @@ run_clicked = st.button("Run live", type="primary", disabled=bool(errors),
                         f"single-process reference, and the activation runs.")
 if run_clicked and not errors:
     run_live("cp", key, f"Running ring, zigzag and Ulysses on {cp} ranks…", context_experiment,
-             json.dumps(key, sort_keys=True), fresh=fresh)
+             json.dumps(key, sort_keys=True), fresh=fresh, ranks=cp, own_progress=True)
 
 result, current = last_result("cp", key)
 if result is None:

@@ -276,7 +276,7 @@ def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
 fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
 if st.button("Run live", type="primary"):
     run_live("memory", key, f"Training ZeRO-0, 1, 2 and 3 on {world} rank(s) ({layout})…",
-             four_stages, json.dumps(configs), fresh=fresh)
+             four_stages, json.dumps(configs), fresh=fresh, ranks=world, own_progress=True)
 
 runs, current = last_result("memory", key)
 if runs is None:

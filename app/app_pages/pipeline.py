@@ -378,7 +378,7 @@ run_clicked = st.button("Run live", type="primary", disabled=bool(errors),
 if run_clicked and not errors:
     run_live("pp", key, f"Running {' and '.join(label_of(s, v) for s in chosen)} on {pp} "
                         f"ranks…", pipeline_experiment, json.dumps(key, sort_keys=True),
-             fresh=fresh)
+             fresh=fresh, ranks=pp, own_progress=True)
 
 
 result, current = last_result("pp", key)

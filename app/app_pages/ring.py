@@ -25,7 +25,7 @@ key = {"n": n, "numel": numel, "timed_mb": timed_mb}
 
 if st.button("Run live", type="primary"):
     run_live("ring", key, f"Running a ring all-reduce on {n} ranks…", ring_experiment,
-             n, numel, timed_mb, fresh=fresh)
+             n, numel, timed_mb, fresh=fresh, ranks=n)
 
 exp, current = last_result("ring", key)
 if exp is None:

@@ -97,7 +97,8 @@ key = {"tp": tp, "dp": dp, "model": model, "micro_batch": micro_batch, "seq": se
 what = "SP off and on" if tp > 1 else "no split (tp = 1)"
 if st.button("Run live", type="primary"):
     run_live("tp", key, f"Training tp = {tp} × dp = {dp}, {what}, and reading the shards…",
-             tensor_experiment, json.dumps(key, sort_keys=True), fresh=fresh)
+             tensor_experiment, json.dumps(key, sort_keys=True), fresh=fresh, ranks=tp * dp,
+             own_progress=True)
 
 result, current = last_result("tp", key)
 
