@@ -11,9 +11,8 @@ import html
 from dataclasses import dataclass, field
 
 from . import theory
-from .collectives import ring_experiment
 from .config import RunConfig
-from .launch import RankError
+from .launch import RankError, RunTimeout
 
 
 @dataclass
@@ -53,57 +52,578 @@ def _on_ranks(run, stub_message: str, where: str):
         line = _last_line(err)
         if line.startswith("AssertionError: "):
             raise AssertionError(line.removeprefix("AssertionError: ")) from None
+        if isinstance(err, RunTimeout):
+            raise AssertionError(f"{where}: ranks did not finish within the checker's time (a "
+                                 f"loop that never ends, or a deadlock): {line}") from None
+        if any(s in line for s in _STUCK):  # gloo gave up waiting outside a traced region
+            raise AssertionError(f"{where}: rank {err.rank} stopped waiting for a peer after "
+                                 f"{CHECK_PG_TIMEOUT:g} s (a deadlock, or a peer that failed): "
+                                 f"every rank must make the same calls in the same order")
         raise AssertionError(f"{where} rank {err.rank} failed: {line}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the learner's code on a rank: traced, the library's own version disabled, deadlocks explained
+# ---------------------------------------------------------------------------------------------
+# A check's collectives are tiny: one that waits longer than this is a deadlock. Short, so that a
+# deadlocked check cell stops within 10 s (launch + this wait + the message), with a hint.
+CHECK_PG_TIMEOUT = 5.0
+CHECK_RUN_TIMEOUT = 60.0  # the launcher's backstop (a Python loop that never ends)
+_STUCK = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
+          "Connect timeout", "timed out", "Timeout")
+_COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv",
+             "isend", "irecv", "recv")
+_DIST_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+             "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+             "all_to_all_single", "send", "recv", "batch_isend_irecv", "barrier")
+
+
+def _describe(where: str, name: str, args, kwargs) -> str:
+    """One op as the learner wrote it, e.g. "comm.sendrecv(send to rank 1, receive from rank 3)"."""
+    def arg(i, key):
+        return kwargs.get(key, args[i] if len(args) > i else None)
+
+    if where == "comm" and name == "sendrecv":
+        return f"comm.sendrecv(send to rank {arg(1, 'dst')}, receive from rank {arg(3, 'src')})"
+    if where == "comm" and name in ("isend", "irecv", "recv"):
+        peer = arg(1, "dst" if name == "isend" else "src")
+        return f"comm.{name}({'to' if name == 'isend' else 'from'} rank {peer})"
+    if where == "comm":
+        return f"comm.{name}(over '{arg(1 if name in ('all_reduce', 'broadcast') else 2, 'axis')}')"
+    if name in ("send", "recv"):
+        return f"dist.{name}({'to' if name == 'send' else 'from'} rank {arg(1, 'dst' if name == 'send' else 'src')})"
+    return f"dist.{name}"
+
+
+class _RankTrace:
+    """On a rank, while a learner's function runs: every recorded collective and send/receive it
+    enters (through `comm` or torch.distributed directly; the outermost call only) is counted, and
+    this rank's state (its last op, whether it is still waiting in it, whether the function
+    returned) is written to the run's rendezvous store, where a rank that gives up waiting reads
+    every rank's state to say who waited on what. `refuse` maps an op name ("dist.all_reduce") to
+    a message: such a call raises AssertionError instead of running."""
+
+    def __init__(self, label: str, refuse: dict | None = None):
+        import torch.distributed as dist
+        self.dist, self.label, self.refuse = dist, label, refuse or {}
+        self.rank = dist.get_rank()
+        self.calls, self.last, self.waiting, self.done, self.depth = 0, None, False, False, 0
+        self.failed = None  # the AssertionError this rank raised (a peer reports it)
+        self.timed_out = True
+        self.round = 0  # how many times the learner's function was entered
+        self.store = dist.distributed_c10d._get_default_store()
+
+    def publish(self) -> None:
+        import json
+        state = {"calls": self.calls, "last": self.last, "waiting": self.waiting,
+                 "done": self.done, "failed": self.failed, "round": self.round}
+        self.store.set(f"pm_check/{self.rank}", json.dumps(state))
+
+    def _wrap(self, where: str, name: str, fn):
+        def traced(*args, **kwargs):
+            if self.depth:  # inside an op already traced (comm.all_reduce calls dist.all_reduce)
+                return fn(*args, **kwargs)
+            key = f"{where}.{name}"
+            if key in self.refuse:
+                raise AssertionError(self.refuse[key])
+            self.calls += 1
+            self.last = _describe(where, name, args[1:] if where == "comm" else args, kwargs)
+            self.waiting, self.depth = True, 1
+            self.publish()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self.depth = 0
+            self.waiting = False
+            self.publish()
+            return out
+        return traced
+
+    def __enter__(self):
+        from .comm import Comm
+        self.saved = []
+        for owner, where, names in ((Comm, "comm", _COMM_OPS), (self.dist, "dist", _DIST_OPS)):
+            for name in names:
+                if hasattr(owner, name):
+                    fn = getattr(owner, name)
+                    self.saved.append((owner, name, fn))
+                    setattr(owner, name, self._wrap(where, name, fn))
+        self.done, self.round = False, self.round + 1
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
+        if exc_type is None:
+            self.done, self.waiting = True, False
+            self.publish()
+            return False
+        if exc_type is AssertionError:
+            self.failed = str(exc)
+            self.publish()
+            return False
+        if exc_type is NotImplementedError:
+            return False
+        if any(s in str(exc) for s in _STUCK):
+            self.timed_out = "imed out" in str(exc) or "timeout" in str(exc).lower()
+            raise AssertionError(self.stuck_message()) from None
+        return False
+
+    def agree(self) -> None:
+        """After the learner's function returned, before the checker's own collective: wait
+        (through the store, not the backend) until every rank has returned from it as often as
+        this one, with as many calls. Ranks that disagree are named now, instead of letting the
+        checker's collective meet a stray one of the learner's (gloo then aborts the process or
+        waits forever)."""
+        import time
+        deadline = time.monotonic() + CHECK_PG_TIMEOUT
+        world = self.dist.get_world_size()
+        while True:
+            states = self.states()
+            failed = [s["failed"] for s in states.values() if s.get("failed")]
+            if failed:
+                raise AssertionError(failed[0])
+            mine = [s for s in states.values() if s["round"] == self.round and s["done"]]
+            if len(mine) == world:
+                counts = {q: s["calls"] for q, s in states.items()}
+                if len(set(counts.values())) == 1:
+                    return
+                self.failed = self.mismatch_message(states)
+                break
+            ahead = [q for q, s in states.items() if s["round"] == self.round and s["waiting"]
+                     and s["calls"] > self.calls]
+            if ahead or time.monotonic() > deadline:
+                self.failed = self.stuck_message("deadlock: " if ahead else None)
+                break
+            time.sleep(0.005)
+        self.publish()
+        raise AssertionError(self.failed)
+
+    def mismatch_message(self, states: dict) -> str:
+        parts = [f"rank {q} made {s['calls']} call{'s' if s['calls'] != 1 else ''}"
+                 + (f" (the last {s['last']})" if s["last"] else "")
+                 for q, s in sorted(states.items())]
+        return (f"the ranks made different calls in {self.label}: " + "; ".join(parts)
+                + ". Every rank must make the same calls in the same order: a collective that "
+                "only some ranks call waits for the others forever")
+
+    def states(self) -> dict:
+        import json
+        world = self.dist.get_world_size()
+        out = {}
+        for q in range(world):
+            key = f"pm_check/{q}"
+            if self.store.check([key]):
+                out[q] = json.loads(self.store.get(key))
+        return out
+
+    def stuck_message(self, head: str | None = None) -> str:
+        """Who waited on what, from every rank's published state."""
+        states = self.states()
+        failed = [s["failed"] for s in states.values() if s.get("failed")]
+        if failed:  # a peer refused the answer and left: its message is the news
+            return failed[0]
+        closed = not self.timed_out
+        parts = []
+        for q in range(self.dist.get_world_size()):
+            s = states.get(q)
+            if s is None:
+                parts.append(f"rank {q} had made no call in {self.label} yet")
+            elif s["waiting"]:
+                parts.append(f"rank {q} waited in {s['last']}, its call {s['calls']} in "
+                             f"{self.label}")
+            elif s["done"]:
+                parts.append(f"rank {q} had returned from {self.label} after {s['calls']} "
+                             f"call{'s' if s['calls'] != 1 else ''}"
+                             + (f" (the last {s['last']})" if s["last"] else ""))
+            else:
+                parts.append(f"rank {q} was computing after {s['calls']} calls"
+                             + (f" (the last {s['last']})" if s["last"] else ""))
+        head = head or (f"a rank stopped while its peers waited (it died or returned), so "
+                        f"they could not go on: " if closed else
+                        f"deadlock, stopped after {CHECK_PG_TIMEOUT:g} s of waiting: ")
+        return (head + "; ".join(parts)
+                + ". A send is matched only by a receive on the rank it is sent to, and a "
+                "collective only by the same collective on every rank of the group: every rank "
+                "must make the same calls in the same order")
+
+
+def _trace_for(comm, label: str, refuse: dict) -> "_RankTrace":
+    """One trace per rank's Comm, kept over the learner function's calls (its rounds)."""
+    trace = getattr(comm, "_grading_trace", None)
+    if trace is None:
+        trace = comm._grading_trace = _RankTrace(label, refuse)
+    return trace
+
+
+def _stuck_after(trace: "_RankTrace", err: BaseException) -> None:
+    """The checker's own collective after the learner's code timed out: a peer is still stuck in
+    (or left) the learner's code. Raise the same hint."""
+    if any(s in str(err) for s in _STUCK):
+        trace.timed_out = "imed out" in str(err) or "timeout" in str(err).lower()
+        raise AssertionError(trace.stuck_message()) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# lesson 01: the ring all-reduce
+# ---------------------------------------------------------------------------------------------
+_RING_STUB = ("ring_all_reduce still raises NotImplementedError: fill in the two phases, then run "
+              "this cell again.")
+
+
+def _library_ring_refused(x, comm, axis="dp"):
+    """Swapped in for the code of comm.ring_all_reduce while a learner's ring runs (a literal
+    message: the code object runs with the library module's globals)."""
+    raise AssertionError("your ring called the library's own ring_all_reduce (parallel_mini.comm."
+                         "ring_all_reduce), which the checker disables while your code runs: "
+                         "write the two phases yourself, with comm.sendrecv")
+
+
+class _LibraryRingDisabled:
+    """While active, comm.ring_all_reduce raises (its code object swapped), by whatever name it
+    was imported under. Restored on exit."""
+
+    def __enter__(self):
+        from . import comm
+        self.fn, self.code = comm.ring_all_reduce, comm.ring_all_reduce.__code__
+        self.fn.__code__ = _library_ring_refused.__code__
+        return self
+
+    def __exit__(self, *exc):
+        self.fn.__code__ = self.code
+        return False
+
+
+def _ring_refusals() -> dict:
+    """The backend's collectives, refused while the learner's ring runs: an all-reduce built on
+    one is no ring."""
+    out = {}
+    for where in ("comm", "dist"):
+        for op in ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                   "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
+                   "all_to_all", "all_to_all_single"):
+            out[f"{where}.{op}"] = (f"your ring called {where}.{op}, one of the backend's own "
+                                    f"collectives, which the checker refuses while your code runs: "
+                                    f"build the all-reduce from comm.sendrecv alone")
+    return out
+
+
+def _ring_check_rank(n: int, numel: int, fn) -> dict:
+    """One rank of the ring check: the learner's ring on the probe input (integers whose every
+    value says whose data it holds, comm.probe_input), the library's ring and the backend's
+    collectives disabled. Logs, per comm.sendrecv call, which chunk of x was sent and which chunk
+    the receive went into (None: a buffer outside x), read from the tensors' offsets in x."""
+    import json
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from .collectives import _dp_comm
+    from .comm import Comm, probe_input
+
+    comm, r = _dp_comm(n), dist.get_rank()
+    x = probe_input(numel, r, n)  # [numel] int64
+    starts = [0]
+    for c in x.tensor_split(n):
+        starts.append(starts[-1] + c.numel())
+    base, size = x.data_ptr(), x.element_size()
+    calls = []
+
+    def chunk_at(t):
+        if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() != base or not numel:
+            return None
+        pos = (t.data_ptr() - base) // size
+        return max(i for i in range(n) if starts[i] <= pos) if 0 <= pos < numel else None
+
+    store = dist.distributed_c10d._get_default_store()
+    sent_to, received_from = [0] * n, [0] * n
+
+    def sendrecv(send, dst, recv, src, axis, **log):
+        """Before the real call, each message's size and chunk go through the rendezvous store,
+        so that a send and a receive of different sizes (which gloo answers by aborting the
+        process) are named here, with the chunk indices that caused them."""
+        call = {"send": chunk_at(send), "recv": chunk_at(recv), "dst": dst, "src": src}
+        calls.append(call)
+        s = len(calls) - 1
+        if isinstance(dst, int) and 0 <= dst < n and isinstance(src, int) and 0 <= src < n:
+            store.set(f"pm_ring/{r}>{dst}/{sent_to[dst]}",
+                      json.dumps({**call, "numel": send.numel(), "call": s}))
+            key = f"pm_ring/{src}>{r}/{received_from[src]}"
+            sent_to[dst] += 1
+            received_from[src] += 1
+            try:
+                store.wait([key], timedelta(seconds=2))
+            except Exception:  # noqa: BLE001 - never sent: the real call will say deadlock
+                pass
+            else:
+                peer = json.loads(store.get(key))
+                if peer["numel"] != recv.numel():
+                    why = (_ring_call_problem(n, src, peer["call"], peer)
+                           or _ring_call_problem(n, r, s, call))
+                    raise AssertionError(
+                        f"at N={n}, numel={numel}, " + (why or (
+                            f"call {s} of rank {r}: rank {src} sends {peer['numel']} elements to "
+                            f"rank {r}, which receives into a tensor of {recv.numel()}: a send "
+                            f"and its receive must have the same size (the chunks differ by one "
+                            f"element when N does not divide the size: slice the buffer, "
+                            f"incoming[:chunks[i].numel()])")))
+        return Comm.sendrecv(comm, send, dst, recv, src, axis, **log)
+
+    comm.sendrecv = sendrecv
+    trace = _RankTrace("your ring_all_reduce", _ring_refusals())
+    try:
+        with _LibraryRingDisabled(), trace:
+            returned = fn(x, comm)
+    except RuntimeError as e:
+        if "can't be cast to the desired output type" in str(e):
+            raise AssertionError(
+                f"at N={n}: your ring divides (x / N, or x /= N): an all-reduce returns the "
+                f"*sum* over the ranks, not the mean (averaging is the caller's business, as "
+                f"lesson 02's gradients will show). The checker runs your ring on integers, "
+                f"where a division fails with torch's '{str(e).strip()}'") from None
+        raise
+    trace.agree()
+    expected = probe_input(numel, r, n)
+    try:
+        dist.all_reduce(expected)
+    except RuntimeError as e:
+        _stuck_after(trace, e)
+        raise
+    returned_sum = (isinstance(returned, torch.Tensor) and returned is not x
+                    and returned.shape == x.shape and torch.equal(returned.to(x.dtype), expected))
+    return {"rank": r, "calls": calls, "final": x.tolist(), "expected": expected.tolist(),
+            "returned_sum": returned_sum, "starts": starts,
+            "sent_bytes": sum(rec["wire_bytes"] for rec in comm.records if rec["op"] == "send")}
+
+
+def _ring_call_problem(n: int, r: int, s: int, call: dict) -> str | None:
+    """What is wrong with rank r's call s (counting from 0) of comm.sendrecv, against the ring of
+    the lesson: reduce-scatter step k sends chunk (r - k) mod N to the right and receives chunk
+    (r - k - 1) mod N from the left; all-gather step k sends (r + 1 - k) mod N and receives
+    (r - k) mod N. None if nothing."""
+    phase, k = ("reduce-scatter", s) if s < n - 1 else ("all-gather", s - (n - 1))
+    send_i = (r - k) % n if phase == "reduce-scatter" else (r + 1 - k) % n
+    recv_i = (r - k - 1) % n if phase == "reduce-scatter" else (r - k) % n
+    step = f"{phase} step {k} (counting from 0), rank {r}"
+    if s >= theory.ring_steps(n):
+        return None
+    if call["dst"] != (r + 1) % n or call["src"] != (r - 1) % n:
+        return (f"{step} sent to rank {call['dst']} and received from rank {call['src']}: on the "
+                f"ring every step sends to the right neighbour (r+1) mod N = {(r + 1) % n} and "
+                f"receives from the left (r-1) mod N = {(r - 1) % n}")
+    if call["send"] != send_i:
+        what = ("a tensor that is not a chunk of x" if call["send"] is None
+                else f"chunk {call['send']}")
+        rule = ("(r - s) mod N: its own chunk r at step 0, then the chunk it has just added to"
+                if phase == "reduce-scatter" else
+                "(r + 1 - s) mod N: at step 0 the chunk it completed in the reduce-scatter, "
+                "(r+1) mod N, then the chunk it has just received")
+        return f"{step} sent {what}; it should send chunk {send_i} = {rule}"
+    if phase == "all-gather" and call["recv"] not in (None, recv_i):
+        return (f"{step} received into chunk {call['recv']}; in all-gather step s rank r "
+                f"receives chunk (r - s) mod N = {recv_i}, the one its left neighbour sends")
+    return None
+
+
+def _ring_diagnosis(n: int, numel: int, per_rank: list[dict]) -> str | None:
+    """None if every rank ended with dist.all_reduce's result in 2(N-1) sendrecv calls sending
+    2(N-1) X bytes in all; else what went wrong, the usual mistakes named."""
+    at, want = f"at N={n}, numel={numel}", theory.ring_steps(n)
+    steps = [len(p["calls"]) for p in per_rank]
+    exact = all(p["final"] == p["expected"] for p in per_rank)
+    if exact and steps == [want] * n:
+        total, x_bytes = sum(p["sent_bytes"] for p in per_rank), 8 * numel
+        if total != want * x_bytes:
+            return (f"{at} the ranks sent {total} bytes in all; the ring sends 2(N-1)*X = "
+                    f"{want * x_bytes} (X = {x_bytes} bytes of int64): send one chunk per step, "
+                    f"chunks[i], not the whole tensor")
+        return None
+    if all(p["returned_sum"] for p in per_rank):
+        return (f"{at} your function returned the sum but left x unchanged: sum in place. The "
+                f"chunks are views of x, so `chunks[i] += buf` writes x, while `chunks[i] = "
+                f"chunks[i] + buf` or a new tensor does not")
+    if any(s == 0 for s in steps):
+        r = steps.index(0)
+        return (f"{at} rank {r} made no comm.sendrecv call: move every chunk with "
+                f"comm.sendrecv(send, dst, recv, src, 'dp') (dist.send / dist.recv are not "
+                f"recorded, so nothing can be checked)")
+    if steps == [n - 1] * n:
+        return (f"{at} each rank made N-1 = {n - 1} comm.sendrecv calls: that is the "
+                f"reduce-scatter alone, and the all-gather is missing. After it rank r holds only "
+                f"chunk (r+1) mod N complete; the all-gather's N-1 more steps pass the complete "
+                f"chunks once around the ring, copied, not added")
+    if steps != [want] * n:
+        return (f"{at} the ranks made {steps} comm.sendrecv calls; a ring all-reduce needs "
+                f"2(N-1) = {want} on every rank, N-1 = {n - 1} per phase (use comm.sendrecv for "
+                f"every move so the run can be watched)")
+    # the right number of steps, a wrong result: which chunk moved where
+    for s in range(want):
+        for p in per_rank:
+            why = _ring_call_problem(n, p["rank"], s, p["calls"][s])
+            if why:
+                return f"{at}, {why}"
+    for p in per_rank:
+        bad = [i for i, (a, b) in enumerate(zip(p["final"], p["expected"])) if a != b]
+        if not bad:
+            continue
+        i, r = bad[0], p["rank"]
+        chunk = max(c for c in range(n) if p["starts"][c] <= i)
+        ag = p["calls"][n - 1:]
+        if any(a > b for a, b in zip(p["final"], p["expected"])):
+            return (f"{at}, rank {r}: some elements hold more than the sum over the ranks (element "
+                    f"{i}: {p['final'][i]}, dist.all_reduce {p['expected'][i]}): a chunk was added "
+                    f"twice, most likely in the all-gather. A chunk received in the all-gather is "
+                    f"already complete: copy it (receive straight into chunks[(r - s) % N]), do "
+                    f"not add it")
+        if ag and all(c["recv"] is None for c in ag):
+            return (f"{at}, rank {r}: chunk {chunk} never received the complete sum (element {i}: "
+                    f"{p['final'][i]}, dist.all_reduce {p['expected'][i]}): the all-gather "
+                    f"received into a buffer that was never copied into x. Receive straight into "
+                    f"chunks[(r - s) % N] (a view of x)")
+        return (f"{at}, rank {r}: element {i} (chunk {chunk}) is {p['final'][i]}, "
+                f"dist.all_reduce gives {p['expected'][i]}: in reduce-scatter step s rank r adds "
+                f"the chunk (r - s - 1) mod N arriving from the left into its own; the all-gather "
+                f"copies complete chunks")
+    return None
 
 
 def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grade:
     """`fn(x, comm)` must sum x in place over comm's "dp" ranks using only comm.sendrecv.
 
-    Checked at each (world size, numel) in `cases`, sizes not divisible by N included: the result
-    equals dist.all_reduce exactly on integers; the ring takes 2(N-1) steps; all ranks together
-    send 2(N-1) * X bytes (each step moves every chunk once)."""
-    exp = None
+    Checked on real ranks at each (world size, numel) in `cases`, sizes not divisible by N
+    included, on comm.probe_input's integers: the result equals dist.all_reduce exactly; each
+    rank makes 2(N-1) sendrecv calls, to its right neighbour and from its left; all ranks together
+    send 2(N-1) * X bytes (each step moves every chunk once). Which chunk each call sent and
+    received into is read from the tensors' offsets in x, so a wrong index is named, as are a
+    missing all-gather, a chunk added twice and a division by N. Throughout, the library's own
+    ring_all_reduce and the backend's collectives raise while the learner's code runs: an answer
+    calling them is refused, saying so. A deadlock stops after CHECK_PG_TIMEOUT seconds of
+    waiting with what every rank waited on."""
+    from .launch import run_ranks
+
+    runs = []
     for n, numel in cases:
-        exp = _on_ranks(lambda: ring_experiment(n, numel, impl=fn, repeats=1),
-                        "ring_all_reduce still raises NotImplementedError: fill in the two "
-                        "phases, then run this cell again.", f"at N={n}, numel={numel}")
-        if isinstance(exp, Grade):
-            return exp
-        if not exp["int_exact"]:
-            raise AssertionError(f"at N={n}, numel={numel} the result differs from "
-                                 f"dist.all_reduce (integers, so it must be exact). The animation "
-                                 f"below shows which chunks ended incomplete.")
-        if exp["steps_measured"] != theory.ring_steps(n):
-            raise AssertionError(f"at N={n} each rank made {exp['steps_measured']} comm.sendrecv "
-                                 f"calls; a ring all-reduce needs 2(N-1) = {theory.ring_steps(n)} "
-                                 f"(use comm.sendrecv for every move so the run can be watched)")
-        total = sum(exp["sent_bytes_per_rank"])
-        if total != theory.ring_steps(n) * exp["nbytes"]:
-            raise AssertionError(f"at N={n}, numel={numel} the ranks sent {total} bytes in all; "
-                                 f"the ring sends 2(N-1)*X = {theory.ring_steps(n) * exp['nbytes']}")
-    return Grade("correct", f"equal to dist.all_reduce at N,numel = {list(cases)}, in "
-                 f"2(N-1) steps, sending 2(N-1)/N*X per rank on average", {"experiment": exp})
+        results = _on_ranks(lambda: run_ranks(_ring_check_rank, n, n, numel, fn,
+                                              timeout=CHECK_RUN_TIMEOUT,
+                                              pg_timeout=CHECK_PG_TIMEOUT),
+                            _RING_STUB, f"at N={n}, numel={numel}")
+        if isinstance(results, Grade):
+            return results
+        per_rank = sorted((res.value for res in results), key=lambda p: p["rank"])
+        why = _ring_diagnosis(n, numel, per_rank)
+        if why:
+            raise AssertionError(why)
+        runs.append({"world_size": n, "numel": numel,
+                     "sent_bytes_per_rank": [p["sent_bytes"] for p in per_rank],
+                     "steps_per_rank": [len(p["calls"]) for p in per_rank]})
+    return Grade("correct", f"equal to dist.all_reduce at N,numel = {list(cases)}, in 2(N-1) "
+                 f"steps, sending 2(N-1)/N*X per rank on average; the library's ring and the "
+                 f"backend's collectives disabled while yours ran", {"runs": runs})
+
+
+_AVERAGE_STUB = ("average_gradients still raises NotImplementedError: write it, then run this "
+                 "cell again.")
+
+
+def _library_average_refused(params, comm, axis="dp"):
+    """Swapped in for the code of data.average_gradients while a learner's averaging runs."""
+    raise AssertionError("your average_gradients called the library's own (parallel_mini.parallel."
+                         "data.average_gradients), which the checker disables while your code "
+                         "runs: write the loop yourself, with comm.all_reduce")
+
+
+class _LibraryAverageDisabled:
+    """While active, the library's average_gradients raises (its code object swapped)."""
+
+    def __enter__(self):
+        from .parallel import data
+        self.fn, self.code = data.average_gradients, data.average_gradients.__code__
+        self.fn.__code__ = _library_average_refused.__code__
+        return self
+
+    def __exit__(self, *exc):
+        self.fn.__code__ = self.code
+        return False
+
+
+def _checked_average(fn, params, comm) -> None:
+    """In place of naive DP's averaging on a rank: the learner's `fn`, traced, the library's own
+    disabled, then every gradient compared with the mean over the ranks computed by an
+    uncounted all-reduce of a copy taken before; the usual mistakes named."""
+    import torch
+    import torch.distributed as dist
+
+    direct = ("your average_gradients called dist.all_reduce directly: use comm.all_reduce("
+              "p.grad, 'dp'), which records its bytes (the checker compares them with the "
+              "formula)")
+    before = [p.grad.detach().clone() for p in params]
+    trace = _trace_for(comm, "your average_gradients", {"dist.all_reduce": direct})
+    with _LibraryAverageDisabled(), trace:
+        fn(params, comm)
+    trace.agree()
+    n, group = comm.size("dp"), comm.mesh.groups["dp"]
+    flat = torch.cat([g.reshape(-1) for g in before])  # [P]: this rank's own gradients
+    mean = flat.clone()
+    try:
+        if n > 1:
+            dist.all_reduce(mean, group=group)
+    except RuntimeError as e:
+        _stuck_after(trace, e)
+        raise
+    mean /= n
+    got = torch.cat([p.grad.detach().reshape(-1) for p in params])
+
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+    if close(got, mean):
+        return
+    at = f"at dp={n}, rank {dist.get_rank()}, step {comm.step}"
+    if close(got, mean * n):
+        why = (f"every p.grad holds the sum over the ranks, N = {n} times the mean: divide by N "
+               f"(comm.size('dp')) after the all-reduce")
+    elif close(got, flat):
+        why = ("the gradients are unchanged, still this rank's own: all-reduce each p.grad "
+               "(comm.all_reduce(p.grad, 'dp')), in place")
+    elif close(got, flat / n):
+        why = ("each p.grad is this rank's own gradient divided by N: the gradients were never "
+               "summed over the ranks (comm.all_reduce(p.grad, 'dp'))")
+    elif close(got, mean / n):
+        why = f"the gradients were divided by N twice (N = {n}): all-reduce, then divide once"
+    else:
+        why = (f"the gradients differ from the mean over the ranks by up to "
+               f"{(got - mean).abs().max().item():.2e}")
+    raise AssertionError(f"{at}: {why}")
 
 
 def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     """`fn(params, comm)` must leave every p.grad equal to the mean over the "dp" ranks, using
     comm.all_reduce. Checked by training the tiny GPT with it in naive DP mode against the
-    single-process reference, at each world size."""
+    single-process reference, at each world size; after every call each rank's gradients are
+    compared with the mean (sum instead of mean, unchanged gradients, never summed: named). The
+    library's own average_gradients raises while the learner's code runs, and a deadlock stops
+    after CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
+    import functools
+
+    from .engine import train_rank  # late: engine imports the launcher stack
+    from .launch import run_ranks
+    from .report import merge_rank_results
+
     report = None
     for n in world_sizes:
-        cfg = RunConfig(dp=n, dp_mode="naive", batch=2 * n, steps=steps, reference=True)
-        from .engine import run  # late: engine imports the launcher stack
-        report = _on_ranks(lambda: run(cfg, average_fn=fn),
-                           "average_gradients still raises NotImplementedError: write it, then "
-                           "run this cell again.", f"at dp={n}")
-        if isinstance(report, Grade):
-            return report
+        cfg = RunConfig(dp=n, dp_mode="naive", batch=2 * n, steps=steps, reference=True).validate()
+        results = _on_ranks(lambda: run_ranks(train_rank, n, cfg.to_dict(),
+                                              average_fn=functools.partial(_checked_average, fn),
+                                              timeout=CHECK_RUN_TIMEOUT,
+                                              pg_timeout=CHECK_PG_TIMEOUT),
+                            _AVERAGE_STUB, f"at dp={n}")
+        if isinstance(results, Grade):
+            return results
+        report = merge_rank_results(cfg, [res.value for res in results])
         if report.max_abs_diff > 1e-5:
-            ratio = ""
-            if report.losses and report.reference_losses:
-                ratio = (" (did every rank divide the summed gradient by the number of ranks?)")
             raise AssertionError(f"at dp={n} training differs from the single-process reference "
-                                 f"by {report.max_abs_diff:.2e} (> 1e-5){ratio}")
+                                 f"by {report.max_abs_diff:.2e} (> 1e-5)")
         measured = report.wire_bytes_per_step().get("dp", 0)
         predicted = report.theory["wire_bytes_per_step"]["dp"]
         if measured != predicted:
@@ -112,7 +632,8 @@ def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
                                  f"(use comm.all_reduce(p.grad, 'dp') so bytes are measured)")
     return Grade("correct", f"equal to the single-process reference (max |diff| "
                  f"{report.max_abs_diff:.1e}) at dp = {list(world_sizes)}, moving exactly "
-                 f"2(N-1)/N x gradient bytes per step", {"report": report})
+                 f"2(N-1)/N x gradient bytes per step; the library's average_gradients disabled "
+                 f"while yours ran", {"report": report})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,6 +974,9 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
 
 def _parse_ops(ops, rank: int) -> list[list]:
     """["F0", "B0", ...] (or ("F", 0) pairs) -> [["F", 0], ...]."""
+    if not isinstance(ops, (list, tuple)):
+        raise AssertionError(f"rank {rank}: one_f_one_b returned {type(ops).__name__}; return a "
+                             f"list of ops such as ['F0', 'F1', 'B0', ...]")
     out = []
     for op in ops:
         kind, micro = (op[0], op[1:]) if isinstance(op, str) else op
@@ -463,6 +987,35 @@ def _parse_ops(ops, rank: int) -> list[list]:
     return out
 
 
+def _library_schedule_refused(*args, **kwargs):
+    """Swapped in for the code of the library's schedule builders while a learner's order is
+    built (a literal message: the code object runs with the library module's globals)."""
+    raise AssertionError("your one_f_one_b called one of the library's own schedules "
+                         "(parallel_mini.parallel.schedules: one_f_one_b, build_schedule, "
+                         "interleaved, ...), which the checker disables while your code runs: "
+                         "write the warm-up, steady state and cool-down yourself")
+
+
+class _LibrarySchedulesDisabled:
+    """While active, every schedule builder in parallel/schedules.py raises (their code objects
+    swapped), so an order that wraps the library's 1F1B, by whatever name, is refused."""
+
+    NAMES = ("naive", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zero_bubble_v",
+             "build_schedule", "for_config")
+
+    def __enter__(self):
+        from .parallel import schedules
+        self.saved = [(f, f.__code__) for f in (getattr(schedules, n) for n in self.NAMES)]
+        for f, _ in self.saved:
+            f.__code__ = _library_schedule_refused.__code__
+        return self
+
+    def __exit__(self, *exc):
+        for f, code in self.saved:
+            f.__code__ = code
+        return False
+
+
 def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4, 8))) -> Grade:
     """`fn(rank, pp, m)` returns one rank's 1F1B op order, e.g. ["F0", "F1", "B0", ...].
 
@@ -470,14 +1023,18 @@ def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4,
     deadlock (schedules.check), 1F1B's warm-up (min(p - r, m) forwards before rank r's first
     backward: the naive order has 1) and its memory bound: rank r never holds more than p - r
     micro-batches (all-forward-then-all-backward would hold m). Then the order runs on real ranks
-    at each of `run_cases` and must equal the single-process reference."""
+    at each of `run_cases` and must equal the single-process reference. While `fn` runs, the
+    library's schedule builders (one_f_one_b, build_schedule, ...) raise: an order that wraps the
+    library's 1F1B is refused, saying so."""
     from .engine import run
     from .parallel.schedules import Op, from_ops, in_flight
 
     orders = {}
     for pp, m in cases:
         try:
-            ops = [_parse_ops(fn(r, pp, m), r) for r in range(pp)]
+            with _LibrarySchedulesDisabled():
+                orders_here = [fn(r, pp, m) for r in range(pp)]
+            ops = [_parse_ops(o, r) for r, o in enumerate(orders_here)]
         except NotImplementedError:
             return Grade("not attempted", "one_f_one_b still raises NotImplementedError: write "
                                           "the warm-up, steady state and cool-down, then run this cell again.")

@@ -1,9 +1,10 @@
 """The exercise graders: a stub is "not attempted", a right answer passes, and each typical wrong
 answer is refused with an AssertionError (a grader that accepts anything would be worse than none)."""
+import re
+
 import pytest
 import torch
 
-from parallel_mini.comm import ring_all_reduce
 import torch.nn.functional as F
 
 from parallel_mini.grading import (check_average_gradients, check_parallel_mlp,
@@ -15,15 +16,15 @@ def ring_stub(x, comm):
     raise NotImplementedError("exercise")
 
 
-def ring_without_all_gather(x, comm):
-    n, r = comm.size("dp"), comm.rank("dp")
-    chunks = list(x.view(-1).tensor_split(n))
-    buf = torch.empty_like(chunks[0])
-    for s in range(n - 1):
-        send_i, recv_i = (r - s) % n, (r - s - 1) % n
-        b = buf[:chunks[recv_i].numel()]
-        comm.sendrecv(chunks[send_i], (r + 1) % n, b, (r - 1) % n, "dp")
-        chunks[recv_i] += b
+def ring_right(x, comm):
+    """A learner's ring (the library's own is refused while the checker runs an answer)."""
+    return _ring(x, comm)
+
+
+def avg_right(params, comm):
+    for p in params:
+        comm.all_reduce(p.grad, "dp")
+        p.grad /= comm.size("dp")
 
 
 def avg_stub(params, comm):
@@ -103,8 +104,8 @@ def mlp_no_all_reduce(x, w1, b1, w2, b2, comm):
 @pytest.mark.parametrize("check,right,stub,wrongs", [
     (check_parallel_mlp, mlp_right, mlp_stub,
      [mlp_bias_on_every_rank, mlp_all_reduce_after_fc, mlp_no_all_reduce]),
-    (check_ring_all_reduce, ring_all_reduce, ring_stub, [ring_without_all_gather]),
-    (check_average_gradients, average_gradients, avg_stub, [avg_without_divide]),
+    (check_ring_all_reduce, ring_right, ring_stub, []),  # wrong rings: below, each named
+    (check_average_gradients, avg_right, avg_stub, []),  # wrong averages: below
     (check_zero1_step, zero1_right, zero1_stub,
      [zero1_without_divide, zero1_without_gather, zero1_all_reduce]),
 ])
@@ -562,3 +563,116 @@ def test_library_routing_works_again_after_a_refusal():
     assert r.expert.tolist() == [[[0, 1]] * 4] and r.keep.sum().item() == 4
     assert moe.capacity(10, 4, 1, 1.0) == 3
     assert len(moe.dispatch_order(r, 3)[0]) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# lessons 01, 02, 05: the library's own implementation refused, the usual mistakes named, a
+# deadlock stopped within 10 s with who waited on what (issue 15)
+# ---------------------------------------------------------------------------------------------
+def _ring(x, comm, ag_send=None, ag_recv=None, all_gather=True, add=False, divide=False,
+          extra_on_rank0=False):
+    """The lesson's ring, with one mistake switched on."""
+    n, r = comm.size("dp"), comm.rank("dp")
+    chunks = list(x.view(-1).tensor_split(n))
+    right, left = (r + 1) % n, (r - 1) % n
+    incoming = torch.empty_like(chunks[0])
+    for s in range(n - 1):
+        send_i, recv_i = (r - s) % n, (r - s - 1) % n
+        buf = incoming[:chunks[recv_i].numel()]
+        comm.sendrecv(chunks[send_i], right, buf, left, "dp")
+        chunks[recv_i] += buf
+    for s in range(n - 1 if all_gather else 0):
+        send_i = ag_send(r, s, n) if ag_send else (r + 1 - s) % n
+        recv_i = ag_recv(r, s, n) if ag_recv else (r - s) % n
+        if add:
+            buf = incoming[:chunks[recv_i].numel()]
+            comm.sendrecv(chunks[send_i], right, buf, left, "dp")
+            chunks[recv_i] += buf
+        else:
+            comm.sendrecv(chunks[send_i], right, chunks[recv_i], left, "dp")
+    if extra_on_rank0 and r == 0:
+        comm.sendrecv(chunks[0], right, incoming[:chunks[0].numel()], left, "dp")
+    if divide:
+        x /= n
+    return x
+
+
+def ring_calls_library(x, comm):
+    from parallel_mini import comm as comm_module
+    return comm_module.ring_all_reduce(x, comm)
+
+
+def ring_calls_dist(x, comm):
+    torch.distributed.all_reduce(x)
+    return x
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (ring_calls_library, r"called the library's own ring_all_reduce .* disables"),
+    (ring_calls_dist, r"called dist\.all_reduce, one of the backend's own collectives"),
+    (lambda x, comm: _ring(x, comm, all_gather=False),
+     r"N-1 = 1 comm\.sendrecv calls: that is the reduce-scatter alone, and the all-gather is missing"),
+    (lambda x, comm: _ring(x, comm, ag_send=lambda r, s, n: (r - s) % n),
+     r"all-gather step 0 \(counting from 0\), rank \d sent chunk \d; it should send chunk \d = "
+     r"\(r \+ 1 - s\) mod N"),
+    (lambda x, comm: _ring(x, comm, add=True), r"a chunk was added twice, most likely in the all-gather"),
+    (lambda x, comm: _ring(x, comm, divide=True), r"your ring divides .* returns the \*sum\*"),
+])
+def test_ring_checker_names_the_mistake(wrong, message):
+    from parallel_mini import comm as comm_module
+    code = comm_module.ring_all_reduce.__code__
+    with pytest.raises(AssertionError, match=message):
+        check_ring_all_reduce(wrong, cases=((2, 5),))
+    assert comm_module.ring_all_reduce.__code__ is code  # the library's ring works again
+
+
+def test_a_deadlocked_ring_stops_within_10_s_saying_who_waited_on_what():
+    import time
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError) as err:
+        check_ring_all_reduce(lambda x, comm: _ring(x, comm, extra_on_rank0=True), cases=((2, 5),))
+    assert time.perf_counter() - t0 < 10
+    text = str(err.value)
+    assert "deadlock" in text and "Timed out" not in text and "GLHF" not in text
+    assert re.search(r"rank 0 waited in comm\.sendrecv\(send to rank 1, receive from rank 1\), "
+                     r"its call 3", text), text
+    assert "rank 1 had returned from your ring_all_reduce after 2 calls" in text
+
+
+def avg_calls_library(params, comm):
+    average_gradients(params, comm)
+
+
+def avg_only_rank0(params, comm):
+    if comm.rank("dp") == 0:
+        comm.all_reduce(params[0].grad, "dp")
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (avg_without_divide, r"holds the sum over the ranks, N = 2 times the mean: divide by N"),
+    (avg_calls_library, r"called the library's own .*average_gradients.* disables"),
+    (avg_only_rank0, r"rank 0 waited in comm\.all_reduce\(over 'dp'\), its call 1 .*rank 1 had "
+                     r"returned from your average_gradients after 0 calls"),
+])
+def test_average_checker_names_the_mistake(wrong, message):
+    with pytest.raises(AssertionError, match=message):
+        check_average_gradients(wrong, world_sizes=(2,), steps=1)
+
+
+def f1b_wraps_the_library(rank, pp, m):
+    from parallel_mini.parallel.schedules import one_f_one_b
+    return [str(op) for op in one_f_one_b(pp, m)[rank]]
+
+
+def test_one_f_one_b_refuses_a_wrapper_around_the_library(monkeypatch):
+    import parallel_mini.engine
+    from parallel_mini.grading import check_one_f_one_b
+    from parallel_mini.parallel import schedules
+
+    monkeypatch.setattr(parallel_mini.engine, "run", lambda *a, **k: pytest.fail("ran ranks"))
+    code = schedules.one_f_one_b.__code__
+    with pytest.raises(AssertionError, match=r"called one of the library's own schedules .* "
+                                             r"disables"):
+        check_one_f_one_b(f1b_wraps_the_library)
+    assert schedules.one_f_one_b.__code__ is code
+    assert len(schedules.one_f_one_b(2, 3)) == 2
