@@ -43,7 +43,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .config import ConfigError
 from .model import GPTConfig
@@ -248,6 +247,7 @@ def save(directory: str, step: int, model, strategy, mesh, cfg, kill_rank: int |
     """Every rank writes its boxes of params and Adam state into DIR/step_N.tmp (collective);
     rank 0 then renames it to DIR/step_N and points DIR/latest at it. Returns DIR/step_N.
     `kill_rank` (tests): that rank dies after writing its part, before the checkpoint is whole."""
+    import torch.distributed.checkpoint as dcp  # here: importing it costs every run ~1-2 s
     final = os.path.join(directory, f"step_{step}")
     tmp = final + ".tmp"
     if mesh.rank == 0:
@@ -284,6 +284,7 @@ def save(directory: str, step: int, model, strategy, mesh, cfg, kill_rank: int |
 def load(path: str, model, strategy, mesh) -> int:
     """Fill this rank's parameters and Adam state, in its own layout, from the checkpoint at
     `path` (DIR or DIR/step_N); returns the step it was saved after (collective)."""
+    import torch.distributed.checkpoint as dcp
     path, meta = resolve(path)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     index: dict[tuple[str, str], list] = {}  # (kind, name) -> [(key, offsets, sizes)]
