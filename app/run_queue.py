@@ -25,18 +25,25 @@ from contextlib import contextmanager
 ENV_BOUND = "PARALLEL_MINI_MAX_RANKS"
 
 
+def cores() -> int:
+    """The cores this server may use (its CPU affinity, which a container may narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def bound_from_env(environ=os.environ) -> int:
     """The server's bound on rank processes: $PARALLEL_MINI_MAX_RANKS, else the machine's cores."""
     raw = environ.get(ENV_BOUND, "").strip()
     if not raw:
-        return os.cpu_count() or 1
+        return cores()
     try:
         bound = int(raw)
     except ValueError:
         bound = 0
     if bound < 1:
         raise ValueError(f"{ENV_BOUND}={raw!r}: give a whole number of rank processes >= 1 "
-                         f"(unset, it is this machine's {os.cpu_count()} cores)")
+                         f"(unset, it is this machine's {cores()} cores)")
     return bound
 
 

@@ -109,8 +109,8 @@ def test_a_request_that_leaves_while_waiting_frees_its_place():
     assert order == [after] and q.in_use == 0
 
 
-def test_the_bound_comes_from_the_environment(monkeypatch):
-    assert bound_from_env({}) == os.cpu_count()
+def test_the_bound_comes_from_the_environment():
+    assert bound_from_env({}) == run_queue.cores() >= 1
     assert bound_from_env({"PARALLEL_MINI_MAX_RANKS": "3"}) == 3
     for bad in ("0", "-2", "two"):
         with pytest.raises(ValueError, match="PARALLEL_MINI_MAX_RANKS=.*whole number"):
@@ -208,3 +208,95 @@ def test_twenty_sessions_at_once_all_answered_within_the_bound(live_runs, monkey
     assert q.in_use == 0 and q.peak_in_use <= bound
     assert max(seen) <= bound, f"{max(seen)} rank processes alive at once, bound {bound}"
     assert max(seen) >= 2, "the sampler never saw a run's ranks: it proves nothing"
+
+
+# ---------------------------------------------------------------------------------------------
+# run_live on a page (AppTest, a fake run that holds rank slots but starts no rank)
+# ---------------------------------------------------------------------------------------------
+PAGE = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "app")!r})
+import streamlit as st
+import live_runs
+
+def fake_run(n, attempt):
+    with live_runs.rank_slots(n):
+        if st.session_state.get("change_mid_run"):  # the learner moves the slider mid-run
+            st.session_state.change_mid_run = False
+            st.session_state.n_next = n + 1  # the slider is set from it before it is drawn
+            st.rerun()
+        time.sleep(0.05)
+    return {{"n": n}}
+
+if "n_next" in st.session_state:
+    st.session_state.n = st.session_state.pop("n_next")
+n = st.slider("n", 1, 8, key="n")
+if st.button("Run live"):
+    live_runs.run_live("t", {{"n": n}}, f"Running on {{n}} ranks…", fake_run, n, ranks=n)
+result, current = live_runs.last_result("t", {{"n": n}})
+if result is not None:
+    st.metric("n of the last run", result["n"])
+"""
+
+
+def _page(n: int):
+    from streamlit.testing.v1 import AppTest
+    at = AppTest.from_string(PAGE, default_timeout=30)
+    at.session_state["n"] = n
+    return at.run()
+
+
+def test_run_live_waits_in_the_queue_and_says_how_long(live_runs, monkeypatch):
+    q = RunQueue(2)
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", q)
+    assert q.try_acquire(2)  # another session's run holds every slot...
+    notes = []
+    note_of = live_runs._queue_note
+    monkeypatch.setattr(live_runs, "_queue_note", lambda *a: notes.append(note_of(*a)) or notes[-1])
+    at = _page(2)
+
+    def other_session_finishes():  # ...until 0.6 s after this page's request has queued
+        _queued(q, 1)
+        time.sleep(0.6)
+        q.release(2)
+
+    other = threading.Thread(target=other_session_finishes, daemon=True)
+    other.start()
+    at.button[0].click().run()
+    other.join(5)
+    assert not at.exception and not at.error, [e.value for e in at.exception]
+    assert at.metric[0].value == "2"
+    label = at.status[0].label
+    assert "waiting for rank processes" in label, label
+    waited = float(label.split("of which ")[1].split(" s waiting")[0])
+    assert 0.5 <= waited <= 10, label
+    assert q.in_use == 0 and q.granted == 2
+    assert notes and notes[0].startswith("Waiting for 2 rank processes: number 1 in the queue, 0 s")
+
+
+def test_run_live_bigger_than_the_bound_runs_alone(live_runs, monkeypatch):
+    q = RunQueue(2)
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", q)
+    at = _page(4)
+    at.button[0].click().run()
+    assert not at.exception and not at.error
+    assert at.metric[0].value == "4" and q.peak_in_use == 4 and q.in_use == 0
+    assert "it ran alone (4 rank processes, more than this server's 2)" in \
+        at.status[0].label
+
+
+def test_a_run_abandoned_by_a_control_change_is_said_and_frees_its_slots(live_runs, monkeypatch):
+    q = RunQueue(4)
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", q)
+    at = _page(2)
+    at.session_state["change_mid_run"] = True
+    at.button[0].click().run()  # the run reruns the script mid-run, as a moved slider does
+    assert not at.exception, [e.value for e in at.exception]
+    assert q.in_use == 0 and q.granted == 1  # it had its slots; they went back
+    said = [w.value for w in at.warning]
+    assert len(said) == 1 and "“Running on 2 ranks” was abandoned when you changed n 2 → 3" in said[0]
+    assert not at.metric  # nothing was kept
+    at.run()
+    assert not at.warning  # said once
+    at.button[0].click().run()
+    assert not at.warning and at.metric[0].value == "3"
