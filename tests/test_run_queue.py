@@ -226,13 +226,16 @@ def fake_run(n, attempt):
             st.session_state.n_next = n + 1  # the slider is set from it before it is drawn
             st.rerun()
         time.sleep(0.05)
+    if st.session_state.get("own_progress"):
+        st.progress(0.5, text="step 1 of 2 (the page's own bar)")
     return {{"n": n}}
 
 if "n_next" in st.session_state:
     st.session_state.n = st.session_state.pop("n_next")
 n = st.slider("n", 1, 8, key="n")
 if st.button("Run live"):
-    live_runs.run_live("t", {{"n": n}}, f"Running on {{n}} ranks…", fake_run, n, ranks=n)
+    live_runs.run_live("t", {{"n": n}}, f"Running on {{n}} ranks…", fake_run, n, ranks=n,
+                       own_progress=st.session_state.get("own_progress", False))
 result, current = live_runs.last_result("t", {{"n": n}})
 if result is not None:
     st.metric("n of the last run", result["n"])
@@ -272,6 +275,18 @@ def test_run_live_waits_in_the_queue_and_says_how_long(live_runs, monkeypatch):
     assert 0.5 <= waited <= 10, label
     assert q.in_use == 0 and q.granted == 2
     assert notes and notes[0].startswith("Waiting for 2 rank processes: number 1 in the queue, 0 s")
+
+
+def test_progress_is_drawn_outside_the_collapsed_status_box(live_runs, monkeypatch):
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", RunQueue(2))
+    at = _page(2)
+    at.button[0].click().run()
+    assert not at.status[0].children, "something was drawn inside the collapsed box"
+    assert [p.proto.text for p in at.get("progress")] == ["Step 1 of 1: done"]
+    at.session_state["own_progress"] = True
+    at.button[0].click().run()  # a page function that draws its own bar: run_live adds none
+    assert not at.status[0].children
+    assert [p.proto.text for p in at.get("progress")] == ["step 1 of 2 (the page's own bar)"]
 
 
 def test_run_live_bigger_than_the_bound_runs_alone(live_runs, monkeypatch):
