@@ -384,6 +384,9 @@ def saved_layers(path: str) -> int | None:
 
 def check_flags(cfg) -> None:
     """--save/--resume refused before any rank starts (raises CheckpointError, one line)."""
+    for flag, v in (("--save", cfg.save), ("--resume", cfg.resume)):
+        if not isinstance(v, str):
+            raise CheckpointError(f"{flag} {v!r}: must be a directory name (a string)")
     if cfg.pp > 1 and cfg.schedule.startswith("pipedream"):
         raise CheckpointError(f"--save/--resume with --schedule {cfg.schedule}: PipeDream's stashed "
                               f"weight versions are not in a checkpoint yet; checkpoints work with "

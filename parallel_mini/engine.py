@@ -246,8 +246,9 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
     report = merge_rank_results(merged, per_rank, wall_s=time.perf_counter() - t0)
     if cfg.resume:
         report.extra["resumed_from_step"] = start
-        print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained steps "
-              f"{start + 1}-{cfg.steps}", file=sys.stderr)
+        if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
+            print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained "
+                  f"steps {start + 1}-{cfg.steps}", file=sys.stderr)
     if cfg.save:
         report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
     return report

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from parallel_mini.checkpoint import flat_boxes
+from parallel_mini.__main__ import main
+from parallel_mini.checkpoint import _meta, flat_boxes
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.launch import RankError
@@ -44,7 +45,7 @@ def test_flat_boxes_tile_the_range_in_order(shape):
 
 
 # -- refused before any rank starts ---------------------------------------------------------------
-def test_refusals_name_the_flag(tmp_path):
+def test_refusals_name_the_flag(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--resume .*no such directory"):
         RunConfig(resume=str(tmp_path / "nothing")).validate()
     with pytest.raises(ConfigError, match="--resume .*no checkpoint there"):
@@ -53,6 +54,20 @@ def test_refusals_name_the_flag(tmp_path):
         RunConfig(pp=2, schedule="pipedream", save=str(tmp_path / "c")).validate()
     with pytest.raises(ConfigError, match="--save .*existing"):
         RunConfig(save=str(tmp_path / "no" / "such")).validate()
+    saved = tmp_path / "saved"  # what resume reads before any rank starts: latest, meta.json
+    (saved / "step_2").mkdir(parents=True)
+    (saved / "step_2" / "meta.json").write_text(json.dumps(_meta(RunConfig(**SMALL), 2)))
+    (saved / "latest").write_text("step_2\n")
+    with pytest.raises(ConfigError, match="--steps 2: .*saved after step 2.*more than 2"):
+        RunConfig(steps=2, resume=str(saved), **SMALL).validate()
+    with pytest.raises(ConfigError, match="another model .*'d_model': \\(32, 64\\)"):
+        RunConfig(steps=3, resume=str(saved), **{**SMALL, "d_model": 64}).validate()
+    with pytest.raises(ConfigError, match="another optimizer"):
+        RunConfig(steps=3, resume=str(saved), optimizer="sgd", **SMALL).validate()
+    RunConfig(steps=3, resume=str(saved), tp=2, pp=2, **SMALL).validate()  # any layout
+    assert main(["run", "--dp", "2", "--resume", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --resume") and "Traceback" not in err[0]
 
 
 # -- same layout: bit-identical; a save killed half-way -------------------------------------------
@@ -104,6 +119,11 @@ RESHARD = {  # (saved under, resumed under)
     "hybrid-shard->tp2": (dict(dp=4, fsdp="HYBRID_SHARD", dp_shard=2), dict(tp=2)),
     "ep4->ep2": (dict(dp=4, ep=4, experts=4, top_k=2), dict(dp=2, ep=2, experts=4, top_k=2)),
     "ep2-zero1->tp2": (dict(dp=2, ep=2, experts=4, zero=1), dict(tp=2, experts=4)),
+    "dp2xtp2-zero3->dp4-zero2": (dict(dp=2, tp=2, zero=3), dict(dp=4, zero=2)),
+    "dp2-zero1->pp2-interleaved": (dict(dp=2, zero=1, layers=4),
+                                   dict(pp=2, schedule="interleaved", microbatches=2, layers=4)),
+    "pp2-zbv->dp2xpp2-zb": (dict(pp=2, schedule="zbv", microbatches=2, layers=4),
+                            dict(dp=2, pp=2, schedule="zb", microbatches=2, layers=4)),
     "bf16-dp2-zero3->bf16-dp2-zero1": (dict(dp=2, zero=3, precision="bf16-mixed"),
                                        dict(dp=2, zero=1, precision="bf16-mixed")),
 }
@@ -117,8 +137,8 @@ def test_resharded_resume_continues_the_reference(name, tmp_path):
     as a straight bf16 run in the new layout)."""
     before, after = RESHARD[name]
     ck = str(tmp_path / "ck")
-    run(RunConfig(steps=2, save=ck, **SMALL, **before))
-    resumed = run(RunConfig(steps=4, resume=ck, reference=True, **SMALL, **after))
+    run(RunConfig(steps=2, save=ck, **{**SMALL, **before}))
+    resumed = run(RunConfig(steps=4, resume=ck, reference=True, **{**SMALL, **after}))
     assert resumed.extra["resumed_from_step"] == 2
     detail = resumed.max_abs_diff_detail
     if "bf16" in name:
