@@ -21,6 +21,11 @@ if APP_DIR not in sys.path:
 # file names.
 st.set_page_config(page_title="parallel_mini", layout="wide")
 
+import presentation  # noqa: E402  (after APP_DIR is on sys.path)
+
+presentation.keep_widget_values()  # every page's controls keep their values across page changes
+presentation.mode_toggle()
+
 pages = {
     "parallel_mini": [st.Page("app_pages/home.py", title="Home", icon="🏠", default=True)],
     "Topics": [
@@ -35,4 +40,5 @@ pages = {
         st.Page("app_pages/experts.py", title="Experts", icon="🔀", url_path="experts"),
     ],
 }
-st.navigation(pages).run()
+# presentation mode: the page list moves to the top bar, leaving the sidebar to the page's controls
+st.navigation(pages, position="top" if presentation.on() else "sidebar").run()

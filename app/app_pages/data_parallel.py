@@ -4,6 +4,7 @@ import json
 import pandas as pd
 import streamlit as st
 
+import presentation as pm
 from live_runs import (fmt_bytes, fmt_count, last_result, run_live, show_equality,
                         training_run)
 from parallel_mini import viz
@@ -11,7 +12,7 @@ from parallel_mini.report import RunReport
 
 
 st.title("Data parallel")
-st.markdown("""
+pm.intro("""
 Every rank holds a full copy of the model and trains on its own slice of the batch. After the
 backward pass the gradients are **averaged with an all-reduce**, so every copy takes the same
 optimizer step and the run equals training on one process with the whole batch. **Naive**: one
@@ -21,19 +22,24 @@ ready, overlapping the rest of backward. **Gradient accumulation**: several micr
 step; only the last one syncs.
 """)
 
-c1, c2, c3 = st.columns(3)
-dp = c1.radio("Ranks (dp)", [1, 2, 4], index=1, horizontal=True)
-mode = c1.radio("Gradient sync", ["naive", "bucketed"], index=1, horizontal=True)
-bucket_mb = c2.select_slider("Bucket size (MB)", [0.05, 0.1, 0.25, 0.5, 1.0], value=0.25,
-                             disabled=mode != "bucketed")
-grad_accum = c2.radio("Gradient accumulation (micro-batches per step)", [1, 2, 4], horizontal=True)
-steps = c3.slider("Training steps", 2, 10, 4)
-batch = c3.select_slider("Global batch (sequences)", [8, 16, 32], value=8)
-fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+controls = pm.Controls(3)
+c1, c2, c3 = controls.columns
+dp = c1.radio("Ranks (dp)", [1, 2, 4], horizontal=True, key=pm.kept("dp.dp", 2))
+mode = c1.radio("Gradient sync", ["naive", "bucketed"], horizontal=True,
+                key=pm.kept("dp.mode", "bucketed"))
+if mode != "bucketed":  # disabled: back to its default, so it is not silently kept
+    pm.reset("dp.bucket_mb", 0.25)
+bucket_mb = c2.select_slider("Bucket size (MB)", [0.05, 0.1, 0.25, 0.5, 1.0],
+                             key=pm.kept("dp.bucket_mb", 0.25), disabled=mode != "bucketed")
+grad_accum = c2.radio("Gradient accumulation (micro-batches per step)", [1, 2, 4], horizontal=True,
+                      key=pm.kept("dp.grad_accum", 1))
+steps = c3.slider("Training steps", 2, 10, key=pm.kept("dp.steps", 4))
+batch = c3.select_slider("Global batch (sequences)", [8, 16, 32], key=pm.kept("dp.batch", 8))
+fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 cfg = {"dp": dp, "dp_mode": mode, "bucket_mb": bucket_mb, "grad_accum": grad_accum,
        "steps": steps, "batch": batch, "reference": True}
-if st.button("Run live", type="primary"):
+if controls.run_button():
     run_live("dp", cfg, f"Training on {dp} rank(s) and the single-process reference…",
              training_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp)
 
@@ -53,7 +59,7 @@ measured_wire = rep.wire_bytes_per_step(0).get("dp", 0.0)
 theory_wire = report["theory"]["wire_bytes_per_step"]["dp"]
 
 show_equality(report)
-st.altair_chart(viz.loss_curves(report), width="content")
+pm.chart(viz.loss_curves(report))
 
 st.subheader("Bytes on the wire")
 st.latex(r"\text{bytes sent per rank per step} = \frac{2(N-1)}{N}\cdot 4\Psi"
@@ -65,7 +71,7 @@ b2.metric("Per step: theory", f"{fmt_count(theory_wire)} B",
 step_all_reduces = [r for r in report["ranks"][0]["comm"] if r["step"] >= 0 and r["op"] == "all_reduce"]
 b3.metric("All-reduce calls per step (rank 0)",
           f"{len(step_all_reduces) / report['config']['steps']:g}")
-st.altair_chart(viz.comm_bytes(report), width="content")
+pm.chart(viz.comm_bytes(report))
 with st.expander("Every collective of rank 0, summed"):
     st.dataframe(pd.DataFrame(rep.comm_summary(0)), hide_index=True)
 
@@ -76,11 +82,11 @@ measured_states = mem["params"] + mem["grads"] + mem["optimizer"]
 st.markdown(f"Model states of rank 0: measured **{fmt_bytes(measured_states)}**, "
             f"theory 4Ψ + 4Ψ + 8Ψ = 16Ψ = **{fmt_bytes(sum(states.values()))}**. "
             f"Data parallel replicates them on every rank.")
-st.altair_chart(viz.memory_bars(report), width="content")
+pm.chart(viz.memory_bars(report))
 
 st.subheader("Timeline")
 shown = st.select_slider("Steps shown", options=list(range(report["config"]["steps"])),
                          value=(0, report["config"]["steps"] - 1))
-st.altair_chart(viz.timeline(report, steps=list(range(shown[0], shown[1] + 1))), width="content")
+pm.chart(viz.timeline(report, steps=list(range(shown[0], shown[1] + 1))))
 st.caption("Bucketed: the comm lane's all-reduces start while backward still runs. Naive: they "
            "all start after backward. Wall-clock times on shared CPU cores are approximate.")

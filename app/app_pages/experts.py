@@ -10,6 +10,7 @@ import json
 
 import streamlit as st
 
+import presentation as pm
 from live_runs import fmt_bytes, fmt_count, last_result, run_live, show_equality, training_run
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
@@ -92,7 +93,7 @@ def show_routing(rep: dict) -> tuple[int, int]:
     layer = r2.radio("MoE layer", layers, horizontal=True, key="experts_layer")
     rank = r3.radio("Rank (its own tokens)", [r["rank"] for r in rep["ranks"]], horizontal=True,
                     key="experts_rank")
-    st.altair_chart(vx.routing_heatmap(rep, rank=rank, layer=layer, step=step), width="content")
+    pm.chart(vx.routing_heatmap(rep, rank=rank, layer=layer, step=step))
     df = vx.routing_frame(rep, rank, layer, step)
     cap = capacity(seq, E, k, F)
     m1, m2, m3 = st.columns(3)
@@ -118,7 +119,7 @@ only the residual connection carries it.
 def show_load(rep: dict, layer: int, step: int) -> None:
     st.subheader("2 · Load per expert against the capacity (measured)")
     cols = st.columns([3, 2])
-    cols[0].altair_chart(vx.expert_load(rep, layer=layer, step=step), width="content")
+    pm.chart(vx.expert_load(rep, layer=layer, step=step), cols[0], share=0.6)
     df, cap = vx.expert_load_frame(rep, layer, step)
     per = df.groupby("expert")["assignments"].sum()
     cols[1].metric("Busiest expert ÷ mean, this step (measured)",
@@ -166,7 +167,7 @@ the same data and seed, weight 0 and the weight chosen above:
     layers = vx.moe_layers(next(iter(runs.values())))
     layer = st.radio("MoE layer", layers, index=len(layers) - 1, horizontal=True,
                      key="experts_aux_layer", help="Deeper layers collapse more readily.")
-    st.altair_chart(vx.load_over_steps(runs, layer=layer), width="content")
+    pm.chart(vx.load_over_steps(runs, layer=layer))
     cols = st.columns(len(runs))
     for col, (name, rep) in zip(cols, runs.items()):
         table = vx.load_balance_table(rep, layer)
@@ -196,9 +197,9 @@ def show_wire(rep: dict) -> None:
                          help="Backward sends each exchange back the other way: with both "
                               "passes the matrix is symmetric.")
     cols = st.columns(2)
-    cols[0].altair_chart(vx.all_to_all_matrix(rep, step, PHASES[phase], DIRECTIONS[direction]),
-                         width="content")
-    cols[1].altair_chart(vx.all_to_all_vs_uniform(rep), width="content")
+    pm.chart(vx.all_to_all_matrix(rep, step, PHASES[phase], DIRECTIONS[direction]), cols[0],
+             share=0.5)
+    pm.chart(vx.all_to_all_vs_uniform(rep), cols[1], share=0.5)
     uniform = rep["theory"]["ep_all_to_all_uniform"]
     measured = [sum(x["wire_bytes"] for x in r["comm"] if x["step"] >= 0) / c["steps"]
                 for r in rep["ranks"]]
@@ -231,7 +232,7 @@ def show_memory(rep: dict) -> None:
     c, th = rep["config"], rep["theory"]
     E, P = c["experts"], c["ep"]
     st.subheader(f"5 · Memory per rank: each rank holds E/P = {E // P} of {E} experts")
-    st.altair_chart(vx.expert_memory(rep), width="content")
+    pm.chart(vx.expert_memory(rep))
     cats = ("params", "grads", "optimizer")
     equal = sum(all(r["memory"][k] == th["memory"][k] for k in cats) for r in rep["ranks"])
     n = len(theory.moe_blocks(c["layers"], E, c.get("moe_every", 1)))
@@ -250,7 +251,7 @@ def show_memory(rep: dict) -> None:
 # the page
 # ---------------------------------------------------------------------------------------------
 st.title("Experts")
-st.markdown(r"""
+pm.intro(r"""
 A **mixture of experts** replaces a block's MLP by **E** expert MLPs and a router that sends each
 token to **k** of them: parameters grow E-fold, the compute per token only k-fold. Each expert
 takes at most a **capacity** of tokens per sequence; the overflow is dropped. **Expert
@@ -259,19 +260,24 @@ and back with two **all-to-alls**. Everything below comes from a live run on rea
 this machine's CPU), beside the formulas.
 """)
 
-c1, c2, c3, c4 = st.columns(4)
-experts = c1.radio("Experts per MoE layer (E)", [4, 8], index=1, horizontal=True)
-top_k = c2.radio("Experts per token (top-k)", [1, 2], index=1, horizontal=True)
-factor = c3.select_slider("Capacity factor (F)", FACTORS, value=1.25,
+controls = pm.Controls(4)
+c1, c2, c3, c4 = controls.columns
+experts = c1.radio("Experts per MoE layer (E)", [4, 8], horizontal=True,
+                   key=pm.kept("experts.E", 8))
+top_k = c2.radio("Experts per token (top-k)", [1, 2], horizontal=True,
+                 key=pm.kept("experts.top_k", 2))
+factor = c3.select_slider("Capacity factor (F)", FACTORS, key=pm.kept("experts.factor", 1.25),
                           help="1.0 = each expert's fair share of a sequence's assignments")
-ep = c4.radio("Expert-parallel ranks (ep = P)", EP_CHOICES, index=1, horizontal=True,
+ep = c4.radio("Expert-parallel ranks (ep = P)", EP_CHOICES, horizontal=True,
+              key=pm.kept("experts.ep", 2),
               help="The experts are split over P of the dp = max(2, P) data-parallel ranks.")
-aux = st.slider("Load-balancing (aux) loss weight", 0.0, 0.1, 0.05, step=0.01,
-                help="0 turns it off; the library's default is 0.01.")
-st.caption(f"Model: {MODEL['layers']} MoE layers × d{MODEL['d_model']}, s = {MODEL['seq']}, "
+aux = controls.area.slider("Load-balancing (aux) loss weight", 0.0, 0.1, step=0.01,
+                           key=pm.kept("experts.aux", 0.05),
+                           help="0 turns it off; the library's default is 0.01.")
+controls.area.caption(f"Model: {MODEL['layers']} MoE layers × d{MODEL['d_model']}, s = {MODEL['seq']}, "
            f"vocabulary {MODEL['vocab']}, batch {MODEL['batch']}, {MODEL['steps']} training "
            f"steps on dp = {dp_for(ep)} ranks, with the single-process reference.")
-fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 cfg = run_config(experts, top_k, factor, ep, aux)
 error = None
@@ -282,8 +288,9 @@ except ConfigError as err:
     st.error(error)
 
 key = {"experts": experts, "top_k": top_k, "factor": factor, "ep": ep, "aux": aux}
-if st.button("Run live", type="primary", disabled=error is not None,
-             help=f"Trains the MoE toy on {dp_for(ep)} ranks and on one process (the reference)."):
+if controls.run_button(disabled=error is not None,
+                       help=f"Trains the MoE toy on {dp_for(ep)} ranks and on one process "
+                            f"(the reference)."):
     run_live("experts", key, f"Training E = {experts}, top-{top_k} on {dp_for(ep)} ranks…",
              experts_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp_for(ep))
 

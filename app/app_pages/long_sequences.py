@@ -9,6 +9,7 @@ import time
 
 import streamlit as st
 
+import presentation as pm
 from live_runs import TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, training_run
 from parallel_mini import theory, viz
 from parallel_mini.config import ConfigError, RunConfig
@@ -109,7 +110,7 @@ def show_ring(result: dict):
     rep = runs[LAYOUTS[layout]]
     slot = st.empty()
     with slot.container():
-        st.altair_chart(viz.ring_kv_animation(rep, frame=0), width="content")
+        pm.chart(viz.ring_kv_animation(rep, frame=0))
     sent = viz.cp_sent_bytes(rep)
     predicted = theory.cp_wire_bytes_per_step(RunConfig.from_dict(rep["config"]))
     m1, m2, m3 = st.columns(3)
@@ -141,8 +142,7 @@ def show_tiles(result: dict) -> None:
     k, runs = result["key"], result["runs"]
     c = k["cp"]
     st.subheader("2 · Which tiles each rank computes (measured)")
-    st.altair_chart(viz.tile_maps({"contiguous (ring)": runs["ring"], "zigzag": runs["zigzag"]}),
-                    width="content")
+    pm.chart(viz.tile_maps({"contiguous (ring)": runs["ring"], "zigzag": runs["zigzag"]}))
     cols = st.columns(2)
     for col, (name, impl) in zip(cols, LAYOUTS.items()):
         layout = "zigzag" if impl == "zigzag" else "contiguous"
@@ -152,8 +152,7 @@ def show_tiles(result: dict) -> None:
                    help="context.tiles_computed of each rank, one layer's forward")
         col.metric(f"Tiles computed per rank: {name}, formula", _per_rank(formula),
                    help="contiguous: r + 1 of C; zigzag: 2C + 1 of 4C on every rank")
-    st.altair_chart(viz.cp_work_bars({"contiguous": runs["ring"], "zigzag": runs["zigzag"]}),
-                    width="content")
+    pm.chart(viz.cp_work_bars({"contiguous": runs["ring"], "zigzag": runs["zigzag"]}))
     st.markdown(f"""
 With a causal mask a query only looks at keys before it. Cut the sequence into C contiguous
 chunks and rank r's queries need the K/V blocks of ranks 0…r only: rank 0 computes 1 tile, rank
@@ -171,9 +170,9 @@ def show_wire(result: dict) -> None:
     x_max = max(viz.cp_comm_frame(runs[i])["x2"].max() for i in ("ring", "ulysses"))
     cols = st.columns(2)
     for col, impl in zip(cols, ("ring", "ulysses")):
-        col.altair_chart(viz.cp_comm_timeline(
+        pm.chart(viz.cp_comm_timeline(
             runs[impl], title=f"{IMPLS[impl]}: the cp messages of one step (measured)",
-            width=430, x_max=x_max), width="content")
+            width=430, x_max=x_max), col, share=0.5)
     rows, matched = [], {}
     for impl in IMPLS:
         sent = viz.cp_sent_bytes(runs[impl])
@@ -181,9 +180,9 @@ def show_wire(result: dict) -> None:
         rows += [{"impl": IMPLS[impl], "source": "measured", "bytes": sent[0]},
                  {"impl": IMPLS[impl], "source": "theory", "bytes": float(predicted)}]
         matched[impl] = (sum(x == predicted for x in sent), len(sent))
-    st.altair_chart(viz.cp_bytes_chart(rows, subtitle=[
+    pm.chart(viz.cp_bytes_chart(rows, subtitle=[
         f"C = {c}, s = {k['seq']}, one layer; measured: rank 0's send / all-to-all records "
-        "(wire bytes), theory: theory.cp_wire_bytes_per_step"]), width="content")
+        "(wire bytes), theory: theory.cp_wire_bytes_per_step"]))
     cols = st.columns(3)
     for col, impl in zip(cols, IMPLS):
         got, n = matched[impl]
@@ -209,11 +208,10 @@ def show_activations(result: dict) -> None:
     top = max(p["seq"] for p in points)
     step = 2 * c
     seqs = list(range(step, top + 1, step))
-    st.altair_chart(viz.cp_activation_curve(points, formulas, seqs, subtitle=[
+    pm.chart(viz.cp_activation_curve(points, formulas, seqs, subtitle=[
         f"batch {MODEL['batch']}, d{MODEL['d_model']}, {heads} heads, fp32; lines: "
         "theory.gpt_activation_bytes_per_layer (theory)",
-        "points: measured, a layer's bytes = activation peak with 2 layers − with 1 (rank 0)"]),
-        width="content")
+        "points: measured, a layer's bytes = activation peak with 2 layers − with 1 (rank 0)"]))
     cols = st.columns(len(formulas))
     here = {p["series"]: p["bytes"] for p in points if p["seq"] == k["seq"]}
     for col, (name, f) in zip(cols, formulas.items()):
@@ -250,7 +248,7 @@ def play(animation_slot, rep: dict) -> None:
     frames = 2 * rep["config"]["cp"]
     for f in range(frames):
         with animation_slot.container():
-            st.altair_chart(viz.ring_kv_animation(rep, frame=f), width="content")
+            pm.chart(viz.ring_kv_animation(rep, frame=f))
         if f < frames - 1:
             time.sleep(PLAY_DELAY_S)
 
@@ -259,7 +257,7 @@ def play(animation_slot, rep: dict) -> None:
 # the page
 # ---------------------------------------------------------------------------------------------
 st.title("Long sequences")
-st.markdown(r"""
+pm.intro(r"""
 Activations grow with the sequence length s, and attention's scores with s². **Context
 parallelism** gives each of **C** ranks s/C tokens of every sequence for the *whole* model.
 Everything but attention is per token; attention needs the keys and values of every earlier
@@ -269,16 +267,18 @@ each rank computes on the block it holds, merging partial results with the onlin
 **Ulysses** trades the ring for two all-to-alls that switch from sequence shards to head shards.
 """)
 
-c1, c2, c3 = st.columns(3)
-cp = c1.radio("Context-parallel ranks (C)", [2, 4], index=1, horizontal=True,
+controls = pm.Controls(3)
+c1, c2, c3 = controls.columns
+cp = c1.radio("Context-parallel ranks (C)", [2, 4], horizontal=True, key=pm.kept("cp.cp", 4),
               help="Each sequence is split over C ranks; at most 4 share this machine's cores.")
-seq = int(c2.number_input("Sequence length s (tokens)", min_value=8, max_value=MAX_SEQ, value=32,
-                          step=4, help="ring and Ulysses need a multiple of C, zigzag of 2C"))
-heads = c3.radio("Attention heads (a)", [2, 4], index=1, horizontal=True,
+seq = int(c2.number_input("Sequence length s (tokens)", min_value=8, max_value=MAX_SEQ, step=4,
+                          key=pm.kept("cp.seq", 32),
+                          help="ring and Ulysses need a multiple of C, zigzag of 2C"))
+heads = c3.radio("Attention heads (a)", [2, 4], horizontal=True, key=pm.kept("cp.heads", 4),
                  help="Ulysses gives each rank a/C whole heads: a must divide by C.")
 c3.caption(f"Model: 1 layer × d{MODEL['d_model']}, vocabulary {MODEL['vocab']}, batch "
            f"{MODEL['batch']}, one training step per run.")
-fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 errors = {}
 for impl in IMPLS:
@@ -290,10 +290,11 @@ for impl, msg in errors.items():
     st.error(f"{IMPLS[impl]}: invalid settings: {msg}")
 
 key = {"cp": cp, "seq": seq, "heads": heads}
-run_clicked = st.button("Run live", type="primary", disabled=bool(errors),
-                        help="Fix the settings above first." if errors else
-                        f"Trains the toy with ring, zigzag and Ulysses on {cp} ranks, the "
-                        f"single-process reference, and the activation runs.")
+run_clicked = controls.run_button(disabled=bool(errors),
+                                  help="Fix the settings first." if errors else
+                                  f"Trains the toy with ring, zigzag and Ulysses on {cp} "
+                                  f"ranks, the single-process reference, and the activation "
+                                  f"runs.")
 if run_clicked and not errors:
     run_live("cp", key, f"Running ring, zigzag and Ulysses on {cp} ranks…", context_experiment,
              json.dumps(key, sort_keys=True), fresh=fresh, ranks=cp, own_progress=True)

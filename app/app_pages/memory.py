@@ -7,9 +7,11 @@ import json
 import pandas as pd
 import streamlit as st
 
+import presentation as pm
 from live_runs import fmt_bytes, last_result, run_live, training_run
 from parallel_mini import theory, viz
 from parallel_mini.config import ConfigError, RunConfig
+from parallel_mini.viz.units import format_bytes
 
 TOYS = {"toy: 4 layers × d64": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
         "toy: 8 layers × d128": {"layers": 8, "d_model": 128, "heads": 4, "vocab": 128}}
@@ -21,7 +23,7 @@ STAGES = [0, 1, 2, 3]
 STATE_CATS = ["params", "grads", "optimizer", "host"]  # model states: must equal theory exactly
 
 st.title("Memory per GPU")
-st.markdown(r"""
+pm.intro(r"""
 Training keeps **model states** on every GPU (parameters, gradients, optimizer states) plus the
 **activations** that forward saves for backward. Mixed precision with Adam costs 16 bytes per
 parameter Ψ: 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master copy and two moments).
@@ -35,55 +37,86 @@ optimizer (with its fp32 master copy) to CPU RAM. Activations are not sharded by
 activations by t (all of them with sequence parallel, SP); PP with the 1F1B schedule does not.
 """)
 
-c1, c2, c3, c4 = st.columns(4)
-model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM], index=0,
+controls = pm.Controls(4)
+c1, c2, c3, c4 = controls.columns
+model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM], key=pm.kept("mem.model", [*TOYS][0]),
                      help="Toy models run live here; the presets and custom sizes use theory alone.")
 toy = model in TOYS
 if toy:
     shape = TOYS[model]
 elif model == CUSTOM:
-    billions = c1.number_input("Parameters (billions)", 0.01, 2000.0, 13.0, step=1.0)
+    billions = c1.number_input("Parameters (billions)", 0.01, 2000.0, step=1.0,
+                               key=pm.kept("mem.billions", 13.0))
     shape = {"n_params": int(round(billions * 1e9)),
-             "layers": int(c1.number_input("Layers", 1, 256, 40)),
-             "d_model": int(c1.number_input("Hidden size", 64, 65536, 5120, step=64)),
-             "heads": int(c1.number_input("Attention heads", 1, 512, 40))}
+             "layers": int(c1.number_input("Layers", 1, 256, key=pm.kept("mem.layers", 40))),
+             "d_model": int(c1.number_input("Hidden size", 64, 65536, step=64,
+                                            key=pm.kept("mem.d_model", 5120))),
+             "heads": int(c1.number_input("Attention heads", 1, 512,
+                                          key=pm.kept("mem.heads", 40)))}
 else:
     shape = theory.PRESETS[model]
-gpus = c1.select_slider("GPUs (data-parallel ranks N)", [2 ** i for i in range(11)], value=2)
-highlight = c1.radio("ZeRO stage", STAGES, index=0, horizontal=True,
+gpus = c1.select_slider("GPUs (data-parallel ranks N)", [2 ** i for i in range(11)],
+                        key=pm.kept("mem.gpus", 2))
+highlight = c1.radio("ZeRO stage", STAGES, horizontal=True, key=pm.kept("mem.highlight", 0),
                      help="All four stages are drawn anyway; this one is highlighted.")
-precision = c2.radio("Precision", ["fp32", "bf16-mixed"], horizontal=True)
-optimizer = c2.radio("Optimizer", ["adam", "sgd"], horizontal=True)
+precision = c2.radio("Precision", ["fp32", "bf16-mixed"], horizontal=True,
+                     key=pm.kept("mem.precision", "fp32"))
+optimizer = c2.radio("Optimizer", ["adam", "sgd"], horizontal=True,
+                     key=pm.kept("mem.optimizer", "adam"))
 checkpointing = c2.radio("Activation checkpointing", ["none", "selective", "full"],
-                         horizontal=True)
+                         horizontal=True, key=pm.kept("mem.checkpointing", "none"))
 if toy:
-    micro_batch = c3.select_slider("Micro-batch per GPU (sequences)", [1, 2, 4, 8], value=4,
-                                   key="mb_toy")
-    seq = c3.select_slider("Sequence length (tokens)", [16, 32, 64, 128], value=32, key="seq_toy")
+    micro_batch = c3.select_slider("Micro-batch per GPU (sequences)", [1, 2, 4, 8],
+                                   key=pm.kept("mb_toy", 4))
+    seq = c3.select_slider("Sequence length (tokens)", [16, 32, 64, 128],
+                           key=pm.kept("seq_toy", 32))
 else:
-    micro_batch = c3.select_slider("Micro-batch per GPU (sequences)", [1, 2, 4, 8, 16], value=1,
-                                   key="mb_big")
-    seq = c3.select_slider("Sequence length (tokens)", [512, 1024, 2048, 4096, 8192], value=2048,
-                           key="seq_big")
-capacity_label = c3.selectbox("GPU capacity", list(theory.GPU_MEMORY_GB), index=2)
+    micro_batch = c3.select_slider("Micro-batch per GPU (sequences)", [1, 2, 4, 8, 16],
+                                   key=pm.kept("mb_big", 1))
+    seq = c3.select_slider("Sequence length (tokens)", [512, 1024, 2048, 4096, 8192],
+                           key=pm.kept("seq_big", 2048))
+capacity_label = c3.selectbox("GPU capacity", list(theory.GPU_MEMORY_GB),
+                              key=pm.kept("mem.capacity", list(theory.GPU_MEMORY_GB)[2]))
 capacity = theory.GPU_MEMORY_GB[capacity_label] * 1e9  # decimal GB, as the capacities are quoted
-offload = c4.checkbox("Offload optimizer to CPU (ZeRO-Offload)",
+offload = c4.checkbox("Offload optimizer to CPU (ZeRO-Offload)", key=pm.kept("mem.offload", False),
                       help="Applies to the ZeRO-1 and ZeRO-2 bars only: ZeRO-Offload (Ren et al., "
                            "2021), as parallel_mini implements it, offloads the sharded optimizer "
                            "of stages 1-2. ZeRO-3's offload (ZeRO-Infinity) is not modelled; "
                            "ZeRO-0 and ZeRO-3 are drawn without offload.")
-tp = c4.radio("Tensor parallel degree (TP)", DEGREES, index=0, horizontal=True,
+tp = c4.radio("Tensor parallel degree (TP)", DEGREES, horizontal=True, key=pm.kept("mem.tp", 1),
               help="Megatron TP: each layer's matrices split over TP GPUs (model states / TP, "
                    "activations mostly / TP).")
-sp = c4.checkbox("Sequence parallel (SP)", value=False, disabled=tp == 1,
+if tp == 1:  # SP needs TP > 1: unticked while it is disabled, not kept ticked behind the grey
+    pm.reset("mem.sp", False)
+sp = c4.checkbox("Sequence parallel (SP)", key=pm.kept("mem.sp", False), disabled=tp == 1,
                  help="Megatron SP, on top of TP: LayerNorms and dropout work on sequence "
                       "shards, so every activation is divided by TP. Needs TP > 1.")
 sp = sp and tp > 1
-pp = c4.radio("Pipeline parallel degree (PP)", DEGREES, index=0, horizontal=True,
+pp = c4.radio("Pipeline parallel degree (PP)", DEGREES, horizontal=True, key=pm.kept("mem.pp", 1),
               help="Each GPU holds L/PP of the layers (model states / PP). Under 1F1B the first "
                    "stage keeps PP micro-batches in flight: activations stay L layers' worth.")
 world = gpus * tp * pp
 c4.markdown(f"**{world:,} GPU(s)** = N × TP × PP = {gpus} × {tp} × {pp}")
+
+
+def custom_model_error(shape: dict) -> str | None:
+    """Why a custom model cannot exist, one line, or None: heads must split the hidden size, and
+    the layers' own weights (12·L·h², Kaplan et al.'s count without embeddings) must fit in Ψ."""
+    h, a, layers, n = shape["d_model"], shape["heads"], shape["layers"], shape["n_params"]
+    if h % a:
+        return (f"Hidden size {h:,} is not divisible by {a} attention heads: each head takes "
+                f"hidden / heads dimensions. Choose a head count that divides {h:,} (e.g. "
+                f"{max(d for d in range(1, min(a, h) + 1) if h % d == 0)}).")
+    if 12 * layers * h * h > n:
+        return (f"{layers} layers of hidden size {h:,} hold 12·L·h² = {12 * layers * h * h / 1e9:,.3g}B "
+                f"parameters, more than the {n / 1e9:,.3g}B given: raise the parameters or lower "
+                f"the layers or the hidden size.")
+    return None
+
+
+if model == CUSTOM and (custom_error := custom_model_error(shape)):
+    st.error(f"Invalid custom model: {custom_error}")
+    st.stop()
 
 # exact_counts: our GPT counted per TP rank (gpt_unit_sizes), what a live run holds; with PP > 1
 # (or a big model) the split is approximated as Ψ/(TP·PP) by theory.memory_per_gpu
@@ -137,11 +170,9 @@ live_possible = not_live is None
 
 
 def size_text(b: float) -> str:
-    """Big models in decimal GB (as the ZeRO paper's table and GPU capacities); toys in KiB/MiB."""
-    if toy:
-        return fmt_bytes(b)
-    div, unit = viz.decimal_bytes_unit(abs(b))
-    return f"{b / div:.4g} {unit}"
+    """Big models in decimal units (GB, TB, as the ZeRO paper's table and GPU capacities); toys in
+    KiB/MiB."""
+    return fmt_bytes(b) if toy else format_bytes(b, decimal=True)
 
 
 def predicted(zero: int) -> dict:
@@ -187,10 +218,11 @@ states_total = {k: sum(v for c, v in pred[k].items() if c in ("params", "grads",
                 for k in STAGES}
 gpu_total = {k: sum(v for c, v in pred[k].items() if c != "host") for k in STAGES}
 fits = {k: gpu_total[k] <= capacity for k in STAGES}
-st.markdown("Model states per GPU, ZeRO-0 → 1 → 2 → 3: **"
-            + " → ".join(size_text(states_total[k]) for k in STAGES) + "**"
-            + (" (on the GPU: ZeRO-1/2's offloaded optimizer lives in CPU RAM, the brown bars)"
-               if offload else ""))
+if not pm.on():  # presentation mode: the metrics below say it, and the chart needs the room
+    st.markdown("Model states per GPU, ZeRO-0 → 1 → 2 → 3: **"
+                + " → ".join(size_text(states_total[k]) for k in STAGES) + "**"
+                + (" (on the GPU: ZeRO-1/2's offloaded optimizer lives in CPU RAM, the brown bars)"
+                   if offload else ""))
 cols = st.columns(4)
 for k, col in zip(STAGES, cols):
     col.metric(f"ZeRO-{k} model states" + (" (highlighted)" if k == highlight else ""),
@@ -212,10 +244,10 @@ subtitle = [f"{model}, Ψ = {n_params:,}, {precision}, {optimizer}, micro-batch 
             + ("; PP under 1F1B: stage 0 holds L layers' activations" if pp > 1 else "")]
 if toy:
     subtitle.append(f"capacity {capacity_label} is far off this scale: a toy always fits")
-st.altair_chart(viz.memory_stages(
+pm.chart(viz.memory_stages(
     rows, None if toy else capacity, selected=stage_name[highlight], decimal=not toy,
     title=f"Memory per GPU by ZeRO stage ({'theory' if not live_possible else 'predicted'})",
-    subtitle=subtitle), width="content")
+    subtitle=subtitle))
 for k in STAGES:
     if fits[k]:
         st.markdown(f"**ZeRO-{k}**: :green[fits] in {capacity_label} "
@@ -273,8 +305,8 @@ def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
     return out
 
 
-fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
-if st.button("Run live", type="primary"):
+fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
+if controls.run_button():
     run_live("memory", key, f"Training ZeRO-0, 1, 2 and 3 on {world} rank(s) ({layout})…",
              four_stages, json.dumps(configs), fresh=fresh, ranks=world, own_progress=True)
 
@@ -327,7 +359,7 @@ for run in runs:
 c0 = runs[0]["config"]
 diffs = [v for row in table for col, v in row.items() if "measured − predicted" in col]
 exact = all(v == 0 for v in diffs) and all(r["every rank = its formula"] == "yes" for r in table)
-st.altair_chart(viz.memory_measured_vs_theory(
+pm.chart(viz.memory_measured_vs_theory(
     live_rows, peaks,
     subtitle=[f"dp {c0['dp']} × tp {c0['tp']}{' + sp' if c0['sp'] else ''} × pp {c0['pp']} = "
               f"{c0['dp'] * c0['tp'] * c0['pp']} rank(s), rank 0 shown"
@@ -338,7 +370,7 @@ st.altair_chart(viz.memory_measured_vs_theory(
               "transient: comm buffers (ZeRO-0's gradient buckets, ZeRO-3's gathered layer), not "
               "in the formula",
               "tick: measured peak of all live bytes at once; the categories peak at different "
-              "moments, so a measured stack can stand above its tick"]), width="content")
+              "moments, so a measured stack can stand above its tick"]))
 if exact:
     cats = ", ".join(c for c in STATE_CATS if any(f"{c}: measured" in col for col in table[0]))
     st.success(f"Model states ({cats}): measured − predicted = 0 bytes at all four stages, on "

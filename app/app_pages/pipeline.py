@@ -12,6 +12,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+import presentation as pm
 from live_runs import TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, training_run
 from parallel_mini import theory, trace, viz
 from parallel_mini.config import ConfigError, RunConfig
@@ -101,7 +102,7 @@ def pipeline_experiment(key_json: str, attempt: int = 0) -> dict:
     return {"key": k, "runs": runs}
 
 
-def show_live(result: dict, current: bool) -> None:
+def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
     """Sections 2-5: what both runs measured."""
     k = result["key"]
     if not current:
@@ -120,21 +121,22 @@ def show_live(result: dict, current: bool) -> None:
     own = view == VIEWS["own"]
     views = {lab: (trace.own_device_replay(rep, step) if own else trace.wall_view(rep, step))
              for lab, rep in reports.items()}
-    x_max = 1e3 * max(max(t["end"] for t in timed) for timed in views.values())
+    x_max = 1e3 * max(max(t["end"] for t in timed) for timed in views.values()) if same_axis \
+        else None  # each schedule its own time axis: the faster one is not squeezed
     places, width = timeline_layout(k["schedules"], k["m"], k["v"])
     for col, (lab, timed) in zip(places, views.items()):
         b = bubbles[lab]
         wall, replayed = b["wall"], b["replayed"]
         short = lab.split(" ")[0]
         with col:
-            st.altair_chart(timeline_chart(
+            pm.chart(timeline_chart(
                 timed, f"{lab}: {view}",
                 subtitle=[f"{'a typical step' if own else f'step {step}'} of {STEPS} (0 warms up), {k['pp']} ranks, {k['m']} micro-batches; "
                           f"bubble {replayed['overall'] if own else wall['per_step'][0]:.1%}",
                           f"each op its stage's own CPU time (10th percentile over steps {step}-{b['steps'][-1]})" if own
                           else "waits: a rank blocked on a neighbour's message",
                           cores_in_short(wall["ranks_shared_cores"], k["pp"])],
-                seconds=True, width=width, x_max=x_max), width="content")
+                seconds=True, width=width, x_max=x_max), share=width / WIDE_WIDTH)
             m1, m2, m3 = st.columns(3)
             m1.metric(f"Measured: {short}", f"{wall['per_step'][0]:.1%}",
                       help=f"Mean over ranks of the share of step {step} on the wall clock in which "
@@ -160,11 +162,11 @@ def show_live(result: dict, current: bool) -> None:
             for lab, b in bubbles.items()
             for src, value in (("wall", b["wall"]["overall"]), ("replayed", b["replayed"]["overall"]),
                                ("theory", b["theory"]))]
-    st.altair_chart(viz.bubble_bars(rows, title="Pipeline bubble: measured (wall clock), replayed and formula", subtitle=[
+    pm.chart(viz.bubble_bars(rows, title="Pipeline bubble: measured (wall clock), replayed and formula", subtitle=[
         f"p = {k['pp']}, m = {k['m']}; steps {step}-{bubbles[next(iter(bubbles))]['steps'][-1]}, mean over the ranks; "
         + next(iter(bubbles.values()))["wall"]["placement"],
         "formula: theory.bubble_fraction (zero bubble with the measured F, B, W times)"])
-        .configure_legend(labelLimit=0), width="content")  # the replay's label in full
+        .configure_legend(labelLimit=0))  # the replay's label in full
     shared = next(iter(bubbles.values()))["wall"]["ranks_shared_cores"]
     cores = (f"This run's {k['pp']} ranks **shared** the cores: the OS interleaved them, so a rank "
              f"also stalled while another rank had its core, and those stalls look like bubble "
@@ -190,10 +192,10 @@ def show_live(result: dict, current: bool) -> None:
     st.subheader("3 · Activation memory per stage")
     cols = st.columns(len(reports))
     for col, (lab, rep) in zip(cols, reports.items()):
-        col.altair_chart(viz.in_flight_chart(
+        pm.chart(viz.in_flight_chart(
             rep.to_dict(), title=f"Activations in flight per stage: {lab} (measured)",
             subtitle=[f"step {STEPS - 1} under the memory meter: bytes held beyond the model states "
-                      "after each op"]), width="content")
+                      "after each op"]), col, share=1 / len(cols))
     mem_rows = []
     for lab, rep in reports.items():
         stages = rep.theory["stages"]
@@ -202,10 +204,10 @@ def show_live(result: dict, current: bool) -> None:
             n = stages[s]["microbatches_in_flight"]
             mem_rows.append({"stage": f"rank {s}", "source": lab,
                              "bytes": r["memory"]["activations_peak"], "in_flight": f"{n} in flight"})
-    st.altair_chart(viz.pipeline_stage_bars(
+    pm.chart(viz.pipeline_stage_bars(
         mem_rows, "bytes", "Activation peak per stage (measured)",
         ["label: the most micro-batches (× chunks) the schedule keeps in flight on that stage "
-         "(schedules.in_flight, theory)"], "activations peak", label="in_flight"), width="content")
+         "(schedules.in_flight, theory)"], "activations peak", label="in_flight"))
     first_rank = {lab: rep.ranks[0] for lab, rep in reports.items()}
     held = "; ".join(f"{lab}: {fmt_bytes(r['memory']['activations_peak'])} with "
                      f"{reports[lab].theory['stages'][0]['microbatches_in_flight']} in flight"
@@ -233,10 +235,10 @@ def show_live(result: dict, current: bool) -> None:
             rows_b += [{"stage": f"rank {s}", "source": "measured", "bytes": measured},
                        {"stage": f"rank {s}", "source": "theory", "bytes": float(predicted)}]
             matched.setdefault(lab, []).append(measured == predicted)
-        col.altair_chart(viz.pipeline_stage_bars(
+        pm.chart(viz.pipeline_stage_bars(
             rows_b, "bytes", f"Bytes each stage sends per step: {lab}",
             ["measured: the stage's send records; theory: theory.pipeline_p2p_bytes_per_step"],
-            "bytes sent per step", palette=["#4c78a8", "#bab0ac"]), width="content")
+            "bytes sent per step", palette=["#4c78a8", "#bab0ac"]), col, share=1 / len(cols))
         col.metric(f"Stages sending exactly the formula's bytes: {lab}",
                    f"{sum(matched[lab])} of {len(matched[lab])}")
     act = 4 * MODEL["seq"] * MODEL["d_model"]
@@ -289,7 +291,7 @@ def show_schedules() -> None:
 # the page
 # ---------------------------------------------------------------------------------------------
 st.title("Pipeline bubbles")
-st.markdown(r"""
+pm.intro(r"""
 Pipeline parallelism gives each of **p** ranks a slice of the layers (a *stage*); activations
 flow forward from stage to stage, gradients flow back. A batch is cut into **m micro-batches** so
 that the stages can work on different micro-batches at once. At the start of a step the last
@@ -298,19 +300,22 @@ stages have nothing to do yet, at the end the first ones have nothing left: that
 smaller share of the step: (p − 1)/(m + p − 1) for GPipe and 1F1B.
 """)
 
-c1, c2, c3 = st.columns(3)
-pp = c1.radio("Pipeline stages (p)", [2, 4], index=1, horizontal=True,
+controls = pm.Controls(3)
+c1, c2, c3 = controls.columns
+pp = c1.radio("Pipeline stages (p)", [2, 4], horizontal=True, key=pm.kept("pp.pp", 4),
               help="One rank per stage, each pinned to a core of its own when this machine has "
                    "p cores or more (else the ranks share the cores).")
-m = c1.slider("Micro-batches per step (m)", 1, 16, 8,
+m = c1.slider("Micro-batches per step (m)", 1, 16, key=pm.kept("pp.m", 8),
               help="One sequence of 32 tokens each: the batch is m sequences.")
-first = c2.selectbox("Schedule", SCHEDULES, index=SCHEDULES.index("gpipe"),
+first = c2.selectbox("Schedule", SCHEDULES, key=pm.kept("pp.first", "gpipe"),
                      format_func=lambda s: NAMES[s])
-second = c2.selectbox("Compare with", SCHEDULES, index=SCHEDULES.index("1f1b"),
+second = c2.selectbox("Compare with", SCHEDULES, key=pm.kept("pp.second", "1f1b"),
                       format_func=lambda s: NAMES[s])
 uses_v = "interleaved" in (first, second)
+if not uses_v:  # disabled without interleaved: back to its default, not kept behind the grey
+    pm.reset("pp.v", 2)
 v_choice = c3.radio("Virtual stages per rank (v, interleaved only)", [2, 3], horizontal=True,
-                    disabled=not uses_v,
+                    disabled=not uses_v, key=pm.kept("pp.v", 2),
                     help="Interleaved gives each rank v smaller chunks of the model: rank r holds "
                          "chunks r, r + p, …")
 v = v_choice if uses_v else 1
@@ -320,7 +325,7 @@ layers = S.pipeline_layers(pp, v * 2 // math.gcd(v, 2) if "zbv" in (first, secon
 c3.caption(f"Model: {layers} layers × d{MODEL['d_model']}, vocabulary {MODEL['vocab']}, "
            f"{STEPS} steps (the same model for both schedules: {layers // (pp * v)} "
            f"layer(s) per chunk).")
-fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 chosen = list(dict.fromkeys([first, second]))
 errors = {}
@@ -336,6 +341,10 @@ st.caption("Before any run: each schedule replayed with unit costs, every rank a
            "own and transfers free (`schedules.simulate`). A forward takes 1 unit, a backward 2 "
            "(zero bubble: F = B = W = 1, B and W together being the backward). The idle share of "
            "such a plan is exactly the formula beside it.")
+same_axis = st.toggle("Same time axis for both schedules", value=False, key="pp.same_axis",
+                      disabled=len(chosen) < 2,
+                      help="Off: each timeline spans its own step, so the faster schedule is drawn "
+                           "as large as the slower one. On: one scale, so lengths compare.")
 plans = {}
 for s in chosen:
     if s in errors:
@@ -343,7 +352,8 @@ for s in chosen:
     schedule = S.build_schedule(s, pp, m, v if s == "interleaved" else 0)
     plans[s] = (schedule, trace.replay_ops(schedule, PLAN_COSTS_SPLIT if schedule.split_backward
                                            else PLAN_COSTS))
-plan_max = max((max(t["end"] for t in timed) for _, timed in plans.values()), default=None)
+plan_max = max((max(t["end"] for t in timed) for _, timed in plans.values()),
+               default=None) if same_axis else None
 places, width = timeline_layout(chosen, m, v)
 for col, s in zip(places, chosen):
     with col:
@@ -352,13 +362,13 @@ for col, s in zip(places, chosen):
             continue
         schedule, timed = plans[s]
         formula = theory.bubble_fraction(s, pp, m, schedule.virtual)
-        st.altair_chart(timeline_chart(
+        pm.chart(timeline_chart(
             timed, f"Planned: {label_of(s, v)}, p = {pp}, m = {m}",
             subtitle=["unit costs " + ("F = B = W = 1" if schedule.split_backward
                                        else "F = 1, B = 2") + ", each rank its own device",
                       f"in flight at most (micro-batches × chunks): "
                       f"{', '.join(map(str, S.in_flight(schedule)))} on ranks 0…{pp - 1}"],
-            seconds=False, width=width, x_max=plan_max), width="content")
+            seconds=False, width=width, x_max=plan_max), share=width / WIDE_WIDTH)
         f1, f2 = st.columns([2, 3])
         f1.metric(f"Bubble (theory): {s}", f"{formula:.1%}",
                   help="theory.bubble_fraction: the idle share of this plan"
@@ -371,10 +381,10 @@ for col, s in zip(places, chosen):
 
 # --- 2. live ---------------------------------------------------------------------------------
 key = {"pp": pp, "m": m, "schedules": chosen, "v": v, "layers": layers}
-run_clicked = st.button("Run live", type="primary", disabled=bool(errors),
-                        help="Fix the settings above first." if errors else
-                        f"Trains the toy on {pp} ranks with each schedule ({STEPS} steps) and "
-                        f"once on a single process.")
+run_clicked = controls.run_button(disabled=bool(errors),
+                                  help="Fix the settings first." if errors else
+                                  f"Trains the toy on {pp} ranks with each schedule ({STEPS} "
+                                  f"steps) and once on a single process.")
 if run_clicked and not errors:
     run_live("pp", key, f"Running {' and '.join(label_of(s, v) for s in chosen)} on {pp} "
                         f"ranks…", pipeline_experiment, json.dumps(key, sort_keys=True),
@@ -386,5 +396,5 @@ if result is None:
     st.info("Press **Run live** to run both schedules on real ranks (gloo on this machine's CPU) "
             "and measure their bubbles.")
 else:
-    show_live(result, current)
+    show_live(result, current, same_axis)
 show_schedules()

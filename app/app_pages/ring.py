@@ -2,11 +2,12 @@
 import pandas as pd
 import streamlit as st
 
+import presentation as pm
 from live_runs import fmt_bytes, fmt_count, fmt_rate, last_result, ring_experiment, run_live
 from parallel_mini import theory, viz
 
 st.title("Ring all-reduce")
-st.markdown("""
+pm.intro("""
 N ranks each hold a tensor of X bytes and all need the sum. The ring cuts each tensor into N
 chunks. **Reduce-scatter** (N−1 steps): every rank sends one chunk to its right neighbour and adds
 the chunk arriving from its left, until each rank holds one chunk fully summed. **All-gather**
@@ -14,16 +15,18 @@ the chunk arriving from its left, until each rank holds one chunk fully summed. 
 of X/N bytes, whatever N: that is why the ring is bandwidth-optimal.
 """)
 
-c1, c2, c3 = st.columns(3)
-n = c1.slider("World size N (ranks)", 2, 8, 4)
-numel = c2.select_slider("Elements in the animated tensor", [8, 16, 32, 64], value=16,
+controls = pm.Controls(3)
+c1, c2, c3 = controls.columns
+n = c1.slider("World size N (ranks)", 2, 8, key=pm.kept("ring.n", 4))
+numel = c2.select_slider("Elements in the animated tensor", [8, 16, 32, 64],
+                         key=pm.kept("ring.numel", 16),
                          help="The probe run: small, so every message can be shown.")
-timed_mb = c3.select_slider("Timed tensor (MB)", [1, 4, 16, 64], value=4,
+timed_mb = c3.select_slider("Timed tensor (MB)", [1, 4, 16, 64], key=pm.kept("ring.timed_mb", 4),
                             help="The timing runs: large enough for bandwidth to dominate.")
-fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 key = {"n": n, "numel": numel, "timed_mb": timed_mb}
 
-if st.button("Run live", type="primary"):
+if controls.run_button():
     run_live("ring", key, f"Running a ring all-reduce on {n} ranks…", ring_experiment,
              n, numel, timed_mb, fresh=fresh, ranks=n)
 
@@ -53,7 +56,7 @@ e1.metric("Exact on integers (vs gloo's all_reduce)", "yes" if exp["int_exact"] 
 e2.metric("float32: max |ring − gloo|", f"{exp['float_max_abs_err']:.2e}",
           help="Different summation order: fp32 rounding, not an error")
 
-st.altair_chart(viz.ring_animation(exp), width="content")
+pm.chart(viz.ring_animation(exp))
 st.caption("Move the **step** slider under the chart. Every frame is decoded from the messages "
            "of the live run: each message carries, in its values, which ranks' data it holds.")
 
@@ -82,8 +85,8 @@ st.markdown(
     f"{exp['time_ring_s'] / t_pred:.2f}× the prediction. (B is measured from gloo's own time, so "
     f"gloo matches the formula by construction; the ring's gap is what our implementation loses.)")
 g1, g2 = st.columns(2)
-g1.altair_chart(viz.ring_time_bars(exp), width="content")
-g2.altair_chart(viz.bandwidth_bars(exp), width="content")
-st.altair_chart(viz.ring_step_times(exp), width="content")
+pm.chart(viz.ring_time_bars(exp), g1, share=0.5)
+pm.chart(viz.bandwidth_bars(exp), g2, share=0.5)
+pm.chart(viz.ring_step_times(exp))
 st.caption("The ranks share this machine's CPU cores, so times vary from run to run; the step "
            "and byte counts do not.")

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
+import presentation as pm
 from live_runs import (TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, show_equality,
                         tp_mlp_shards, training_run)
 from parallel_mini import theory, viz
@@ -63,7 +64,7 @@ def tensor_experiment(key_json: str, attempt: int = 0) -> dict:
 # the page
 # ---------------------------------------------------------------------------------------------
 st.title("Tensor parallel")
-st.markdown(r"""
+pm.intro(r"""
 Tensor parallelism (Megatron-LM, Shoeybi et al., 2019) splits **each layer's weight matrices**
 over t ranks, so that no rank holds or computes a whole layer. The MLP is split twice in a row:
 its first matrix **by columns** (column-parallel: each rank computes its own slice of the hidden
@@ -76,26 +77,33 @@ the matmuls (LayerNorms, residuals), and swaps each all-reduce for an all-gather
 reduce-scatter: the same bytes, fewer activations.
 """)
 
-c1, c2, c3 = st.columns(3)
-tp = c1.radio("Tensor-parallel degree (tp)", [1, 2, 4], index=1, horizontal=True)
+controls = pm.Controls(3)
+c1, c2, c3 = controls.columns
+tp = c1.radio("Tensor-parallel degree (tp)", [1, 2, 4], horizontal=True, key=pm.kept("tp.tp", 2))
+if tp == 4:  # dp is disabled (tp x dp would pass the rank cap): back to 1, not kept at 2 behind it
+    pm.reset("tp.dp", 1)
 dp_choice = c1.radio("Data-parallel replicas (dp)", [1, 2], horizontal=True, disabled=tp == 4,
+                     key=pm.kept("tp.dp", 1),
                      help=f"At most {MAX_WORLD} ranks (tp × dp) share this machine's cores.")
 dp = 1 if tp * dp_choice > MAX_WORLD else dp_choice
 if dp != dp_choice:
     c1.caption(f"tp = {tp} uses dp = 1: at most {MAX_WORLD} ranks on this machine.")
-sp = c2.checkbox("Sequence parallel (SP)", value=False, disabled=tp == 1,
+if tp == 1:  # SP needs tp > 1: unticked while it is disabled
+    pm.reset("tp.sp", False)
+sp = c2.checkbox("Sequence parallel (SP)", key=pm.kept("tp.sp", False), disabled=tp == 1,
                  help="Both SP off and SP on are run; this picks the one the numbers highlight.")
 sp = sp and tp > 1
-model = c2.selectbox("Model", list(MODELS), index=0,
+model = c2.selectbox("Model", list(MODELS), key=pm.kept("tp.model", list(MODELS)[0]),
                      help="Toy sizes, run live. The vocabulary (128) divides by every tp.")
-micro_batch = c3.select_slider("Micro-batch per rank (sequences)", [1, 2, 4], value=4)
-seq = c3.select_slider("Sequence length (tokens)", [16, 32, 64], value=32)
-fresh = st.checkbox("Fresh measurement (ignore the cache)", value=False)
+micro_batch = c3.select_slider("Micro-batch per rank (sequences)", [1, 2, 4],
+                               key=pm.kept("tp.micro_batch", 4))
+seq = c3.select_slider("Sequence length (tokens)", [16, 32, 64], key=pm.kept("tp.seq", 32))
+fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 shape = MODELS[model]
 key = {"tp": tp, "dp": dp, "model": model, "micro_batch": micro_batch, "seq": seq}
 what = "SP off and on" if tp > 1 else "no split (tp = 1)"
-if st.button("Run live", type="primary"):
+if controls.run_button():
     run_live("tp", key, f"Training tp = {tp} × dp = {dp}, {what}, and reading the shards…",
              tensor_experiment, json.dumps(key, sort_keys=True), fresh=fresh, ranks=tp * dp,
              own_progress=True)
@@ -146,12 +154,12 @@ def show_shards(res: dict) -> None:
                            - full["fc_full"]).max())
     proj_diff = float(np.abs(np.concatenate([s["blocks"][block]["proj"] for s in shards], axis=1)
                              - full["proj_full"]).max())
-    st.altair_chart(viz.tp_weight_shards(
+    pm.chart(viz.tp_weight_shards(
         parts, title=f"MLP weight shards of block {block} on {t} rank(s) (live run)",
         subtitle=["each rank built the full model from one seed, then kept its slice "
                   "(apply_tensor_parallel); axes: the full matrix's indices",
                   f"laid together the shards are the full weights: max |concat − W| = "
-                  f"{max(fc_diff, proj_diff):g}"]), width="content")
+                  f"{max(fc_diff, proj_diff):g}"]))
     table = []
     for s in shards:
         b = s["blocks"][block]
@@ -229,11 +237,11 @@ def show_tp_comm(chosen: dict, variants: dict[str, dict]) -> None:
             rows.append({"run": label, "layer": layer, "op": op, "calls": a["calls"],
                          "bytes": a["bytes"]})
         theory_bytes[label] = run["theory"]["wire_bytes_per_step"]["tp"]
-    st.altair_chart(viz.tp_comm_by_layer(
+    pm.chart(viz.tp_comm_by_layer(
         rows, theory_bytes,
         subtitle=[f"rank 0 of tp = {t}, micro-batch {mb} × {s} tokens, d{hh}, {c['layers']} "
                   f"layers, fp32; from the comm records' layer tags",
-                  "tick: theory.tp_wire_bytes_per_step"]), width="content")
+                  "tick: theory.tp_wire_bytes_per_step"]))
     if len(variants) == 2:
         off, on = (_tp_bytes_per_step(r) for r in variants.values())
         act_off = sum(a["bytes"] for (lay, _), a in off.items() if lay in ("f", "g"))
@@ -275,10 +283,10 @@ def show_memory(variants: dict[str, dict], extra: dict[str, dict]) -> None:
                  {"setting": label, "source": "Korthikanti et al.",
                   "bytes": theory.activation_bytes_per_layer(s, b, h, a, "none", t, sp_on)}]
         peaks[label] = run["ranks"][0]["memory"]["activations_peak"]
-    st.altair_chart(viz.tp_activation_bars(
+    pm.chart(viz.tp_activation_bars(
         rows, subtitle=[f"micro-batch {b} × {s} tokens, d{h}, {a} heads, fp32, no checkpointing",
                         "measured: activations peak of an L+1-layer run minus an L-layer run "
-                        "(rank 0)"]), width="content")
+                        "(rank 0)"]))
     cols = st.columns(len(peaks) + 1)
     for col, (label, peak) in zip(cols, peaks.items()):
         first = next(iter(peaks.values()))
@@ -310,10 +318,10 @@ def show_links(chosen: dict) -> None:
              "seconds": theory.transfer_time(measured, link), "source": "predicted"}
             for link in LINKS]
     calls = round(sum(x["calls"] for x in per.values()))
-    st.altair_chart(viz.tp_link_times(
+    pm.chart(viz.tp_link_times(
         rows, title=f"TP traffic of one step ({fmt_bytes(measured)} per rank), by link",
         subtitle=["the measured bytes of rank 0 / each link's bandwidth (theory.transfer_time, "
-                  "a lower bound: no latency)"]), width="content")
+                  "a lower bound: no latency)"]))
     l1, l2 = st.columns(2)
     l1.metric("Bytes per step, rank 0 (measured)", f"{fmt_count(measured)} B",
               help=f"{calls} tp collectives per step")
@@ -343,14 +351,14 @@ def show_at_scale() -> None:
     rows = [{"link": f"{link} ({theory.INTERCONNECTS[link] / 1e9:g} GB/s)",
              "seconds": theory.transfer_time(nbytes, link), "source": "predicted"}
             for link in LINKS]
-    st.altair_chart(viz.tp_link_times(
+    pm.chart(viz.tp_link_times(
         rows, compute_s=compute,
         title=f"{preset}, tp = {t_big}: {nbytes / 1e9:.3g} GB of TP traffic per GPU per "
               f"micro-batch",
         subtitle=[f"a micro-batch of one sequence of {seq_big} tokens, bf16, {p['layers']} "
                   f"layers × d{p['d_model']}; SP moves the same bytes",
                   "red: matmul time per GPU at H100's bf16 peak, 6·Ψ·tokens / (t · 989 "
-                  "TFLOP/s), a lower bound"]), width="content")
+                  "TFLOP/s), a lower bound"]))
     nv = theory.transfer_time(nbytes, "NVLink 4 (H100)")
     ib = theory.transfer_time(nbytes, "InfiniBand NDR")
     st.markdown(

@@ -13,8 +13,9 @@ PAD = alt.AutoSizeParams(type="pad", contains="padding")
 
 
 def bytes_unit(max_bytes: float) -> tuple[float, str]:
-    """(divisor, name) of the binary unit that keeps `max_bytes` readable: B, KiB or MiB."""
-    for div, name in ((2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+    """(divisor, name) of the binary unit that keeps `max_bytes` readable: B, KiB, MiB, GiB or
+    TiB."""
+    for div, name in ((2 ** 40, "TiB"), (2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
         if max_bytes >= div:
             return div, name
     return 1, "B"
@@ -29,11 +30,23 @@ def rate_unit(max_bytes_s: float) -> tuple[float, str]:
 
 
 def decimal_bytes_unit(max_bytes: float) -> tuple[float, str]:
-    """(divisor, name) in decimal units, as GPU capacities and the ZeRO paper's table count: GB, MB, KB."""
-    for div, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+    """(divisor, name) in decimal units, as GPU capacities and the ZeRO paper's table count: PB,
+    TB, GB, MB, KB."""
+    for div, name in ((1e15, "PB"), (1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
         if max_bytes >= div:
             return div, name
     return 1, "B"
+
+
+def format_bytes(b: float, decimal: bool = False) -> str:
+    """A byte count for a sentence or a metric, in the unit the charts use (binary, or decimal as
+    GPU capacities are quoted): 4 significant digits, never an exponent ("12.07 TB", not
+    "1.207e+04 GB"); under 1 KB(KiB) the whole count."""
+    div, unit = (decimal_bytes_unit if decimal else bytes_unit)(abs(b))
+    if div == 1:
+        return f"{b:,.0f} B"
+    value = b / div
+    return f"{value:,.0f} {unit}" if abs(value) >= 1000 else f"{value:.4g} {unit}"
 
 
 def time_unit(max_seconds: float) -> tuple[float, str]:

