@@ -88,6 +88,10 @@ def _describe(where: str, name: str, args, kwargs) -> str:
     if where == "comm" and name in ("isend", "irecv", "recv"):
         peer = arg(1, "dst" if name == "isend" else "src")
         return f"comm.{name}({'to' if name == 'isend' else 'from'} rank {peer})"
+    if where == "handle":
+        rec = args[0].record if args and hasattr(args[0], "record") else {}
+        return (f"the wait() of an async comm.{rec.get('op', 'op')}"
+                + (f" (bucket {rec['bucket']})" if "bucket" in rec else ""))
     if where == "comm":
         return f"comm.{name}(over '{arg(1 if name in ('all_reduce', 'broadcast') else 2, 'axis')}')"
     if name in ("send", "recv"):
@@ -128,6 +132,8 @@ class _RankTrace:
                 raise AssertionError(self.refuse[key])
             self.calls += 1
             self.last = _describe(where, name, args[1:] if where == "comm" else args, kwargs)
+            if where == "handle":
+                self.calls -= 1  # a wait is no call of its own: ranks may wait differently
             self.waiting, self.depth = True, 1
             self.publish()
             try:
@@ -140,9 +146,10 @@ class _RankTrace:
         return traced
 
     def __enter__(self):
-        from .comm import Comm
+        from .comm import Comm, _Handle
         self.saved = []
-        for owner, where, names in ((Comm, "comm", _COMM_OPS), (self.dist, "dist", _DIST_OPS)):
+        for owner, where, names in ((Comm, "comm", _COMM_OPS), (self.dist, "dist", _DIST_OPS),
+                                    (_Handle, "handle", ("wait",))):
             for name in names:
                 if hasattr(owner, name):
                     fn = getattr(owner, name)
@@ -573,13 +580,21 @@ def _checked_average(fn, params, comm) -> None:
         raise
     mean /= n
     got = torch.cat([p.grad.detach().reshape(-1) for p in params])
+    why = _gradient_mistake(got, mean, flat, n)
+    if why:
+        raise AssertionError(f"at dp={n}, rank {dist.get_rank()}, step {comm.step}: {why}")
+
+
+def _gradient_mistake(got, mean, flat, n: int) -> str | None:
+    """None if the gradients `got` [P] are the mean over the ranks `mean` [P]; else the usual
+    mistake named (`flat`: this rank's own gradients before any averaging)."""
+    import torch
 
     def close(a, b):
         return torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
     if close(got, mean):
-        return
-    at = f"at dp={n}, rank {dist.get_rank()}, step {comm.step}"
+        return None
     if close(got, mean * n):
         why = (f"every p.grad holds the sum over the ranks, N = {n} times the mean: divide by N "
                f"(comm.size('dp')) after the all-reduce")
@@ -594,7 +609,7 @@ def _checked_average(fn, params, comm) -> None:
     else:
         why = (f"the gradients differ from the mean over the ranks by up to "
                f"{(got - mean).abs().max().item():.2e}")
-    raise AssertionError(f"{at}: {why}")
+    return why
 
 
 def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
@@ -634,6 +649,198 @@ def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
                  f"{report.max_abs_diff:.1e}) at dp = {list(world_sizes)}, moving exactly "
                  f"2(N-1)/N x gradient bytes per step; the library's average_gradients disabled "
                  f"while yours ran", {"report": report})
+
+
+# ---------------------------------------------------------------------------------------------
+# lesson 02: bucketed, overlapped gradient all-reduce (DDP's reducer)
+# ---------------------------------------------------------------------------------------------
+# The check model: the toy GPT (P = 218,496 fp32 gradients, 874 KB) in buckets of 0.1 MB: nine
+# buckets, so that most can be launched while backward still runs.
+BUCKETED_CHECK = {"world_sizes": (2, 4), "steps": 2, "bucket_mb": 0.1}
+_BUCKETED_STUB = ("BucketedGradSync still raises NotImplementedError: write on_grad_ready and "
+                  "finish_gradient_sync, then run this cell again.")
+
+
+def _library_buckets_refused(*args, **kwargs):
+    """Swapped in for the code of the library's bucketed data parallel while a learner's runs."""
+    raise AssertionError("your code called the library's own bucketed data parallel (parallel_mini"
+                         ".parallel.data: DataParallel, make_buckets, Bucket), which the checker "
+                         "disables while your code runs: pack, launch and unpack the buckets "
+                         "yourself, with comm.all_reduce(..., async_op=True)")
+
+
+class _LibraryBucketsDisabled:
+    """While active, the library's bucketed DP raises (its functions' code objects swapped)."""
+
+    def __enter__(self):
+        from .parallel import data
+        fns = [data.make_buckets, data.average_gradients, data.Bucket.__init__]
+        fns += [getattr(data.DataParallel, name) for name in (
+            "__init__", "_on_grad_ready", "_launch_ready_buckets", "finish_gradient_sync",
+            "_wait_and_unpack", "_rebuild_buckets")]
+        self.saved = [(f, f.__code__) for f in fns]
+        for f, _ in self.saved:
+            f.__code__ = _library_buckets_refused.__code__
+        return self
+
+    def __exit__(self, *exc):
+        for f, code in self.saved:
+            f.__code__ = code
+        return False
+
+
+def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
+    """One rank of the bucketed check: the toy GPT with the learner's `cls(params, comm,
+    bucket_bytes)` registering its gradient hooks; each step forward and backward on this rank's
+    shard, then `finish_gradient_sync()`. Every gradient is compared with the mean over the ranks
+    (an uncounted all-reduce of copies that a hook registered first takes); every all-reduce
+    record's launch and finish are timed against the moment backward returned."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .comm import Comm
+    from .data import global_batch, shard
+    from .mesh import build_mesh
+    from .model import build_model
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    comm = Comm(build_mesh(cfg))
+    n, r, group = comm.size("dp"), comm.rank("dp"), comm.mesh.groups["dp"]
+    model = build_model(cfg)  # the same seed on every rank: identical replicas
+    params = [p for p in model.parameters() if p.requires_grad]
+    own: dict = {}  # this rank's own gradient of each parameter, before any averaging
+
+    def keep_own(p):  # registered before the learner's hooks, so it runs first
+        own[p] = p.grad.detach().clone()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(keep_own)
+    direct = ("your code called dist.all_reduce directly: use comm.all_reduce(flat, 'dp', "
+              "async_op=True), which records when each bucket was launched and finished")
+    trace = _RankTrace("your BucketedGradSync", {"dist.all_reduce": direct})
+    where = f"at dp={n}, rank {r}"
+    with _LibraryBucketsDisabled(), trace:
+        sync = cls(params, comm, int(bucket_mb * 2 ** 20))
+    steps = []
+    for step in range(cfg.steps):
+        comm.step = step
+        for p in params:
+            p.grad = None
+        own.clear()
+        x, y = shard(global_batch(cfg, step), r, n)  # [b/N, s] x 2
+        loss = model(x, y)
+        t_start = time.perf_counter()
+        with _LibraryBucketsDisabled(), trace:
+            loss.backward()  # the learner's hooks run in here
+        t_end = time.perf_counter()  # backward has returned
+        with _LibraryBucketsDisabled(), trace:
+            sync.finish_gradient_sync()
+        t_done = time.perf_counter()
+        trace.agree()
+        at = f"{where}, step {step}"
+        if len(own) != len(params):
+            raise AssertionError(f"{at}: backward produced {len(own)} of {len(params)} gradients")
+        flat = torch.cat([own[p].reshape(-1) for p in params])  # [P]
+        mean = flat.clone()
+        try:
+            dist.all_reduce(mean, group=group)
+        except RuntimeError as e:
+            _stuck_after(trace, e)
+            raise
+        mean /= n
+        if any(p.grad is None for p in params):
+            raise AssertionError(f"{at}: after finish_gradient_sync some p.grad are None: copy "
+                                 f"each bucket's averaged values back into p.grad")
+        got = torch.cat([p.grad.detach().reshape(-1) for p in params])
+        why = _gradient_mistake(got, mean, flat, n)
+        if why:
+            raise AssertionError(f"{at}: after finish_gradient_sync, {why}")
+        recs = [c for c in comm.records if c["op"] == "all_reduce" and c["step"] == step]
+        steps.append({"step": step, "backward_ms": 1e3 * (t_end - t_start),
+                      "finish_ms": 1e3 * (t_done - t_end),
+                      "all_reduces": [{"launch_ms": 1e3 * (c["start"] - t_end),
+                                       "finish_ms": 1e3 * (c.get("end", t_done) - t_end),
+                                       "async": bool(c.get("async_op")),
+                                       "payload_bytes": c["payload_bytes"],
+                                       "wire_bytes": c["wire_bytes"]} for c in recs]})
+    return {"rank": r, "steps": steps, "n_params": sum(p.numel() for p in params),
+            "n_tensors": len(params)}
+
+
+def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
+                             steps: int = BUCKETED_CHECK["steps"],
+                             bucket_mb: float = BUCKETED_CHECK["bucket_mb"]) -> Grade:
+    """`cls(params, comm, bucket_bytes)` must average the gradients over the "dp" ranks in buckets
+    while backward runs, as DDP's reducer does: gradient hooks that pack each ready gradient into
+    its bucket and launch the bucket's comm.all_reduce(async_op=True) as soon as it is full, and a
+    `finish_gradient_sync()` that waits for every bucket, divides by N and copies the averages
+    back into p.grad.
+
+    Checked on real ranks at each world size, the toy GPT, `steps` steps: every p.grad after
+    finish_gradient_sync equals the mean over the ranks (sum instead of mean, unchanged gradients:
+    named); fewer all-reduces per step than gradient tensors (buckets, not one call per tensor),
+    all asynchronous, 2(N-1)/N x 4P bytes per step; and, measured, at least one all-reduce on
+    every rank and step launched before backward returned (the overlap bucketing exists for).
+    The library's bucketed data parallel raises while the learner's code runs, and a deadlock
+    stops after CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
+    from .launch import run_ranks
+
+    runs = []
+    for n in world_sizes:
+        cfg = RunConfig(dp=n, batch=2 * n, steps=steps).validate()
+        results = _on_ranks(lambda: run_ranks(_bucketed_rank, n, cfg.to_dict(), cls, bucket_mb,
+                                              timeout=CHECK_RUN_TIMEOUT,
+                                              pg_timeout=CHECK_PG_TIMEOUT),
+                            _BUCKETED_STUB, f"at dp={n}")
+        if isinstance(results, Grade):
+            return results
+        per_rank = sorted((res.value for res in results), key=lambda x: x["rank"])
+        p_count = per_rank[0]["n_params"]
+        predicted = theory.wire_bytes("all_reduce", 4 * p_count, n)
+        for rank in per_rank:
+            for row in rank["steps"]:
+                at, ars = f"at dp={n}, rank {rank['rank']}, step {row['step']}", row["all_reduces"]
+                if not ars:
+                    raise AssertionError(f"{at}: no comm.all_reduce was recorded, yet the "
+                                         f"gradients are averaged: use comm.all_reduce so the "
+                                         f"checker can see when each bucket was launched")
+                if len(ars) >= rank["n_tensors"]:
+                    raise AssertionError(f"{at}: {len(ars)} all-reduces for {rank['n_tensors']} "
+                                         f"gradient tensors: one call per gradient is naive mode. "
+                                         f"Pack the gradients into buckets and all-reduce each "
+                                         f"bucket once")
+                if not all(a["async"] for a in ars):
+                    raise AssertionError(f"{at}: an all-reduce ran with async_op=False: a blocking "
+                                         f"call inside a hook stops backward until it is done. "
+                                         f"Launch it with comm.all_reduce(flat, 'dp', "
+                                         f"async_op=True), keep the handle, wait in "
+                                         f"finish_gradient_sync")
+                sent = sum(a["wire_bytes"] for a in ars)
+                if sent != predicted:
+                    raise AssertionError(f"{at}: your all-reduces sent {sent:,} bytes (ring "
+                                         f"model); every gradient once is 2(N-1)/N x 4P = "
+                                         f"{predicted:,}: each gradient in exactly one bucket, "
+                                         f"each bucket all-reduced once per step")
+                early = [a for a in ars if a["launch_ms"] < 0]
+                if not early:
+                    raise AssertionError(
+                        f"{at}: none of your {len(ars)} all-reduces was launched before backward "
+                        f"returned (the first {min(a['launch_ms'] for a in ars):+.2f} ms after "
+                        f"it): launch each bucket's all-reduce from the gradient hook, as soon "
+                        f"as its last gradient has arrived, not in finish_gradient_sync")
+        rows = [dict(a, rank=rk["rank"], step=row["step"]) for rk in per_rank
+                for row in rk["steps"] for a in row["all_reduces"]]
+        runs.append({"dp": n, "all_reduces_per_step": len(per_rank[0]["steps"][0]["all_reduces"]),
+                     "launched_in_backward": sum(a["launch_ms"] < 0 for a in rows),
+                     "all_reduces": len(rows), "wire_bytes_per_step": predicted,
+                     "rows": rows})
+    return Grade("correct", f"equal to the mean over the ranks at dp = {list(world_sizes)}, "
+                 f"{runs[-1]['all_reduces_per_step']} bucket all-reduces per step, moving exactly "
+                 f"2(N-1)/N x gradient bytes, launched during backward on every rank and step "
+                 f"(measured); the library's bucketed data parallel disabled while yours ran",
+                 {"runs": runs})
 
 
 # ---------------------------------------------------------------------------------------------

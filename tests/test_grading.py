@@ -676,3 +676,89 @@ def test_one_f_one_b_refuses_a_wrapper_around_the_library(monkeypatch):
         check_one_f_one_b(f1b_wraps_the_library)
     assert schedules.one_f_one_b.__code__ is code
     assert len(schedules.one_f_one_b(2, 3)) == 2
+
+
+class BucketedRight:
+    """The lesson-02 exercise's answer: hooks pack gradients into buckets and launch each
+    bucket's all-reduce as soon as it is full; finish_gradient_sync waits, divides, unpacks."""
+
+    def __init__(self, params, comm, bucket_bytes):
+        self.comm, self.n = comm, comm.size("dp")
+        groups, current = [], []
+        for p in reversed(params):
+            current.append(p)
+            if sum(q.numel() * 4 for q in current) >= bucket_bytes:
+                groups.append(current)
+                current = []
+        groups += [current] if current else []
+        self.buckets = []
+        for ps in groups:
+            offsets, lo = {}, 0
+            for p in ps:
+                offsets[p] = (lo, lo + p.numel())
+                lo += p.numel()
+            self.buckets.append({"params": ps, "offsets": offsets, "flat": torch.zeros(lo),
+                                 "ready": 0, "handle": None})
+        self.bucket_of = {p: b for b in self.buckets for p in b["params"]}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+    def launch(self, b):
+        b["handle"] = self.comm.all_reduce(b["flat"], "dp", async_op=True)
+
+    def on_grad_ready(self, p):
+        b = self.bucket_of[p]
+        lo, hi = b["offsets"][p]
+        b["flat"][lo:hi].copy_(p.grad.view(-1))
+        b["ready"] += 1
+        if b["ready"] == len(b["params"]):
+            self.launch(b)
+
+    def finish_gradient_sync(self):
+        for b in self.buckets:
+            b["handle"].wait()
+            b["flat"] /= self.n
+            for p in b["params"]:
+                lo, hi = b["offsets"][p]
+                p.grad.copy_(b["flat"][lo:hi].view_as(p))
+            b["ready"], b["handle"] = 0, None
+
+
+class BucketedLaunchedAfterBackward(BucketedRight):
+    """Right numbers, no overlap: every bucket launched in finish_gradient_sync."""
+
+    def launch(self, b):
+        pass
+
+    def finish_gradient_sync(self):
+        for b in self.buckets:
+            super().launch(b)
+        super().finish_gradient_sync()
+
+
+class BucketedLibrary:
+    def __init__(self, params, comm, bucket_bytes):
+        from parallel_mini.parallel.data import make_buckets
+        self.buckets = make_buckets(params, bucket_bytes)
+
+    def finish_gradient_sync(self):
+        pass
+
+
+def test_bucketed_checker_measures_overlap_and_accepts_the_answer():
+    from parallel_mini.grading import check_bucketed_grad_sync
+    grade = check_bucketed_grad_sync(BucketedRight, world_sizes=(2,), steps=1)
+    assert grade.status == "correct", grade
+    run = grade.details["runs"][0]
+    assert run["all_reduces_per_step"] > 1 and run["launched_in_backward"] >= 1
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (BucketedLaunchedAfterBackward, r"none of your \d+ all-reduces was launched before backward "
+                                    r"returned"),
+    (BucketedLibrary, r"called the library's own bucketed data parallel .* disables"),
+])
+def test_bucketed_checker_names_the_mistake(wrong, message):
+    from parallel_mini.grading import check_bucketed_grad_sync
+    with pytest.raises(AssertionError, match=message):
+        check_bucketed_grad_sync(wrong, world_sizes=(2,), steps=1)
