@@ -208,7 +208,23 @@ def _window(t: torch.Tensor, t_offsets, offsets, sizes) -> torch.Tensor:
     return t[tuple(slice(o - to, o - to + n) for o, to, n in zip(offsets, t_offsets, sizes))]
 
 
-def regions(piece: Piece, where) -> list[tuple[str, tuple, tuple, object]]:
+@dataclass
+class View:
+    """Where a box of the full tensor lies in a piece's tensors: the contiguous run
+    [start, start + prod(size)) of the piece is the local box (off, size); the full tensor's box is
+    its window (h_off, h_size)."""
+    start: int
+    off: tuple
+    size: tuple
+    h_off: tuple
+    h_size: tuple
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:  # t: [hi - lo], one of the piece's
+        box = t[self.start:self.start + math.prod(self.size)].view(self.size)
+        return _window(box, self.off, self.h_off, self.h_size)
+
+
+def regions(piece: Piece, where) -> list[tuple[str, tuple, tuple, View]]:
     """[(full name, full offsets, sizes, view)]: the piece cut into boxes of its full tensor;
     view(t) is the window of t [hi-lo] (one of the piece's tensors) that holds each box."""
     name, blocks = where
@@ -216,15 +232,13 @@ def regions(piece: Piece, where) -> list[tuple[str, tuple, tuple, object]]:
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     for off, size in flat_boxes(shape, piece.lo, piece.hi):
         start = sum(o * s for o, s in zip(off, strides)) - piece.lo  # contiguous from here
-        for local_off, local_size, full_off in blocks:
+        for local_off, local_size, full_off in blocks:  # (QKV under TP: three blocks)
             hit = _intersect(off, size, local_off, local_size)
             if hit is None:
                 continue
             h_off, h_size = hit
             full = tuple(f + h - lo_ for f, h, lo_ in zip(full_off, h_off, local_off))
-            out.append((name, full, h_size, lambda t, start=start, off=off, size=size, h_off=h_off,
-                        h_size=h_size: _window(t[start:start + math.prod(size)].view(size), off,
-                                               h_off, h_size)))
+            out.append((name, full, h_size, View(start, off, size, h_off, h_size)))
     return out
 
 
