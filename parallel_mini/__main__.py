@@ -2,14 +2,18 @@
 
 Every RunConfig field is a flag (`--d-model`, `--bucket-mb`, ...). A bad value prints one line naming
 the field and the fix and exits 2 before any rank starts; a failed run prints the failing rank's
-error and exits 1. Under torchrun every rank runs this and rank 0 prints the report.
+error and exits 1; a run stopped by SIGINT, SIGTERM or SIGHUP ends every rank, says so in one line and
+exits 128 + the signal's number. Under torchrun every rank runs this and rank 0 prints the report.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 
 from .config import ConfigError, RunConfig
 
@@ -23,11 +27,7 @@ _HELP = {
     "schedule": "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb, zbv, pipedream, "
                 "pipedream-nostash", "microbatches": "micro-batches per step with --pp > 1",
     "virtual_stages": "model chunks per pipeline rank (interleaved); 0 = the schedule's default",
-    "timeout_s": "seconds before a hung run is killed",
-    "save": "save a distributed checkpoint (sharded, every rank its part) into this directory "
-            "after the last step",
-    "resume": "continue from the checkpoint in this --save directory up to --steps (any layout; "
-              "without --layers, the checkpoint's)",
+    "timeout_s": "seconds the run may take before its ranks are stopped",
 }
 
 
@@ -120,9 +120,6 @@ def _pipeline_defaults(values: dict) -> str:
     little beside a stage's blocks) and trace.PIPELINE_STEPS steps (the bubble's op costs come
     from 4 timed steps); returns the note to print once the run is accepted."""
     chosen = []
-    if values["layers"] is None and values.get("resume"):  # the checkpoint's model, any layout
-        from .checkpoint import saved_layers
-        values["layers"] = saved_layers(values["resume"])
     if values["pp"] > 1 and values["virtual_stages"] >= 0:  # (a negative one is refused next)
         from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers, virtual_stages
         from .trace import PIPELINE_STEPS
@@ -192,6 +189,36 @@ def _check_output(flag: str, path: str | None) -> None:
         raise ConfigError(f"{flag} {path}: cannot write a file there")
 
 
+class _Stopped(KeyboardInterrupt):
+    """A stop signal during a run, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that
+    the launcher's cleanup (every rank killed and joined) runs for SIGTERM and SIGHUP too; Python's
+    default for those ends the process on the spot and left the ranks running."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_run():
+    """Under torchrun the agent stops its workers itself (SIGTERM, then SIGKILL): left as it is.
+    Signal handlers can only be set from the main thread (a caller may run `main` elsewhere)."""
+    from .launch import under_torchrun
+    if under_torchrun() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    saved = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":  # theory only: no RunConfig, no ranks
@@ -215,10 +242,14 @@ def main(argv=None) -> int:
     from .launch import RankError
     from .launch import under_torchrun
     try:
-        report = run(cfg)
+        with _stop_signals_end_the_run():
+            report = run(cfg)
     except RankError as e:
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
+    except _Stopped as e:
+        print(f"stopped by {e.name}: every rank was ended; no report", file=sys.stderr)
+        return 128 + e.signum
     if under_torchrun():
         import torch.distributed as dist
         if dist.get_rank() != 0:

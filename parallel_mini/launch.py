@@ -13,9 +13,12 @@ to a core of its own (rank i to the i-th core this process may use), with one th
 waits for a core another rank holds, and its wall clock measures the run (see `pin_to_core`).
 
 Failure contract: a rank that raises fails the whole run promptly with that rank's traceback; a rank
-that dies without a word (e.g. gloo aborts when ranks disagree on a tensor size) is reported with its
-exit signal; a run that exceeds `timeout` (a deadlock) is killed with a message naming the ranks that
-never finished. No rank outlives `run_ranks`.
+that dies without a word is reported with its exit signal and what that signal usually means (an abort:
+gloo when ranks disagree on a tensor size; a kill from outside: `kill`, the out-of-memory killer; a
+crash); a run that exceeds `timeout` is killed with a message naming the ranks that did not finish and
+whether they were idle (waiting on each other: likely a deadlock) or still computing (the run needs more
+time). No rank outlives `run_ranks`, nor the process that called it: a rank ends itself when that
+process is gone, however it ended (SIGKILL included; see `exit_with_parent`).
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -52,10 +57,6 @@ class RankError(RuntimeError):
 
 class RunTimeout(RankError):
     pass
-
-
-class _StartFailed(RankError):
-    """A rank failed inside init_process_group, before any of the function ran (see run_ranks)."""
 
 
 @dataclass
@@ -114,8 +115,13 @@ def connect_gloo_lazily() -> None:
     every group at creation. Measured here: creating the 14 groups of an 8-rank hybrid mesh with
     eager full-mesh connects failed in 3 of 85 launches ("connectFullMesh failed ... Connection
     closed by peer", inside new_group, before any training); connecting lazily, 0 of 120 launches
-    that also ran a collective on every group. The race inside gloo's eager connect is not
-    identified; this avoids the code path. Read when a gloo group is created."""
+    that also ran a collective on every group. Re-measured (the same mesh, an all_reduce on every
+    group, no retry): lazily 0 of 100, eagerly 0 of 100 this time: eager failures are rare (3 of
+    185 in all), lazy ones not seen (0 of 320). The race inside gloo's eager connect is not
+    identified; this avoids the code path, and with it the failure at start-up that the launcher
+    used to retry (init_process_group no longer connects anything, so there is nothing to retry:
+    a connect failure would now surface in the first collective, as any rank error does).
+    Read when a gloo group is created."""
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
 
@@ -145,16 +151,44 @@ def pin_to_core(rank: int, world_size: int) -> dict:
             "how": f"pinned to core {cores[rank]} (rank {rank} of {world_size}, {len(cores)} cores)"}
 
 
+def exit_with_parent(result_fd: int) -> None:
+    """End this rank as soon as the process that launched it is gone (Linux).
+
+    Why not PR_SET_PDEATHSIG: a rank's parent is the forkserver, not the launching process, and the
+    forkserver outlives the launcher: it stops only when every holder of its "alive" pipe is gone,
+    and each rank holds one (multiprocessing passes it to every child). So after a SIGKILL of the
+    CLI the forkserver waits for the ranks and the ranks train on (seen: both left running).
+    (PDEATHSIG on the forkserver itself would fire when the *thread* that started it ends: a
+    Streamlit script thread.) What does end with the launcher is the read end of this rank's result
+    pipe: only the launcher holds it, and the kernel closes it when the launcher dies, however it
+    dies. `poll` then reports POLLERR on our write end. That is a state, not an event: a launcher
+    that died before this watch started is seen at once, so there is no start-up race. Once the ranks
+    are gone, the forkserver reads EOF on its alive pipe and exits too."""
+    if not sys.platform.startswith("linux"):  # elsewhere a pipe's write end may not report it
+        return
+    fd = os.dup(result_fd)  # our own copy: the rank closing its result pipe must not wake us
+
+    def watch():
+        poller = select.poll()
+        poller.register(fd, 0)  # no events asked: POLLERR and POLLHUP are always reported
+        while not any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll()):
+            pass
+        os._exit(1)  # nobody is left to read a result: skip teardown (gloo may block in it)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 TORCHRUN_PLACEMENT = {"pinned": False, "cores": None, "cores_available": None,
                       "how": "under torchrun: CPU affinity left as the launcher set it"}
 
 
 def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo):
     placement = pin_to_core(rank, world_size)  # before any thread exists: they inherit it
+    exit_with_parent(conn.fileno())
     torch.set_num_threads(1)  # one compute thread per rank: ranks do not fight over cores
     connect_gloo_lazily()
     out = _Tee(sys.__stderr__ if echo else None)
-    status, value, started = "ok", None, False
+    status, value = "ok", None
     try:
         with contextlib.redirect_stdout(out):
             fn, args, kwargs = cloudpickle.loads(payload)
@@ -163,14 +197,13 @@ def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=pg_timeout))
             device_for(backend, rank)
-            started = True
             value = fn(*args, **kwargs)
             if isinstance(value, dict) and "events" in value:
                 # a rank's report with a timeline (engine.train_rank): its times are read
                 # against where the rank ran (trace.bubble's wall view)
                 value.setdefault("placement", placement)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        status, value = ("error" if started else "start_error"), traceback.format_exc()
+        status, value = "error", traceback.format_exc()
     try:
         conn.send_bytes(cloudpickle.dumps((status, value, out.buf.getvalue(), placement)))
     except BaseException:  # noqa: BLE001 - e.g. an unpicklable result
@@ -237,16 +270,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
                          f"(use torchrun for more)")
     backend = backend or default_backend(world_size)
     payload = cloudpickle.dumps((fn, args, kwargs))
-    try:
-        return _launch(payload, world_size, timeout, pg_timeout, backend, echo)
-    except _StartFailed as e:
-        # Gloo's full-mesh connect on loopback can fail ("Connection closed by peer": seen once,
-        # in a fresh-clone CI run of the suite): nothing of `fn` has run, so start again once.
-        if "connectFullMesh" not in e.details:
-            raise
-        print(f"note: rank {e.rank} could not connect to its peers; starting the ranks again",
-              file=sys.stderr)
-        return _launch(payload, world_size, timeout, pg_timeout, backend, echo)
+    return _launch(payload, world_size, timeout, pg_timeout, backend, echo)
 
 
 def _launch(payload: bytes, world_size: int, timeout: float, pg_timeout: float, backend: str,
@@ -255,6 +279,7 @@ def _launch(payload: bytes, world_size: int, timeout: float, pg_timeout: float, 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=pg_timeout))
     ctx = _context()
+    oom_before = oom_kills()  # to tell a rank ended by the out-of-memory killer (see _why_it_died)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, store.port, payload, pipes[r][1], backend,
@@ -266,21 +291,56 @@ def _launch(payload: bytes, world_size: int, timeout: float, pg_timeout: float, 
                 p.start()
         for _, w in pipes:
             w.close()  # the parent keeps only the read ends
-        return _collect(procs, [r for r, _ in pipes], timeout)
+        return _collect(procs, [r for r, _ in pipes], timeout, oom_before)
     finally:
         _kill(procs)
         del store
 
 
-def _died(r, procs, outputs) -> RankError:
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended since boot (Linux 4.13+)."""
+    try:
+        with open("/proc/vmstat") as fh:
+            return next((int(ln.split()[1]) for ln in fh if ln.startswith("oom_kill ")), None)
+    except OSError:
+        return None
+
+
+def _why_it_died(code: int | None, oom_before: int | None) -> str:
+    """What a rank's exit status usually means, for the learner to know where to look."""
+    if code is None:
+        return "It is still running, yet its result pipe is closed."
+    if code in (-signal.SIGKILL, -signal.SIGTERM):
+        oom_now = oom_kills()
+        if oom_before is not None and oom_now is not None and oom_now > oom_before:
+            return (f"The kernel's out-of-memory killer ran during this run (oom_kill in /proc/vmstat "
+                    f"went from {oom_before} to {oom_now}): the machine ran out of memory; try a "
+                    f"smaller --batch, --seq or model, or fewer ranks.")
+        return ("It was killed from outside this run (the `kill` command, a job scheduler, or the "
+                "out-of-memory killer: `dmesg` says which); nothing in the ranks' code asked for it.")
+    if code == -signal.SIGABRT:
+        return ("A C++ abort: usually the ranks disagreed on a collective (different tensor sizes, "
+                "dtypes or op order), which gloo cannot recover from.")
+    if code in (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGILL, -signal.SIGFPE):
+        return ("A crash in native code (a bug in torch or an extension, or a tensor used after "
+                "its memory was freed), not an error of the distributed program.")
+    if code == -signal.SIGINT:
+        return "It was interrupted (Ctrl-C)."
+    if code > 0:
+        return "It ended without a result: os._exit or sys.exit called inside the rank, or by native code."
+    return "It ended without a result."
+
+
+def _died(r, procs, outputs, oom_before) -> RankError:
     procs[r].join(timeout=1)
-    return RankError(r, (
-        f"rank {r} died with {_signal_name(procs[r].exitcode)} before returning a "
-        f"result. A C++ abort usually means ranks disagreed on a collective (different "
-        f"tensor sizes, dtypes or op order)."), outputs)
+    code = procs[r].exitcode
+    status = "no exit status yet" if code is None else _signal_name(code)
+    return RankError(r, f"rank {r} died with {status} before returning a result. "
+                        f"{_why_it_died(code, oom_before)}", outputs)
 
 
-def _root_cause(first: RankError, procs, pending, outputs, grace: float = 0.5) -> RankError:
+def _root_cause(first: RankError, procs, pending, outputs, oom_before,
+                grace: float = 0.5) -> RankError:
     """A rank that dies silently (a C++ abort) makes its peers fail too, with gloo's "Connection
     reset by peer", often before the parent sees the death. Give the other ranks a moment; if one of
     them died without reporting (a rank that reports exits 0), that death is the cause."""
@@ -289,7 +349,7 @@ def _root_cause(first: RankError, procs, pending, outputs, grace: float = 0.5) -
     while others:
         dead = [r for r in others if procs[r].exitcode not in (None, 0)]
         if dead:
-            cause = _died(dead[0], procs, outputs)
+            cause = _died(dead[0], procs, outputs, oom_before)
             cause.details += f"\n\nThen rank {first.rank} failed:\n{first.details}"
             cause.args = (f"rank {cause.rank} failed:\n{cause.details}",)
             return cause
@@ -299,34 +359,82 @@ def _root_cause(first: RankError, procs, pending, outputs, grace: float = 0.5) -
     return first
 
 
-def _collect(procs, conns, timeout) -> list[RankResult]:
+IDLE_CPU_SHARE = 0.05  # below 5 % of one core over the last window: the rank is waiting, not working
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, every thread) a live process has used, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _timed_out(timeout, pending, procs, sample, outputs) -> RunTimeout:
+    """"Did not finish" and, where /proc says how much CPU the pending ranks used over the last
+    window before the deadline, what that suggests: idle ranks wait on each other (a collective or
+    recv their peers never call); a rank still computing means the run is longer than the timeout."""
+    head = f"ranks {pending} did not finish within {timeout:g} s"
+    more_time = ("give it more time: --timeout-s on the command line, the `timeout` argument of "
+                 "run_ranks")
+    shares = {}
+    if sample is not None:
+        t0, cpu0 = sample
+        wall = time.monotonic() - t0
+        for r in pending:
+            now = cpu_seconds(procs[r].pid)
+            if now is not None and cpu0.get(r) is not None and wall > 0:
+                shares[r] = (now - cpu0[r]) / wall
+    if len(shares) < len(pending):  # not measurable here (no /proc) or a rank just ended
+        return RunTimeout(pending[0], (
+            f"{head}. Either they wait on a collective or recv that a peer never calls (a deadlock: "
+            f"check that every rank calls the same collectives in the same order), or the run needs "
+            f"longer ({more_time})."), outputs)
+    window = f"{wall:.1f} s before the deadline"
+    cpu = ", ".join(f"rank {r} {shares[r]:.0%}" for r in pending)
+    busy = [r for r in pending if shares[r] >= IDLE_CPU_SHARE]
+    if not busy:
+        return RunTimeout(pending[0], (
+            f"{head}, and they were idle (CPU time over the last {window}: {cpu} of a core). Most "
+            f"likely a deadlock: each waits on a collective or recv that its peers never call "
+            f"(check that every rank calls the same collectives in the same order)."), outputs)
+    return RunTimeout(pending[0], (
+        f"{head}; ranks {busy} were still computing (CPU time over the last {window}: {cpu} of a "
+        f"core), so the run is longer than the timeout rather than stuck: {more_time}, or make "
+        f"the run smaller."), outputs)
+
+
+def _collect(procs, conns, timeout, oom_before=None) -> list[RankResult]:
     n = len(procs)
     results: list[RankResult | None] = [None] * n
     outputs = [""] * n
     deadline = time.monotonic() + timeout
+    window = min(1.0, timeout / 2)  # the pending ranks' CPU time is read over this last stretch
+    sample = None  # (time, {rank: cpu seconds}) taken `window` before the deadline
     while any(r is None for r in results):
         pending = [r for r in range(n) if results[r] is None]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RunTimeout(pending[0], (
-                f"ranks {pending} did not finish within {timeout:.0f} s. Most likely a deadlock: "
-                f"a rank waits on a collective or recv that its peers never call (check that every "
-                f"rank calls the same collectives in the same order)."), outputs)
+            raise _timed_out(timeout, pending, procs, sample, outputs)
+        if sample is None and remaining <= window:
+            sample = (time.monotonic(), {r: cpu_seconds(procs[r].pid) for r in pending})
+        wake = remaining - window if sample is None else remaining  # wake for the sample
         ready = mpc.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
-                         timeout=min(remaining, 1.0))
+                         timeout=max(0.0, min(wake, 1.0)))
         for r in pending:
             if conns[r] in ready or conns[r].poll():  # poll() is also true at EOF
                 try:
                     status, value, outputs[r], placement = cloudpickle.loads(conns[r].recv_bytes())
                 except EOFError:  # the rank closed its pipe without a word: it died
-                    raise _died(r, procs, outputs) from None
+                    raise _died(r, procs, outputs, oom_before) from None
                 if status == "ok":
                     results[r] = RankResult(r, value, outputs[r], placement)
                     continue
-                error = (_StartFailed if status == "start_error" else RankError)(r, value, outputs)
-                raise _root_cause(error, procs, pending, outputs)
+                raise _root_cause(RankError(r, value, outputs), procs, pending, outputs, oom_before)
             if procs[r].sentinel in ready and results[r] is None and not conns[r].poll():
-                raise _died(r, procs, outputs)  # gone, though its pipe is not at EOF
+                raise _died(r, procs, outputs, oom_before)  # gone, though its pipe is not at EOF
     return results  # type: ignore[return-value]
 
 
