@@ -84,19 +84,19 @@ def test_pipeline_page_draws_the_plans_before_any_run():
     assert _widget(at.metric, "Bubble (theory): zb").value == f"{3 / (3 * 8 + 3):.1%}"
     inter = _timeline_rows(_chart(at, "Planned: interleaved (v = 2)"))
     assert _idle_share(inter) == pytest.approx(3 / 19, abs=1e-12)
-    assert {r["label"] for r in inter if r["kind"] == "F" and r["rank"] == 0} >= {"0.0", "0.4"}
+    assert {r["label"] for r in inter if r["kind"] == "F" and r["rank"] == 0} >= {"0·c0", "0·c4"}
     zb = _timeline_rows(_chart(at, "Planned: zb"))
     assert _idle_share(zb) == pytest.approx(theory.bubble_fraction("zb", 4, 8), abs=1e-12)
     assert len([r for r in zb if r["kind"] == "W"]) == 4 * 8
     _set(at, "radio", "Virtual stages", 3)
     assert any("Model: 48 layers" in c.value for c in at.caption)
     assert _widget(at.metric, "Bubble (theory): interleaved").value == f"{3 / (3 * 8 + 3):.1%}"
-    # 16 micro-batches x 3 chunks: too narrow to label each bar; the bars are all still drawn
+    # 16 micro-batches x 3 chunks: too narrow to label each bar: colour is the micro-batch
     _set(at, "slider", "Micro-batches", 16)
     _assert_clean(at)
     crowded = _chart(at, "Planned: interleaved (v = 3)")
-    assert len(crowded["spec"]["layer"]) == 1
-    assert "too many ops to label" in crowded["spec"]["title"]["subtitle"][-1]
+    assert crowded["spec"]["layer"][1]["encoding"]["color"]["field"] == "microbatch"
+    assert "colour is the micro-batch" in crowded["spec"]["title"]["subtitle"][-1]
     assert len([r for r in _timeline_rows(crowded) if r["kind"] == "F"]) == 4 * 16 * 3
     assert _idle_share(_timeline_rows(crowded)) == pytest.approx(3 / (3 * 16 + 3), abs=1e-12)
 
@@ -154,11 +154,15 @@ def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference():
         own = _idle_share(_timeline_rows(_chart(at, f"{s}: {OWN}")))
         assert _percent(at, f"Replayed: {s}") == pytest.approx(100 * own, abs=0.05 + 1e-9)
         assert bars[s, OWN] == pytest.approx(own, abs=1e-9)
-    # two timelines on one time axis
-    domains = {c["spec"]["title"]["text"]: [lay["encoding"]["x"]["scale"]["domain"]
-                                            for lay in c["spec"]["layer"]][0]
-               for c in _charts(at) if OWN in c["spec"]["title"]["text"]}
-    assert len(domains) == 2 and len({tuple(d) for d in domains.values()}) == 1
+    # each timeline its own time axis; the toggle puts both on one
+    def domains():
+        return {c["spec"]["title"]["text"]: c["spec"]["layer"][0]["encoding"]["x"].get("scale")
+                for c in _charts(at) if OWN in c["spec"]["title"]["text"]}
+    assert list(domains().values()) == [None, None]
+    _set(at, "toggle", "Same time axis", True)
+    shared = [tuple(d["domain"]) for d in domains().values()]
+    assert len(shared) == 2 and len(set(shared)) == 1
+    _set(at, "toggle", "Same time axis", False)
 
     # activations: GPipe keeps all m micro-batches on every stage, 1F1B p - r on stage r
     mem = _rows_with(_chart(at, "Activation peak per stage"), "in_flight")

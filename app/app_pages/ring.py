@@ -3,6 +3,7 @@ import pandas as pd
 import streamlit as st
 
 import presentation as pm
+from player import player
 from live_runs import fmt_bytes, fmt_count, fmt_rate, last_result, ring_experiment, run_live
 from parallel_mini import theory, viz
 
@@ -56,8 +57,10 @@ e1.metric("Exact on integers (vs gloo's all_reduce)", "yes" if exp["int_exact"] 
 e2.metric("float32: max |ring − gloo|", f"{exp['float_max_abs_err']:.2e}",
           help="Different summation order: fp32 rounding, not an error")
 
-pm.chart(viz.ring_animation(exp))
-st.caption("Move the **step** slider under the chart. Every frame is decoded from the messages "
+player("ring", len(exp["frames"]), lambda frame: pm.chart(viz.ring_animation(exp, frame=frame)),
+       help="Steps through the ring's frames, one per Speed interval; Pause holds the frame.")
+st.caption("**▶ Play** steps through the frames (Pause holds one; Speed sets the pace); the **step** "
+           "slider under the chart moves through them too. Every frame is decoded from the messages "
            "of the live run: each message carries, in its values, which ranks' data it holds.")
 
 with st.expander("Bytes sent per rank"):

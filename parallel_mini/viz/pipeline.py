@@ -1,6 +1,7 @@
 """Pipeline parallel (lesson 05, the Pipeline page):
 
-    pipeline_timeline(timed, title)   F/B/W ops per rank as a Gantt chart, idle gaps = the bubble
+    pipeline_timeline(timed, title)   F/B/W ops per rank as a Gantt chart, idle gaps = the bubble;
+                                      each op labelled with its micro-batch (colour, when crowded)
     pipeline_stage_bars(rows, ...)    grouped bars per stage (bytes held, bytes sent)
     bubble_bars(rows)                 the bubble measured (own device, wall clock) vs the formula
     in_flight_chart(report)           activation bytes each stage holds after every op
@@ -18,6 +19,10 @@ PIPE_KINDS = {"F": "F: forward", "B": "B: backward", "W": "W: weight gradients",
               "send": "sending to a neighbour", "wait": "waiting for a neighbour",
               "idle": "idle (bubble)"}
 PIPE_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#79706e", "#bab0ac", "#fbe3e3"]
+OP_KINDS = ("F", "B", "W")
+LABEL_FONTS = (12, 11, 10, 9)  # px; below 9 a label is not read from the back of a room
+TWO_LINE_FONT = 10  # px, the largest font for a label on two lines ("3" over "c5")
+CHAR_EM = 0.62  # a digit's width in em (Helvetica/Arial, Vega's default font)
 
 
 def _idle_gaps(timed: list[dict], end: float) -> list[dict]:
@@ -38,7 +43,10 @@ def _idle_gaps(timed: list[dict], end: float) -> list[dict]:
 
 def pipeline_frame(timed: list[dict], seconds: bool = True) -> pd.DataFrame:
     """Rows for pipeline_timeline: every op plus the idle gaps between them, in ms when the times
-    are seconds (a replay or a wall view) or as they are (a schedule drawn with unit costs)."""
+    are seconds (a replay or a wall view) or as they are (a schedule drawn with unit costs).
+    `label`: the op's micro-batch, with its model chunk ("3·c5") when a rank holds several chunks
+    (interleaved, zbv); `row`, `row_name`: the op's row in its rank's lane when colour shows the
+    micro-batch ("F1": forwards of the rank's first chunk, named "F c1" on rank 1)."""
     end = max((t["end"] for t in timed), default=0.0)
     rows = [dict(t) for t in timed if t["kind"] in PIPE_KINDS]
     rows += _idle_gaps(rows, end)  # neither computing nor (wall view) waiting
@@ -48,59 +56,130 @@ def pipeline_frame(timed: list[dict], seconds: bool = True) -> pd.DataFrame:
     df["lane"] = df["rank"].map(lambda r: f"rank {r}")
     df["what"] = df["kind"].map(PIPE_KINDS)
     chunks = df["chunk"].dropna()
-    several = len(chunks) and chunks.nunique() > df["rank"].nunique()
-    df["label"] = [("" if k in ("idle", "wait", "send") or m is None or m != m else
-                    f"{int(m)}" + (f".{int(c)}" if several else ""))
-                   for k, m, c in zip(df["kind"], df["microbatch"], df["chunk"])]
+    several = bool(len(chunks)) and chunks.nunique() > df["rank"].nunique()
+    is_op = df["kind"].isin(OP_KINDS) & df["microbatch"].notna()
+    df["label"] = [f"{int(m)}" + (f"·c{int(c)}" if several else "") if op else ""
+                   for op, m, c in zip(is_op, df["microbatch"], df["chunk"])]
+    df["text"] = df["label"].str.replace("·", "\n")  # drawn on two lines: fits narrower bars
+    # the row key: kind and the chunk's place among its rank's chunks (rank 1 of 4 holds chunks
+    # 1 and 5: rows "F1", "F2"), so that every lane has the same rows; `row_name` says which chunk
+    held = {r: sorted(set(g.dropna().astype(int))) for r, g in df.groupby("rank")["chunk"]}
+    place = [held[r].index(int(c)) + 1 if op and several else "" for op, r, c in
+             zip(is_op, df["rank"], df["chunk"])]
+    df["row"] = [f"{k}{i}" if op else "" for op, k, i in zip(is_op, df["kind"], place)]
+    df["row_name"] = [(f"{k} c{int(c)}" if several else k) if op else ""
+                      for op, k, c in zip(is_op, df["kind"], df["chunk"])]
     return df
 
 
-def _labels_fit(df: pd.DataFrame, width: int, x_max: float | None) -> bool:
-    """Whether most op bars are wide enough for their label (a digit is about 6.5 px)."""
+def label_font(df: pd.DataFrame, width: int, x_max: float | None = None) -> int | None:
+    """The largest font (px, LABEL_FONTS) at which every op bar holds its label, at `width` px for
+    the time axis; None when even the smallest does not fit (colour then shows the micro-batch)."""
     ops = df[df["label"] != ""]
     span = x_max or (df["x2"].max() if len(df) else 0)
     if not len(ops) or not span:
-        return True
-    wide = (ops["x2"] - ops["x"]) / span * width >= 6.5 * ops["label"].str.len() + 2
-    return wide.mean() >= 0.8
+        return LABEL_FONTS[0]
+    bar_px = (ops["x2"] - ops["x"]) / span * width
+    chars = ops["text"].map(lambda t: max(map(len, t.split("\n"))))
+    two_lines = ops["text"].str.contains("\n").any()
+    for font in LABEL_FONTS:
+        if two_lines and font > TWO_LINE_FONT:  # two lines in a 22 px bar
+            continue
+        if (bar_px >= CHAR_EM * font * chars + 3).all():
+            return font
+    return None
+
+
+def _x(seconds: bool, x_scale) -> alt.X:
+    unit = "ms" if seconds else "time units (one forward = 1)"
+    # unit costs are whole numbers: no tick between them (m = 1 would get halves otherwise)
+    axis = alt.Axis() if seconds else alt.Axis(tickMinStep=1, format="d")
+    return alt.X("x:Q", title=f"time from the step's start ({unit})", scale=x_scale, axis=axis)
 
 
 def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] = "",
                       seconds: bool = True, width: int = 640, x_max: float | None = None) -> alt.LayerChart:
-    """Gantt chart of a pipeline step, one lane per rank: F, B, W ops labelled with their
-    micro-batch (".chunk" when a rank holds several chunks), sends and waits (wall view), idle gaps.
+    """Gantt chart of a pipeline step, one lane per rank: F, B, W ops, sends and waits (wall view),
+    idle gaps, readable without hovering at any size. Each op bar is labelled with its micro-batch
+    ("3", or "3·c5" for micro-batch 3 on model chunk 5 when a rank holds several chunks) in the
+    largest font that fits every bar; when no font fits, colour shows the micro-batch instead (a
+    legend), each op kind (and chunk) gets a row of its own in the lane, named on the right.
     `timed`: records {rank, kind, microbatch, chunk, start, end} from schedules.simulate,
-    trace.own_device_replay or trace.wall_view. `seconds=False` for unit-cost schedules.
-    `x_max`: a common time axis, to set two charts side by side on one scale."""
+    trace.own_device_replay or trace.wall_view. `seconds=False` for unit-cost schedules (integer
+    ticks). `x_max`: a common time axis, to set two charts side by side on one scale."""
     df = pipeline_frame(timed, seconds)
     lanes = [f"rank {r}" for r in sorted(df["rank"].unique())]
-    kinds = [k for k in PIPE_KINDS if k in set(df["kind"])]
-    colors = [dict(zip(PIPE_KINDS, PIPE_COLORS))[k] for k in kinds]
-    unit = "ms" if seconds else "time units (one forward = 1)"
     x_scale = alt.Scale(domain=[0, x_max]) if x_max else alt.Undefined
-    base = alt.Chart(df).encode(
-        x=alt.X("x:Q", title=f"time from the step's start ({unit})", scale=x_scale),
-        y=alt.Y("lane:N", title=None, sort=lanes))
-    bars = base.mark_bar(height=22, stroke="white", strokeWidth=0.5).encode(
-        x2="x2:Q",
-        color=alt.Color("what:N", title=None, sort=[PIPE_KINDS[k] for k in kinds],
-                        scale=alt.Scale(domain=[PIPE_KINDS[k] for k in kinds], range=colors),
-                        legend=alt.Legend(orient="bottom", columns=3)),
-        tooltip=["lane:N", "what:N", "microbatch:Q", "chunk:Q",
-                 alt.Tooltip("x:Q", format=".3g", title=f"start ({'ms' if seconds else 'units'})"),
-                 alt.Tooltip("x2:Q", format=".3g", title=f"end ({'ms' if seconds else 'units'})")])
-    labels = alt.Chart(df[df["label"] != ""]).mark_text(color="white", fontSize=10).encode(
-        x=alt.X("mid:Q", scale=x_scale), y=alt.Y("lane:N", sort=lanes), text="label:N"
+    subtitle = [*([subtitle] if isinstance(subtitle, str) and subtitle else subtitle or [])]
+    font = label_font(df, width, x_max)
+    if font is not None:
+        chart = _labelled_bars(df, lanes, _x(seconds, x_scale), x_scale, font, seconds)
+        height = 34 * len(lanes)
+    else:
+        chart, height = _coloured_bars(df, lanes, _x(seconds, x_scale), width, seconds)
+        subtitle.append("too many ops for a label each: colour is the micro-batch; each lane has "
+                        "a row per op kind" + (" and chunk" if df["row_name"].str.contains("c").any()
+                                               else "") + ", named on the right")
+    return chart.properties(autosize=PAD, width=width, height=height,
+                            title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
+
+
+def _tooltip(seconds: bool) -> list:
+    unit = "ms" if seconds else "units"
+    return ["lane:N", "what:N", "microbatch:Q", "chunk:Q",
+            alt.Tooltip("x:Q", format=".3g", title=f"start ({unit})"),
+            alt.Tooltip("x2:Q", format=".3g", title=f"end ({unit})")]
+
+
+def _kind_color(kinds: list[str], legend: alt.Legend) -> alt.Color:
+    colors = dict(zip(PIPE_KINDS, PIPE_COLORS))
+    names = [PIPE_KINDS[k] for k in kinds]
+    return alt.Color("what:N", title=None, sort=names, legend=legend,
+                     scale=alt.Scale(domain=names, range=[colors[k] for k in kinds]))
+
+
+def _labelled_bars(df: pd.DataFrame, lanes: list[str], x: alt.X, x_scale, font: int,
+                   seconds: bool) -> alt.LayerChart:
+    """Colour: the op kind; text on every op bar: its micro-batch (and chunk)."""
+    kinds = [k for k in PIPE_KINDS if k in set(df["kind"])]
+    y = alt.Y("lane:N", title=None, sort=lanes)
+    bars = alt.Chart(df).mark_bar(height=22, stroke="white", strokeWidth=0.5).encode(
+        x=x, x2="x2:Q", y=y, tooltip=_tooltip(seconds),
+        color=_kind_color(kinds, alt.Legend(orient="bottom", columns=3)))
+    two_lines = df["text"].str.contains("\n").any()
+    labels = alt.Chart(df[df["label"] != ""]).mark_text(
+        color="white", fontSize=font, lineBreak="\n", lineHeight=font,
+        dy=-font / 2 if two_lines else 0).encode(  # the lines' middle on the bar's
+        x=alt.X("mid:Q", scale=x_scale), y=y, text="text:N",
     ).transform_calculate(mid="(datum.x + datum.x2) / 2")
-    if not _labels_fit(df, width, x_max):  # crowded: the tooltip still names every op
-        subtitle = [*([subtitle] if isinstance(subtitle, str) and subtitle else subtitle or []),
-                    "too many ops to label: hover a bar for its micro-batch"]
-        return alt.layer(bars).properties(autosize=PAD, width=width, height=34 * len(lanes),
-                                          title=alt.TitleParams(title, subtitle=subtitle,
-                                                                anchor="start"))
-    return alt.layer(bars, labels).properties(
-        autosize=PAD, width=width, height=34 * len(lanes),
-        title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
+    return alt.layer(bars, labels)
+
+
+def _coloured_bars(df: pd.DataFrame, lanes: list[str], x: alt.X, width: int,
+                   seconds: bool) -> tuple[alt.LayerChart, int]:
+    """Colour: the micro-batch; each op kind (and chunk) a row of the lane, named on the right;
+    idle gaps, sends and waits span the lane in their own colours."""
+    ops, rest = df[df["row"] != ""], df[df["row"] == ""]  # one dataset, filtered per layer
+    rows = sorted(set(ops["row"]), key=lambda r: (OP_KINDS.index(r[0]), int(r[1:] or 0)))
+    row_px = 13
+    lane_px = max(34, row_px * len(rows) + 8)
+    y = alt.Y("lane:N", title=None, sort=lanes, scale=alt.Scale(paddingInner=0.15))
+    kinds = [k for k in PIPE_KINDS if k in set(rest["kind"])]
+    gaps = alt.Chart(df).transform_filter(alt.datum.row == "").mark_bar(height=lane_px - 8).encode(
+        x=x, x2="x2:Q", y=y, tooltip=_tooltip(seconds),
+        color=_kind_color(kinds, alt.Legend(orient="bottom", title=None)))
+    m = int(ops["microbatch"].max()) + 1 if len(ops) else 1
+    scheme = "tableau10" if m <= 10 else "turbo"
+    y_off = alt.YOffset("row:N", sort=rows, scale=alt.Scale(paddingInner=0.2))
+    bars = alt.Chart(df).transform_filter(alt.datum.row != "").mark_bar().encode(
+        x=x, x2="x2:Q", y=y, yOffset=y_off, tooltip=_tooltip(seconds),
+        color=alt.Color("microbatch:O", title="micro-batch", scale=alt.Scale(scheme=scheme),
+                        legend=alt.Legend(orient="bottom", columns=min(m, 16))))
+    names = ops[["lane", "row", "row_name"]].drop_duplicates()
+    row_names = alt.Chart(names).mark_text(align="left", fontSize=10, dx=4).encode(
+        x=alt.value(width), y=y, yOffset=y_off, text="row_name:N")
+    chart = alt.layer(gaps, bars, row_names).resolve_scale(color="independent")
+    return chart, lane_px * len(lanes)
 
 
 def pipeline_stage_bars(rows: list[dict], value: str, title: str, subtitle, y_title: str,
@@ -178,7 +257,8 @@ def in_flight_chart(report: dict, title: str | None = None,
     df["value"] = df["held_bytes"] / div
     schedule = report["config"].get("schedule")
     return alt.Chart(df).mark_line(interpolate="step-after", point=True).encode(
-        x=alt.X("op_index:Q", title="op of the step on this rank (F, B, W in schedule order)"),
+        x=alt.X("op_index:Q", title="op of the step on this rank (F, B, W in schedule order)",
+                axis=alt.Axis(tickMinStep=1, format="d")),  # ops are counted: no half ticks
         y=alt.Y("value:Q", title=f"held beyond model states ({unit})"),
         color=alt.Color("stage:N", title=None, legend=alt.Legend(orient="bottom")),
         tooltip=["stage:N", "op:N", alt.Tooltip("held_bytes:Q", format=",.0f", title="bytes")],

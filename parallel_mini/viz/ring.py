@@ -61,7 +61,8 @@ def ring_frames_frame(exp: dict) -> pd.DataFrame:
 
 
 def ring_moves_text(exp: dict) -> list[str]:
-    """Per frame, the caption: the step, its phase and every message, as decoded from the run."""
+    """Per frame, the caption: the step, its phase and every message, as decoded from the run
+    (2 + N lines, the start frame's padded to as many: every frame takes the same room)."""
     n, total = exp["world_size"], len(exp["frames"]) - 1
     out = []
     for fr in exp["frames"]:
@@ -74,17 +75,22 @@ def ring_moves_text(exp: dict) -> list[str]:
         lines += [f"rank {m['src']} → rank {m['dst']}: chunk {m['chunk']} carrying "
                   f"{_ranks_set(m['mask'], n)}" for m in sorted(fr["moves"], key=lambda m: m["src"])]
         out.append("\n".join(lines))
-    return out
+    most = max(text.count("\n") for text in out)
+    # the browser sizes the chart from the frame it draws first: with the start frame as tall as
+    # the others, the message list of a later step is not cut off below the grid
+    return [text + "\n " * (most - text.count("\n")) for text in out]
 
 
-def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 40) -> alt.LayerChart:
+def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 40,
+                   frame: int = 0) -> alt.LayerChart:
     """The ring all-reduce, one frame per step, as decoded from the messages of the live probe run.
 
     Grid: rank (rows) x chunk (columns). Colour: how many ranks' data the chunk holds (1..N); label:
     which ranks ("0+1+3"). Black outline: the chunk this rank received in the step (and from whom);
     orange dashed: the chunk it sent (and to whom). Below the grid, every message of the step. A
-    slider ("step") moves through the frames in the browser; frame 0 is the start, frames 1..N-1
-    reduce-scatter, N..2(N-1) all-gather."""
+    slider ("step", starting at `frame`) moves through the frames in the browser; frame 0 is the
+    start, frames 1..N-1 reduce-scatter, N..2(N-1) all-gather. The app's Play redraws the chart with
+    the next `frame`."""
     n, frames = exp["world_size"], exp["frames"]
     cells = ring_frames_frame(exp)
     marks = pd.concat([
@@ -96,7 +102,9 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     cell_width = cell_width or max(78, int(0.62 * font * (2 * n - 1)) + 12)  # fits "0+1+...+6"
     width, height = max(cell_width * n, 330), cell_height * n  # room for the caption below
 
-    step = alt.param(name="step", value=0,
+    if not 0 <= frame < len(frames):
+        raise ValueError(f"ring_animation: frame {frame} is not one of 0..{len(frames) - 1}")
+    step = alt.param(name="step", value=frame,
                      bind=alt.binding_range(min=0, max=len(frames) - 1, step=1, name="step "))
     in_frame = alt.datum.frame == step
     x = alt.X("chunk:O", title=f"chunk (1/{n} of the tensor; sizes {exp['chunk_sizes']} elements)",
@@ -105,8 +113,10 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
 
     fill = alt.Chart(cells).mark_rect(stroke="white", strokeWidth=1).encode(
         x=x, y=y,
+        # viridis, light to dark: hue and lightness both change, so that 8 counts stay apart
         color=alt.Color("contributors:O", title="ranks summed in",
-                        scale=alt.Scale(scheme="blues", domain=list(range(1, n + 1)))),
+                        scale=alt.Scale(scheme="viridis", reverse=True,
+                                        domain=list(range(1, n + 1)))),
         tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("phase:N"), alt.Tooltip("rank:O"),
                  alt.Tooltip("chunk:O"), alt.Tooltip("holds:N", title="holds data of ranks"),
                  alt.Tooltip("received_from:Q", title="received from rank"),
