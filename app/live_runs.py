@@ -172,6 +172,8 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
                     bar.progress(1.0, text="Step 1 of 1: done")
                 break
             except WaitForSlots as ask:  # every slot taken: queue (a rerun leaves the queue)
+                if not own_progress:
+                    area.progress(0.0, text=f"Step 1 of 1: waiting for {ask.ranks} rank processes…")
                 lease.wait(ask.ranks, lambda pos, waited: note.info(
                     _queue_note(queue, ask.ranks, pos, waited), icon="⏳"))
                 note.empty()
@@ -179,6 +181,9 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
         error = f"Invalid settings: {err}"
     except RankError as err:
         error, details = rank_error_summary(err), err.details
+    except Exception:  # a bug, shown by Streamlit as such: not an abandoned run
+        st.session_state.pop(f"{page}_running", None)
+        raise
     finally:  # also when Streamlit reruns mid-run: the slots go back at once
         _LOCAL.lease = None
         lease.release()
