@@ -28,6 +28,10 @@ _HELP = {
                 "pipedream-nostash", "microbatches": "micro-batches per step with --pp > 1",
     "virtual_stages": "model chunks per pipeline rank (interleaved); 0 = the schedule's default",
     "timeout_s": "seconds the run may take before its ranks are stopped",
+    "save": "save a distributed checkpoint (sharded, every rank its part) into this directory "
+            "after the last step",
+    "resume": "continue from the checkpoint in this --save directory up to --steps (any layout; "
+              "without --layers, the checkpoint's)",
 }
 
 
@@ -120,6 +124,9 @@ def _pipeline_defaults(values: dict) -> str:
     little beside a stage's blocks) and trace.PIPELINE_STEPS steps (the bubble's op costs come
     from 4 timed steps); returns the note to print once the run is accepted."""
     chosen = []
+    if values["layers"] is None and values.get("resume"):  # the checkpoint's model, any layout
+        from .checkpoint import saved_layers
+        values["layers"] = saved_layers(values["resume"])
     if values["pp"] > 1 and values["virtual_stages"] >= 0:  # (a negative one is refused next)
         from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers, virtual_stages
         from .trace import PIPELINE_STEPS
