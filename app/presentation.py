@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import streamlit as st
 
-from parallel_mini.viz.style import presentation
-
 MODE_KEY = "presentation_mode"
 _KEPT = "_kept_widget_keys"
 # the plot width a chart fills in presentation mode: the main column is about 980 px at 1440 px
 # with the sidebar open; axes and a legend take the rest
 PAGE_CHART_PX = 720
+SIDEBAR_PX, WIDE_SIDEBAR_PX = 300, 460
+_CHART_PX = "_presentation_chart_px"  # this page's chart width (Controls sets it on every run)
+_WIDE_SIDEBAR_CSS = f"""<style>
+[data-testid="stSidebar"] {{ width: {WIDE_SIDEBAR_PX}px !important; min-width: {WIDE_SIDEBAR_PX}px; }}
+</style>"""
 # presentation mode: less blank space above the title and a smaller title, so that the first chart
 # fits on the first screen under the page's controls
 _CSS = """<style>
@@ -76,15 +79,25 @@ def intro(markdown: str) -> None:
 
 
 class Controls:
-    """Where a page puts its controls: `columns` (st.columns, or the sidebar n times in
-    presentation mode), `area` for a control outside the columns, and `run_button`, drawn at the
-    top of the sidebar in presentation mode so that it is on the first screen."""
+    """Where a page puts its controls: `columns` (st.columns, or the sidebar in presentation mode),
+    `area` for a control outside the columns, and `run_button`, drawn at the top of the sidebar in
+    presentation mode so that it is on the first screen. A page with more controls than one
+    sidebar column holds on 900 px asks for `sidebar_columns=2`: a wider sidebar, the page's
+    columns dealt alternately into two (and its charts a little narrower)."""
 
-    def __init__(self, spec: int | list):
+    def __init__(self, spec: int | list, sidebar_columns: int = 1):
+        n = spec if isinstance(spec, int) else len(spec)
+        st.session_state[_CHART_PX] = PAGE_CHART_PX
         if on():
             self._slot = st.sidebar.container()
             self.area = st.sidebar
-            self.columns = [st.sidebar] * (spec if isinstance(spec, int) else len(spec))
+            if sidebar_columns == 2:
+                st.html(_WIDE_SIDEBAR_CSS)
+                st.session_state[_CHART_PX] = PAGE_CHART_PX - (WIDE_SIDEBAR_PX - SIDEBAR_PX)
+                pair = st.sidebar.columns(2)
+                self.columns = [pair[i % 2] for i in range(n)]
+            else:
+                self.columns = [st.sidebar] * n
         else:
             self._slot = None
             self.area = st
@@ -99,7 +112,12 @@ def chart(chart, where=st, share: float = 1.0) -> None:
     """Draw a viz chart: as built, or in presentation mode with text >= 16 px and widths scaled to
     fill `share` of the page's width (e.g. 0.5 in one of two columns)."""
     if on():
-        where.vega_lite_chart(presentation(chart, width_px=round(PAGE_CHART_PX * share)),
+        # imported here: the entry script imports this module on every page, Home included, and
+        # altair costs seconds on a cold server
+        from parallel_mini.viz.style import presentation
+
+        width = st.session_state.get(_CHART_PX, PAGE_CHART_PX)
+        where.vega_lite_chart(presentation(chart, width_px=round(width * share)),
                               width="content")
     else:
         where.altair_chart(chart, width="content")

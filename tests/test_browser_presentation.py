@@ -63,10 +63,8 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
                     assert _on_first_screen(chart.bounding_box()), (path, chart.bounding_box())
                     sizes = page.evaluate(CHART_TEXT_PX)
                     assert sizes and min(sizes) >= 16, (path, sorted(sizes)[:5])
-            # every page's controls fit the first screen, but Memory's fourteen: its sidebar
-            # scrolls below "Run live" and the first ten
-            assert all(b <= SCREEN["height"] for k, b in sidebar_bottoms.items() if k != "memory"), \
-                sidebar_bottoms
+            # every page's controls fit the first screen (Memory's fourteen in two columns)
+            assert max(sidebar_bottoms.values()) <= SCREEN["height"], sidebar_bottoms
 
             # a control keeps its value across a page change
             _open(page, "memory", "Memory per GPU")

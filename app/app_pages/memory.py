@@ -37,7 +37,7 @@ optimizer (with its fp32 master copy) to CPU RAM. Activations are not sharded by
 activations by t (all of them with sequence parallel, SP); PP with the 1F1B schedule does not.
 """)
 
-controls = pm.Controls(4)
+controls = pm.Controls(4, sidebar_columns=2)  # fourteen controls: two columns in presentation mode
 c1, c2, c3, c4 = controls.columns
 model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM], key=pm.kept("mem.model", [*TOYS][0]),
                      help="Toy models run live here; the presets and custom sizes use theory alone.")

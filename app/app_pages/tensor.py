@@ -335,13 +335,16 @@ def show_links(chosen: dict) -> None:
 
 def show_at_scale() -> None:
     st.subheader("At scale: why tensor parallel stays inside a node (theory only)")
-    st.info("Theory only: a real model cannot run here. The bytes come from the formula the live "
-            "run above matched (`theory.tp_wire_bytes_per_step`), the times from "
-            "`theory.transfer_time`.")
+    # presentation mode: a caption, so that the chart below stays on the first screen
+    (st.caption if pm.on() else st.info)(
+        "Theory only: a real model cannot run here. The bytes come from the formula the live run "
+        "above matched (`theory.tp_wire_bytes_per_step`), the times from `theory.transfer_time`.")
     d1, d2, d3 = st.columns(3)
-    preset = d1.selectbox("Model (theory)", list(theory.PRESETS), index=2)
-    t_big = d2.select_slider("tp (theory)", [2, 4, 8, 16], value=8)
-    seq_big = d3.select_slider("Sequence length (theory)", [1024, 2048, 4096, 8192], value=4096)
+    preset = d1.selectbox("Model (theory)", list(theory.PRESETS),
+                          key=pm.kept("tp.big_model", list(theory.PRESETS)[2]))
+    t_big = d2.select_slider("tp (theory)", [2, 4, 8, 16], key=pm.kept("tp.big_tp", 8))
+    seq_big = d3.select_slider("Sequence length (theory)", [1024, 2048, 4096, 8192],
+                               key=pm.kept("tp.big_seq", 4096))
     p = theory.PRESETS[preset]
     cfg = SimpleNamespace(batch=1, dp=1, grad_accum=1, seq=seq_big, d_model=p["d_model"],
                           precision="bf16-mixed", tp=t_big, layers=p["layers"],
