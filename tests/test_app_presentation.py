@@ -118,4 +118,4 @@ def test_a_custom_model_with_impossible_heads_is_refused_with_the_reason():
     _widget(at.number_input, "Layers").set_value(40).run()
     _assert_clean(at)
     _widget(at.number_input, "Hidden size").set_value(65536).run()  # 12 x 40 x 65536^2 >> 13B
-    assert len(at.error) == 1 and "12·L·h²" in at.error[0].value
+    assert len(at.error) == 1 and "12·L·h² = 2,062B parameters" in at.error[0].value

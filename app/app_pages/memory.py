@@ -99,6 +99,12 @@ world = gpus * tp * pp
 c4.markdown(f"**{world:,} GPU(s)** = N × TP × PP = {gpus} × {tp} × {pp}")
 
 
+def billions(n: float) -> str:
+    """A parameter count in billions, never with an exponent: 0.0105B, 12.6B, 2,062B."""
+    b = n / 1e9
+    return f"{b:,.0f}B" if b >= 1000 else f"{b:.3g}B"
+
+
 def custom_model_error(shape: dict) -> str | None:
     """Why a custom model cannot exist, one line, or None: heads must split the hidden size, and
     the layers' own weights (12·L·h², Kaplan et al.'s count without embeddings) must fit in Ψ."""
@@ -108,8 +114,8 @@ def custom_model_error(shape: dict) -> str | None:
                 f"hidden / heads dimensions. Choose a head count that divides {h:,} (e.g. "
                 f"{max(d for d in range(1, min(a, h) + 1) if h % d == 0)}).")
     if 12 * layers * h * h > n:
-        return (f"{layers} layers of hidden size {h:,} hold 12·L·h² = {12 * layers * h * h / 1e9:,.3g}B "
-                f"parameters, more than the {n / 1e9:,.3g}B given: raise the parameters or lower "
+        return (f"{layers} layers of hidden size {h:,} hold 12·L·h² = {billions(12 * layers * h * h)} "
+                f"parameters, more than the {billions(n)} given: raise the parameters or lower "
                 f"the layers or the hidden size.")
     return None
 

@@ -13,6 +13,7 @@ import presentation as pm
 from live_runs import (TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, show_equality,
                         tp_mlp_shards, training_run)
 from parallel_mini import theory, viz
+from parallel_mini.viz.units import format_bytes
 
 MODELS = {"4 layers × d64 × 4 heads": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
           "4 layers × d128 × 8 heads": {"layers": 4, "d_model": 128, "heads": 8, "vocab": 128}}
@@ -356,8 +357,8 @@ def show_at_scale() -> None:
             for link in LINKS]
     pm.chart(viz.tp_link_times(
         rows, compute_s=compute,
-        title=f"{preset}, tp = {t_big}: {nbytes / 1e9:.3g} GB of TP traffic per GPU per "
-              f"micro-batch",
+        title=f"{preset}, tp = {t_big}: {format_bytes(nbytes, decimal=True)} of TP traffic "
+              f"per GPU per micro-batch",
         subtitle=[f"a micro-batch of one sequence of {seq_big} tokens, bf16, {p['layers']} "
                   f"layers × d{p['d_model']}; SP moves the same bytes",
                   "red: matmul time per GPU at H100's bf16 peak, 6·Ψ·tokens / (t · 989 "
