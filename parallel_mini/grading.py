@@ -702,6 +702,7 @@ def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
 
     from .comm import Comm
     from .data import global_batch, shard
+    from .experiments import allreduce_overlap
     from .mesh import build_mesh
     from .model import build_model
 
@@ -712,8 +713,11 @@ def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     own: dict = {}  # this rank's own gradient of each parameter, before any averaging
 
+    arrived: list[float] = []  # when each gradient of this step was ready
+
     def keep_own(p):  # registered before the learner's hooks, so it runs first
         own[p] = p.grad.detach().clone()
+        arrived.append(time.perf_counter())
 
     for p in params:
         p.register_post_accumulate_grad_hook(keep_own)
@@ -729,6 +733,7 @@ def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
         for p in params:
             p.grad = None
         own.clear()
+        arrived.clear()
         x, y = shard(global_batch(cfg, step), r, n)  # [b/N, s] x 2
         loss = model(x, y)
         t_start = time.perf_counter()
@@ -758,13 +763,18 @@ def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
         if why:
             raise AssertionError(f"{at}: after finish_gradient_sync, {why}")
         recs = [c for c in comm.records if c["op"] == "all_reduce" and c["step"] == step]
+        for c in recs:
+            c.setdefault("end", t_done)  # (a blocking call's end is set; an async one's by gloo)
+        # launch and finish relative to the end of backward, as the library's bucketed DP is
+        # measured (experiments.allreduce_overlap), each with the gradients still pending then
+        rows = allreduce_overlap(recs, step, t_start, t_end)
+        for i, (row, c) in enumerate(zip(rows, recs)):
+            row.update(bucket=i, grads_pending=sum(t > c["start"] for t in arrived),
+                       rank=r, step=step, finished_in_backward=row["finish_ms"] <= 0.0,
+                       wire_bytes=c["wire_bytes"], payload_bytes=c["payload_bytes"],
+                       **{"async": bool(c.get("async_op"))})
         steps.append({"step": step, "backward_ms": 1e3 * (t_end - t_start),
-                      "finish_ms": 1e3 * (t_done - t_end),
-                      "all_reduces": [{"launch_ms": 1e3 * (c["start"] - t_end),
-                                       "finish_ms": 1e3 * (c.get("end", t_done) - t_end),
-                                       "async": bool(c.get("async_op")),
-                                       "payload_bytes": c["payload_bytes"],
-                                       "wire_bytes": c["wire_bytes"]} for c in recs]})
+                      "finish_ms": 1e3 * (t_done - t_end), "all_reduces": rows})
     return {"rank": r, "steps": steps, "n_params": sum(p.numel() for p in params),
             "n_tensors": len(params)}
 
@@ -830,12 +840,14 @@ def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
                         f"returned (the first {min(a['launch_ms'] for a in ars):+.2f} ms after "
                         f"it): launch each bucket's all-reduce from the gradient hook, as soon "
                         f"as its last gradient has arrived, not in finish_gradient_sync")
-        rows = [dict(a, rank=rk["rank"], step=row["step"]) for rk in per_rank
-                for row in rk["steps"] for a in row["all_reduces"]]
+        from .experiments import overlapped_share
+        rows = [a for rk in per_rank for row in rk["steps"] for a in row["all_reduces"]]
         runs.append({"dp": n, "all_reduces_per_step": len(per_rank[0]["steps"][0]["all_reduces"]),
                      "launched_in_backward": sum(a["launch_ms"] < 0 for a in rows),
+                     "finished_in_backward": sum(a["finished_in_backward"] for a in rows),
+                     "overlapped_share": overlapped_share(rows),
                      "all_reduces": len(rows), "wire_bytes_per_step": predicted,
-                     "rows": rows})
+                     "buckets": rows})
     return Grade("correct", f"equal to the mean over the ranks at dp = {list(world_sizes)}, "
                  f"{runs[-1]['all_reduces_per_step']} bucket all-reduces per step, moving exactly "
                  f"2(N-1)/N x gradient bytes, launched during backward on every rank and step "
@@ -2062,3 +2074,43 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
                  f"{worst:.1e}) at " + ", ".join(row["case"] for row in summary)
                  + "; the library's route, capacity and dispatch_order disabled while yours ran",
                  {"runs": summary})
+
+
+# ---------------------------------------------------------------------------------------------
+# predictions: what the learner wrote down before a live cell, against what the cell got
+# ---------------------------------------------------------------------------------------------
+def _fmt(v) -> str:
+    if isinstance(v, bool) or isinstance(v, str):
+        return str(v)
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e15):
+        return f"{int(v):,}"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def compare_prediction(guess, actual, what: str, source: str = "measured", formula: str = "",
+                       choices=None, rel_tol: float = 0.02) -> str:
+    """One line for a lesson: the learner's prediction `guess` (written down in the cell before
+    the live one) against `actual`, which the live cell `source` ("measured", "counted", "theory"),
+    with the `formula` that predicts it. `choices`: the answers a choice question offers (then
+    `actual` is one of them and the comparison is exact, ignoring case); otherwise numbers match
+    within `rel_tol`. A guess of None prints the value and the formula only."""
+    line = f"{what}: {source} {_fmt(actual)}" + (f" ({formula})" if formula else "")
+    if guess is None:
+        return line + ". Write your prediction in the cell above first, then run this one again."
+    if choices is not None:
+        if not isinstance(guess, str) or guess.strip().lower() not in [c.lower() for c in choices]:
+            return (line + f". Your prediction {guess!r} is not one of the choices: "
+                    + ", ".join(repr(c) for c in choices))
+        ok = guess.strip().lower() == str(actual).lower()
+        return line + f". You predicted {guess!r}: " + ("right." if ok else "not what happened.")
+    try:
+        g = float(guess)
+    except (TypeError, ValueError):
+        return line + f". Your prediction {guess!r} is not a number."
+    a = float(actual)
+    if abs(g - a) <= rel_tol * max(abs(a), 1e-12):
+        return line + f". You predicted {_fmt(guess)}: right."
+    ratio = f", {g / a:.3g} x the {source} value" if a else ""
+    return line + f". You predicted {_fmt(guess)}: off{ratio}."

@@ -762,3 +762,16 @@ def test_bucketed_checker_names_the_mistake(wrong, message):
     from parallel_mini.grading import check_bucketed_grad_sync
     with pytest.raises(AssertionError, match=message):
         check_bucketed_grad_sync(wrong, world_sizes=(2,), steps=1)
+
+
+def test_compare_prediction_says_right_off_or_only_the_value():
+    from parallel_mini.grading import compare_prediction
+    assert compare_prediction(None, 24, "bytes", "counted", "2(N-1)/N x S").startswith(
+        "bytes: counted 24 (2(N-1)/N x S). Write your prediction")
+    assert compare_prediction(24, 24.0, "bytes").endswith("You predicted 24: right.")
+    assert "off, 0.5 x the measured value" in compare_prediction(12, 24, "bytes")
+    choices = ("slower", "about the same", "faster")
+    assert compare_prediction("Slower", "slower", "ring", choices=choices).endswith("right.")
+    assert compare_prediction("faster", "slower", "ring", choices=choices).endswith("not what happened.")
+    assert "not one of the choices" in compare_prediction("tree", "slower", "ring", choices=choices)
+    assert "is not a number" in compare_prediction("many", 3, "steps")
