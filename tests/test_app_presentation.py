@@ -119,3 +119,19 @@ def test_a_custom_model_with_impossible_heads_is_refused_with_the_reason():
     _assert_clean(at)
     _widget(at.number_input, "Hidden size").set_value(65536).run()  # 12 x 40 x 65536^2 >> 13B
     assert len(at.error) == 1 and "12·L·h² = 2,062B parameters" in at.error[0].value
+
+
+def test_other_dependent_controls_reset_when_disabled():
+    at = _app("app_pages/tensor.py")
+    _widget(at.radio, "Data-parallel replicas").set_value(2).run()
+    _widget(at.checkbox, "Sequence parallel").check().run()
+    _widget(at.radio, "Tensor-parallel degree").set_value(4).run()  # dp greys out: back to 1
+    assert _widget(at.radio, "Data-parallel replicas").value == 1
+    _widget(at.radio, "Tensor-parallel degree").set_value(1).run()  # SP greys out: unticked
+    assert _widget(at.checkbox, "Sequence parallel").value is False
+    at.switch_page("app_pages/data_parallel.py").run()
+    _widget(at.select_slider, "Bucket size").set_value(1.0).run()
+    _widget(at.radio, "Gradient sync").set_value("naive").run()
+    bucket = _widget(at.select_slider, "Bucket size")
+    assert bucket.disabled and bucket.value == 0.25  # the default again, not 1.0 behind the grey
+    _assert_clean(at)
