@@ -196,6 +196,23 @@ def _check_output(flag: str, path: str | None) -> None:
         raise ConfigError(f"{flag} {path}: cannot write a file there")
 
 
+def _check_backend(cfg: RunConfig) -> None:
+    """--backend nccl needs NCCL and, for local ranks, a GPU per rank (NCCL refuses two ranks on one
+    GPU); without them every rank failed inside init_process_group with a traceback."""
+    if cfg.backend != "nccl":
+        return
+    import torch
+    import torch.distributed as dist
+
+    from .launch import under_torchrun
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ConfigError("--backend nccl: this machine has no GPU with NCCL; use --backend gloo "
+                          "(CPU) or auto")
+    if not under_torchrun() and cfg.world_size > torch.cuda.device_count():
+        raise ConfigError(f"--backend nccl: {cfg.world_size} local ranks need a GPU each and "
+                          f"{torch.cuda.device_count()} are here; use --backend gloo or auto")
+
+
 class _Stopped(KeyboardInterrupt):
     """A stop signal during a run, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that
     the launcher's cleanup (every rank killed and joined) runs for SIGTERM and SIGHUP too; Python's
@@ -240,6 +257,7 @@ def main(argv=None) -> int:
         _refuse_ignored(given, cfg)
         _check_output("--json", args.json)
         _check_output("--trace", args.trace)
+        _check_backend(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

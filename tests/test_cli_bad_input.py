@@ -4,6 +4,7 @@ stderr ("error: ..." naming the flag), nothing on stdout, no traceback, before a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from parallel_mini.__main__ import main as cli_main
 
@@ -19,7 +20,8 @@ BAD = [
     (["--dp-mode", "fast"], "--dp-mode"), (["--optimizer", "lamb"], "--optimizer"),
     (["--precision", "fp16"], "--precision"), (["--schedule", "fast", "--pp", "2"], "--schedule"),
     (["--checkpointing", "all"], "--checkpointing"), (["--cp-impl", "star", "--cp", "2"], "--cp-impl"),
-    (["--backend", "mpi"], "--backend"), (["--zero", "4"], "--zero"), (["--fsdp", "SHARD_ALL"], "--fsdp"),
+    (["--backend", "mpi"], "--backend"),
+    *([(["--backend", "nccl"], "--backend")] if not torch.cuda.is_available() else []), (["--zero", "4"], "--zero"), (["--fsdp", "SHARD_ALL"], "--fsdp"),
     # numbers that are not finite or not positive
     (["--lr", "inf"], "--lr"), (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"), (["--lr", "-1"], "--lr"),
     (["--bucket-mb", "0"], "--bucket-mb"), (["--bucket-mb", "inf"], "--bucket-mb"),
@@ -45,7 +47,7 @@ BAD = [
     (["--experts", "4", "--top-k", "5"], "--top-k"), (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor"),
     (["--experts", "4", "--capacity-factor", "-0.5"], "--capacity-factor"),
     (["--dp", "2", "--ep", "4", "--experts", "8"], "--ep"), (["--experts", "-1"], "--experts"),
-    (["--experts", "4", "--moe-every", "9"], "--moe-every"), (["--experts", "4", "--cp", "2"], "--experts"),
+    (["--experts", "4", "--moe-every", "9"], "--moe-every"), (["--experts", "4", "--tp", "2", "--sp"], "--experts"),
     (["--experts", "4", "--aux-loss-weight", "-1"], "--aux-loss-weight"),
     # flags the layout would ignore
     (["--schedule", "interleaved", "--virtual-stages", "3", "--microbatches", "7"], "--pp"),
