@@ -11,7 +11,10 @@ communication layer, the memory by the meters.
 
 **In class**
 
-1. Project this app (`make app`, then open http://127.0.0.1:8501).
+1. Project this app (`make app`, then open http://127.0.0.1:8501) and turn on **Presentation
+   mode** in the sidebar: chart text of 16 px or more, charts as wide as the page, each page's
+   controls and its **Run live** button in the sidebar beside the chart. The settings of every page
+   are kept while you move between pages.
 2. Ask the room to predict the number first (how many bytes does each rank send? how many steps?).
 3. Move the sliders, press **Run live**; in about a second the run is done and the measured value
    appears next to the formula. Change one knob and run again.
