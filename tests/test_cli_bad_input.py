@@ -20,8 +20,8 @@ BAD = [
     (["--dp-mode", "fast"], "--dp-mode"), (["--optimizer", "lamb"], "--optimizer"),
     (["--precision", "fp16"], "--precision"), (["--schedule", "fast", "--pp", "2"], "--schedule"),
     (["--checkpointing", "all"], "--checkpointing"), (["--cp-impl", "star", "--cp", "2"], "--cp-impl"),
-    (["--backend", "mpi"], "--backend"),
-    *([(["--backend", "nccl"], "--backend")] if not torch.cuda.is_available() else []), (["--zero", "4"], "--zero"), (["--fsdp", "SHARD_ALL"], "--fsdp"),
+    (["--backend", "mpi"], "--backend"), (["--zero", "4"], "--zero"), (["--fsdp", "SHARD_ALL"], "--fsdp"),
+    *([(["--backend", "nccl"], "--backend")] if not torch.cuda.is_available() else []),  # no GPU here
     # numbers that are not finite or not positive
     (["--lr", "inf"], "--lr"), (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"), (["--lr", "-1"], "--lr"),
     (["--bucket-mb", "0"], "--bucket-mb"), (["--bucket-mb", "inf"], "--bucket-mb"),
