@@ -1,6 +1,8 @@
 """The ring page in a real browser: Debian's chromium driven by playwright against a Streamlit
-server started here. Press "Run live", wait for the chart the run produced, move the animation's
-step slider and check that what is drawn changes to the decoded state of that step."""
+server started here. On 8 ranks (the most the page allows), press "Run live", wait for the chart
+the run produced, press Play (the frame advances) and Pause (it holds), move the animation's step
+slider and check that what is drawn changes to the decoded state of that step, that the legend
+names every count 1..8 and that the whole message list of a step lies inside the chart."""
 from __future__ import annotations
 
 import os
@@ -37,9 +39,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# One Streamlit server for every browser module of this pytest process (each module imports
+# app_url from here): a cold server costs its first page 10-20 s of imports on a loaded 2-core
+# machine, and its shutdown 5 s. Pages keep nothing between browser sessions but st.cache_data.
+_SERVER: dict = {}
+
+
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
+def app_url(request, tmp_path_factory):
     _require_chromium()
+    if _SERVER and _SERVER["proc"].poll() is None:
+        yield _SERVER["url"]
+        return
     port = _free_port()
     log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
@@ -63,56 +74,104 @@ def app_url(tmp_path_factory):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"streamlit did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.3)
-        yield url
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+    except BaseException:
+        _stop(proc)
+        raise
+    _SERVER.update(proc=proc, url=url)
+    request.config.add_cleanup(lambda: _stop(proc))  # at the end of the test session
+    yield url
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
 
 
 def _svg_texts(chart) -> list[str]:
     return chart.locator("svg text").all_text_contents()
 
 
+def _caption_step(chart) -> int:
+    """The frame the ring animation shows, read from its caption ('step k of 2(N-1) · ...')."""
+    for text in _svg_texts(chart):
+        if text.startswith("step ") and " of " in text:
+            return int(text.split()[1])
+    raise AssertionError(_svg_texts(chart))
+
+
 def test_ring_page_runs_live_and_the_animation_moves(app_url):
     from playwright.sync_api import expect, sync_playwright
 
+    n, steps = 8, 14  # the largest ring the page allows: 2(N-1) = 14 steps
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{app_url}/ring")
+            size = page.get_by_role("slider", name="World size N (ranks)")
+            size.wait_for(timeout=30_000)
+            size.focus()
+            page.keyboard.press("End")  # N = 8, the most
+            expect(size).to_have_value(str(n))
+            timed = page.get_by_role("slider", name="Timed tensor (MB)")
+            timed.focus()
+            page.keyboard.press("Home")  # 1 MB, the least: 8 ranks share this machine's cores
+            expect(timed).to_have_attribute("aria-valuetext", "1")
             page.get_by_role("button", name="Run live").click(timeout=30_000)
 
             # the animation: the first chart on the page, drawn once the run returned
             chart = page.locator('[data-testid="stVegaLiteChart"]').first
-            start_caption = chart.locator("svg text", has_text="step 0 of 6")
-            start_caption.wait_for(timeout=60_000)
+            start_caption = chart.locator("svg text", has_text=f"step 0 of {steps}")
+            start_caption.wait_for(timeout=90_000)
             expect(page.get_by_text("Bytes sent by each rank: measured")).to_be_visible()
             slider = chart.locator('input[type="range"]')
-            expect(slider).to_have_attribute("max", "6")  # 2(N-1) steps for the default N = 4
+            expect(slider).to_have_attribute("max", str(steps))
             cells = chart.locator('path[aria-roledescription="rect mark"]')
             expect(cells.first).to_be_visible()
             chart.scroll_into_view_if_needed()
             before_png = chart.screenshot()
             before_texts = _svg_texts(chart)
-            assert "all 4" not in before_texts  # at the start each rank holds only its own data
+            assert f"all {n}" not in before_texts  # at the start each rank holds only its own data
+            # the legend names every count of ranks summed in, 1..8
+            legend = before_texts.index("ranks summed in")  # its labels come first in the SVG
+            assert before_texts[legend - n:legend] == [str(i) for i in range(1, n + 1)], \
+                before_texts
 
-            slider.fill("6")  # the last step: the all-reduce is complete
-            chart.locator("svg text", has_text="step 6 of 6").wait_for(timeout=10_000)
+            # Play: the server redraws the chart one step at a time; Pause holds it
+            page.get_by_role("button", name="▶ Play").click()
+            chart.locator("svg text", has_text=f"step 2 of {steps}").wait_for(timeout=15_000)
+            page.get_by_role("button", name="⏸ Pause").click()
+            page.get_by_role("button", name="▶ Play").wait_for(timeout=10_000)
+            held = _caption_step(chart)
+            assert 2 <= held < steps
+            page.wait_for_timeout(2_000)  # more than two steps at the default speed
+            assert _caption_step(chart) == held
+            assert page.locator('[data-testid="stException"]').count() == 0
+
+            slider = chart.locator('input[type="range"]')  # the chart was redrawn
+            slider.fill(str(steps))  # the last step: the all-reduce is complete
+            last = chart.locator("svg text", has_text=f"step {steps} of {steps}")
+            last.wait_for(timeout=10_000)
             after_texts = _svg_texts(chart)
-            # every rank x chunk now holds all 4 ranks' data (decoded from the run's messages)
-            assert sum(t.startswith("all 4") for t in after_texts) == 16, after_texts
+            # every rank x chunk now holds all 8 ranks' data (decoded from the run's messages)
+            assert sum(t.startswith(f"all {n}") for t in after_texts) == n * n, after_texts
             assert after_texts != before_texts
             assert chart.screenshot() != before_png
+            # the message list under the grid, all 2 + N lines, inside the chart as drawn
+            box = chart.bounding_box()
+            for line in ("(each received chunk is copied over the local one)",
+                         f"rank {n - 1} → rank 0: chunk"):
+                text = chart.locator("svg text", has_text=line).bounding_box()
+                assert text["y"] + text["height"] <= box["y"] + box["height"] + 0.5, (line, text, box)
 
             slider.fill("2")  # mid reduce-scatter: partial sums, three ranks' data at most
-            chart.locator("svg text", has_text="step 2 of 6").wait_for(timeout=10_000)
+            chart.locator("svg text", has_text=f"step 2 of {steps}").wait_for(timeout=10_000)
             mid = _svg_texts(chart)
-            assert not any(t.startswith("all 4") for t in mid)
-            assert any(t.count("+") == 2 for t in mid), mid  # e.g. "0+2+3"
+            assert not any(t.startswith(f"all {n}") for t in mid)
+            assert any(t.count("+") == 2 for t in mid), mid  # e.g. "0+6+7"
         finally:
             browser.close()
