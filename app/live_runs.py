@@ -55,6 +55,8 @@ class _Lease:
         self.most = 0  # the most slots it held at once
 
     def cover(self, world: int) -> None:
+        """Never waits: it runs inside a cached function, which holds st.cache_data's lock for its
+        key (a session asking for the same run waits on it) and whose drawing would be replayed."""
         if self.held >= world:
             return
         need = max(self.ranks, world)
@@ -80,7 +82,9 @@ _LOCAL = threading.local()  # each session's script runs in its own thread: its 
 def rank_slots(world: int):
     """Hold `world` of the server's rank slots while the ranks of one uncached run live. Inside
     run_live the press's lease covers it (or WaitForSlots sends run_live to queue); elsewhere (a
-    test, a script) it simply waits its turn."""
+    test, a script) it simply waits its turn, holding the cache's lock for its key meanwhile: so a
+    page calls the cached wrappers only under run_live (a press that holds slots and asks for that
+    key would wait for a run that waits for its slots)."""
     lease = getattr(_LOCAL, "lease", None)
     if lease is None:
         with server_queue().slot(world):

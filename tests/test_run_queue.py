@@ -128,26 +128,36 @@ def live_runs(monkeypatch):
     st.cache_data.clear()
 
 
+def _in_streamlit_cache(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if "runtime/caching" in frame.f_code.co_filename.replace(os.sep, "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_identical_requests_share_one_run(live_runs, monkeypatch):
-    """Two sessions asking at once for the same configuration: one run, both answered."""
+    """Two sessions asking for the same configuration, the second while the first one's run is in
+    flight: one run, both answered."""
     calls = []
+    second = threading.Thread(target=lambda: out.__setitem__(1, live_runs.ring_experiment(2, 8, 0.0)))
 
     def slow_ring(n, numel, timed_mb=None):
         calls.append((n, numel))
-        time.sleep(0.3)
+        if len(calls) == 1:  # the first run stays in flight until the second request has come
+            second.start()
+            deadline = time.monotonic() + 10
+            while not _in_streamlit_cache(second):
+                assert time.monotonic() < deadline, "the second request never reached the cache"
+                time.sleep(0.01)
+            time.sleep(0.1)
         return {"n": n, "numel": numel}
 
     monkeypatch.setattr(live_runs.collectives, "ring_experiment", slow_ring)
     out = [None, None]
-
-    def ask(i):
-        out[i] = live_runs.ring_experiment(2, 8, 0.0)
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    out[0] = live_runs.ring_experiment(2, 8, 0.0)
+    second.join(10)
     assert calls == [(2, 8)]
     assert out[0]["numel"] == out[1]["numel"] == 8
 
