@@ -241,10 +241,10 @@ class RunConfig:
         if (self.dp * self.cp) % P:
             raise ConfigError(f"--ep {P}: expert parallel is carved out of the data-parallel ranks "
                               f"(dp x cp = {self.dp * self.cp}); choose an ep that divides it")
-        if self.cp > 1 or self.sp:
-            raise ConfigError(f"--experts with {'--cp' if self.cp > 1 else '--sp'}: a routing group "
-                              f"is one whole sequence, and {'context' if self.cp > 1 else 'sequence'}"
-                              f" parallel splits sequences between ranks; not available yet")
+        if self.sp:
+            raise ConfigError("--experts with --sp: a routing group is one whole sequence, and "
+                              "sequence parallel splits sequences between tp ranks; not available "
+                              "yet (--cp splits them too, and works: its ranks route whole sequences)")
         if self.schedule.startswith("pipedream") and self.pp > 1:
             raise ConfigError(f"--experts with --schedule {self.schedule}: not available yet; use "
                               f"a synchronous schedule (1f1b, gpipe, ...)")

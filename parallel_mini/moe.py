@@ -11,8 +11,10 @@ Read in this order, each a pure function the lesson runs by itself:
    every token's first choice in token order, then the second choices, ...; an assignment whose
    place in the queue is >= C is dropped: that expert does not see the token, and if all its
    choices were dropped the token passes the layer through the residual connection alone.
-   A routing group here is one sequence: a layout never splits a sequence between ranks, so every
-   parallel run drops exactly the tokens the single-process reference drops.
+   A routing group here is one whole sequence, whatever the layout: when context parallel splits
+   sequences between ranks, the `whole_sequences` seam (parallel/expert.py) lets every rank route
+   the whole sequence and keep its own tokens, so every parallel run drops exactly the tokens the
+   single-process reference drops.
 3. `dispatch_order`: the kept assignments sorted by expert, so that each expert's tokens are one
    contiguous run of rows (and, under expert parallel, each destination rank's rows too).
 4. the losses that keep the router honest, added to the training loss through `AuxLoss`:
@@ -50,6 +52,11 @@ class Routing:
     slot: torch.Tensor    # [g, t, k] int64: the assignment's place in its expert's queue
     keep: torch.Tensor    # [g, t, k] bool: slot < capacity (False: dropped)
     probs: torch.Tensor   # [g, t, E] fp32: the router's softmax
+
+    def at(self, positions: torch.Tensor) -> "Routing":
+        """The same decisions for the tokens at `positions` of every group only."""
+        return Routing(*(t[:, positions] for t in (self.expert, self.gate, self.slot, self.keep,
+                                                   self.probs)))
 
 
 def route(logits: torch.Tensor, top_k: int, cap: int) -> Routing:
@@ -174,6 +181,9 @@ class MoE(nn.Module):
     clock = None  # () -> the current step, for the log
     routing = staticmethod(route)  # (logits [g, t, E], k, capacity) -> Routing
     loss_scale = 1.0  # AuxLoss's gradient: 1 / micro-batches per step (set by the engine)
+    # logits [b, s, E] of this rank's tokens -> (the whole sequences' [b, S, E], this rank's
+    # positions in them): None when the rank holds whole sequences (no context parallel)
+    whole_sequences = None
 
     def __init__(self, d_model: int, experts: int, top_k: int, capacity_factor: float,
                  aux_loss_weight: float, z_loss_weight: float, layer: int):
@@ -185,28 +195,35 @@ class MoE(nn.Module):
 
     def forward(self, x):  # [b, s, h]
         b, s, h = x.shape
-        logits = self.router(x)  # [b, s, E]: each sequence is one routing group
-        r = self.routing(logits, self.top_k, capacity(s, self.n_experts, self.top_k,
-                                                      self.capacity_factor))
+        logits = self.router(x)  # [b, s, E]: each whole sequence is one routing group
+        whole, mine, parts = logits, None, 1
+        if self.whole_sequences is not None:  # context parallel: s = S/C tokens of each sequence
+            whole, mine = self.whole_sequences(logits, self.layer)  # [b, S, E], [s]
+            parts = whole.shape[1] // s
+        cap = capacity(whole.shape[1], self.n_experts, self.top_k, self.capacity_factor)
+        r = self.routing(whole, self.top_k, cap)
+        # the losses of the whole sequences; only this rank's tokens carry gradient, and the
+        # gradients are averaged over the `parts` ranks holding a sequence: hence x parts below
+        aux, z = load_balancing_loss(r), router_z_loss(whole)
+        if mine is not None:
+            r = r.at(mine)  # [b, s, k]: this rank's tokens
         token, gate, counts = dispatch_order(r, self.n_experts)  # [n], [n], [E]
         rows = x.reshape(b * s, h)[token]  # [n, h] grouped by expert
         y = self.experts(rows, counts) * gate.to(x.dtype)[:, None]  # [n, h], weighted
         out = torch.zeros_like(x.reshape(b * s, h)).index_add(0, token, y).view(b, s, h)
-        aux, z = load_balancing_loss(r), router_z_loss(logits)
         if self.log is not None and not _recomputing():
-            self._record(r, counts, aux, z, self.experts.last_forward_s)
-        term = self.aux_loss_weight * aux + self.z_loss_weight * z
+            self._record(r, counts, cap, aux, z, self.experts.last_forward_s)
+        term = parts * (self.aux_loss_weight * aux + self.z_loss_weight * z)
         return AuxLoss.apply(out, term, self.loss_scale)
 
-    def _record(self, r: Routing, counts, aux, z, compute_s: float) -> None:
+    def _record(self, r: Routing, counts, cap: int, aux, z, compute_s: float) -> None:
         routed = F.one_hot(r.expert, self.n_experts).sum((0, 1, 2))  # [E] before dropping
         step = self.clock() if self.clock is not None else None
         first_of_step = not self.log or self.log[-1]["step"] != step
         self.log.append({
             "step": step, "layer": self.layer, "routed": routed.tolist(),
             "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
-            "capacity": capacity(r.expert.shape[1], self.n_experts, self.top_k,
-                                 self.capacity_factor),
+            "capacity": cap,
             "aux": aux.item(), "z": z.item(), "compute_s": compute_s,
             # the first micro-batch of each step: every token's choices and whether kept
             **({"choices": r.expert.flatten(0, 1).tolist(),

@@ -117,7 +117,7 @@ def expert_params_held(cfg, blocks) -> int:
 
 def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
     """Expert parallel's all-to-all, per rank and step, if routing were uniform and nothing dropped:
-    per MoE layer and micro-step a rank holds t = (b/dp/m)*s tokens, t*k rows of h elements,
+    per MoE layer and micro-step a rank holds t = (b/dp/m)*s/cp tokens, t*k rows of h elements,
     (P-1)/P of which leave for other ranks in each of four all-to-alls (dispatch and combine,
     forward and backward), plus the rows-per-expert counts (E int64) in forward. Full checkpointing
     runs the forward's two (and the counts) again. Real routing is uneven and drops tokens: the run
@@ -126,7 +126,7 @@ def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
     if P == 1:
         return 0.0
     steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
-    tokens = cfg.batch // (cfg.dp * steps) * cfg.seq
+    tokens = cfg.batch // (cfg.dp * steps) * cfg.seq // getattr(cfg, "cp", 1)  # this rank's
     rows = wire_bytes("all_to_all", tokens * cfg.top_k * cfg.d_model * BYTES_PER_PARAM[cfg.precision], P)
     counts = wire_bytes("all_to_all", cfg.experts * 8, P)
     again = cfg.checkpointing == "full"
@@ -136,9 +136,15 @@ def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
 
 
 def expert_axes(cfg) -> tuple[str, str]:
-    """The comm records' names for the ep and edp ranks (mesh.axis_for("expert"/"expert_dp")),
-    with cp = 1 and no hybrid sharding (what expert parallel allows today)."""
-    return ("dp" if cfg.ep == cfg.dp else "ep"), ("dp" if cfg.ep == 1 else "edp")
+    """The comm records' names for the ep and edp ranks (mesh.axis_for("expert"/"expert_dp")), with
+    no hybrid sharding (what expert parallel allows today). The ep groups are blocks of ep
+    consecutive ranks of a dp x cp line (cp fastest): with cp > 1 they are the cp groups when
+    ep = cp, and the edp groups (same place in every block) are then the dp groups."""
+    if getattr(cfg, "cp", 1) == 1:
+        return ("dp" if cfg.ep == cfg.dp else "ep"), ("dp" if cfg.ep == 1 else "edp")
+    if cfg.ep == cfg.cp:
+        return "cp", "dp"
+    return "ep", "edp"
 
 
 def dp_wire_bytes_per_step(grad_bytes: int, dp: int) -> int:
@@ -229,13 +235,16 @@ def loss_axis(cfg) -> str:
     return "dp" if cp == 1 else ("cp" if cfg.dp == 1 else "dp_cp")
 
 
-def cp_wire_bytes_per_step(cfg, blocks: int | None = None) -> float:
+def cp_wire_bytes_per_step(cfg, blocks: int | None = None, moe: int | None = None) -> float:
     """Context parallel, per block and micro-step, with one K/V block = [b, a/t, s/C, d]:
     - ring / zigzag (point to point, the payload is what is sent): forward, C-1 hops carrying K and
       V (2 blocks); backward, C-1 hops carrying K, V, dK, dV (4) and a last hop taking dK, dV home
       (2). A checkpoint that recomputes attention (full or selective) runs the forward's hops again.
     - ulysses: forward, an all-to-all of q, k, v (3 blocks) and one of the output (1); backward
-      the same two in reverse; (C-1)/C of each on the wire. Recomputation repeats the forward's."""
+      the same two in reverse; (C-1)/C of each on the wire. Recomputation repeats the forward's.
+    - a mixture-of-experts block (`moe` of the blocks) routes whole sequences: its forward
+      all-gathers the router logits [b, s, E] of the sequences' other parts, (C-1)/C on the wire
+      (parallel/expert.py WholeSequences); full checkpointing runs it again."""
     c = cfg.cp
     steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
     micro = cfg.batch // (cfg.dp * steps)
@@ -246,7 +255,11 @@ def cp_wire_bytes_per_step(cfg, blocks: int | None = None) -> float:
         per_block = (8 + 4 * recompute) * wire_bytes("all_to_all", block, c)
     else:
         per_block = (2 * (c - 1) * (1 + recompute) + 4 * (c - 1) + 2) * block
-    return steps * (cfg.layers if blocks is None else blocks) * per_block
+    if moe is None:
+        moe = len(moe_blocks(cfg.layers, getattr(cfg, "experts", 0), getattr(cfg, "moe_every", 1)))
+    logits = micro * cfg.seq * getattr(cfg, "experts", 0) * BYTES_PER_PARAM[cfg.precision]
+    per_moe = (1 + (cfg.checkpointing == "full")) * wire_bytes("all_gather", logits, c)
+    return steps * ((cfg.layers if blocks is None else blocks) * per_block + moe * per_moe)
 
 
 BYTES_PER_PARAM = {"fp32": 4, "bf16-mixed": 2}  # parameters and gradients in compute precision
@@ -422,7 +435,9 @@ def _pipeline_theory(cfg) -> dict:
             chunks = [c for c, o in enumerate(schedule.owner) if o == r]
             wire = stage["wire_bytes_per_step"]
             wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(
-                cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner))
+                cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner),
+                moe=len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
+                                                   getattr(cfg, "moe_every", 1)))))
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,

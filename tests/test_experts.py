@@ -209,6 +209,30 @@ def test_matrix(kw):
     check_moe(run(moe_config(**kw)))
 
 
+def test_ep_with_context_parallel_routes_whole_sequences():
+    """cp splits every sequence; each cp rank routes the whole sequences (router logits
+    all-gathered over cp, counted in theory.cp_wire_bytes_per_step) and keeps its own tokens:
+    the same drops per step and layer as the reference (check_moe), zigzag layout, ep = dp x cp."""
+    report = run(moe_config(dp=2, cp=2, ep=4, cp_impl="zigzag"))
+    check_moe(report)
+    gathers = [rec for rec in report.ranks[0]["comm"] if rec.get("layer") == "moe_routing"]
+    assert gathers and all(rec["op"] == "all_gather" for rec in gathers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [
+    dict(cp=2, ep=2),
+    dict(cp=2, ep=2, checkpointing="full"),
+    dict(dp=2, cp=2, ep=2, cp_impl="ulysses", zero=1),
+    dict(cp=4, ep=2, top_k=1, capacity_factor=1.0),
+    dict(cp=2, ep=2, pp=2, schedule="zb", tp=2),
+    # five axes on 16 ranks: dp2 x tp2 x pp2 x cp2, experts over ep 4 of the dp x cp ranks
+    dict(dp=2, tp=2, pp=2, cp=2, ep=4, schedule="1f1b", cp_impl="zigzag"),
+], ids=repr)
+def test_ep_with_cp_matrix(kw):
+    check_moe(run(moe_config(**kw)))
+
+
 def test_cli_done_means_prints_the_diff_and_reports_all_to_alls():
     out = subprocess.run([sys.executable, "-m", "parallel_mini", "run", "--dp", "4", "--ep", "4",
                           "--experts", "8", "--top-k", "2", "--reference", "--json", "-"],

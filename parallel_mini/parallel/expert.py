@@ -17,6 +17,11 @@ Bytes: each all-to-all moves a rank's rows for other ranks: with uniform routing
 (P-1)/P of its tokens*k rows of h elements, four times per layer and micro-batch (dispatch and
 combine, forward and backward): theory.ep_wire_bytes_per_step.
 
+With context parallel a rank holds S/C tokens of every sequence, but a routing group is a whole
+sequence (its capacity, its queues in token order). `WholeSequences`: the C ranks all-gather their
+router logits (b S E numbers, no gradient), each routes the whole sequences alike and keeps its own
+tokens' decisions; gradient flows only through its own tokens' logits.
+
 Gradients. An expert's weight gradient on its rank sums the contributions of every token routed to
 it from the P ranks of its ep group, each rank's loss already a mean over its own tokens. The
 expert's replicas (the same experts in the other ep groups: the "edp" axis, (dp x cp)/P ranks)
@@ -34,6 +39,7 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..moe import MoE, Experts
+from .context import positions_of
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,12 +109,44 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
     return torch.cat(runs) if runs else received.new_zeros(0)
 
 
+class WholeSequences:
+    """MoE.whole_sequences under context parallel: this rank's router logits [b, S/C, E] -> the whole
+    sequences' [b, S, E] (the other ranks' parts all-gathered over `axis`, detached) and this rank's
+    positions in them (zigzag or contiguous, as context.py lays the sequence out)."""
+
+    def __init__(self, comm: Comm, axis: str, layout: str, seq: int):
+        C = comm.size(axis)
+        self.comm, self.axis = comm, axis
+        self.positions = [positions_of(layout, seq, C, r) for r in range(C)]  # C x [S/C]
+        self.mine = self.positions[comm.rank(axis)]
+
+    def __call__(self, logits: torch.Tensor, layer: int):
+        b, n, E = logits.shape
+        parts = logits.new_empty(len(self.positions) * b, n, E)  # [C b, S/C, E] by cp rank
+        self.comm.all_gather(parts, logits.detach().contiguous(), self.axis,
+                             layer="moe_routing", block=layer)
+        whole = logits.new_empty(b, n * len(self.positions), E)  # [b, S, E]
+        for part, pos in zip(parts.split(b), self.positions):
+            whole[:, pos.to(logits.device)] = part
+        mine = self.mine.to(logits.device)
+        return whole.index_copy(1, mine, logits), mine  # my rows: the ones with gradient
+
+
 class ExpertParallel:
     """What apply_expert_parallel did: the MoE layers, their logs, and the expert parameters."""
 
     def __init__(self, layers: list[MoE], comm: Comm, axis: str | None):
         self.layers, self.comm, self.axis = layers, comm, axis
         self.sharded = axis is not None and comm.size(axis) > 1
+
+    def route_whole_sequences(self, context, seq: int) -> None:
+        """Context parallel (context.ContextParallel) splits sequences of `seq` tokens: route them
+        whole."""
+        if context.c > 1:
+            layout = "zigzag" if context.impl == "zigzag" else "contiguous"
+            whole = WholeSequences(context.comm, context.axis, layout, seq)
+            for moe in self.layers:
+                moe.whole_sequences = whole
 
     def expert_parameter_names(self, model: nn.Module) -> set[str]:
         return {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, Experts)
