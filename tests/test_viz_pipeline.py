@@ -78,6 +78,12 @@ def test_integer_ticks_and_a_time_axis_of_its_own():
     chart = viz.pipeline_timeline(_plan("gpipe", 2, 1), "m = 1", seconds=False, width=440)
     x = _layers(chart)[0]["encoding"]["x"]
     assert x["axis"] == {"tickMinStep": 1, "format": "d"} and "scale" not in x
+    # one micro-batch on a narrow chart: no colour legend of one entry, the kinds keep theirs
+    narrow = viz.pipeline_timeline(_plan("gpipe", 4, 1), "m = 1", seconds=False, width=80)
+    bars, labels = _layers(narrow)
+    assert bars["encoding"]["color"]["field"] == "what"
+    assert "every op is micro-batch 0" in narrow.to_dict()["title"]["subtitle"][-1]
+    assert 0 < len(narrow.to_dict()["datasets"][labels["data"]["name"]]) < 4 * 2  # B's fit, F's not
     shared = viz.pipeline_timeline(_plan("gpipe", 2, 1), "m = 1", seconds=False, x_max=12)
     assert _layers(shared)[0]["encoding"]["x"]["scale"] == {"domain": [0, 12]}
     report = {"config": {"schedule": "gpipe"}, "ranks": [

@@ -72,20 +72,24 @@ def pipeline_frame(timed: list[dict], seconds: bool = True) -> pd.DataFrame:
     return df
 
 
+def _fits(df: pd.DataFrame, width: int, x_max: float | None, font: int) -> pd.Series:
+    """Per row: whether the bar, drawn `width` px wide for the time axis, holds its label at
+    `font` px (a digit is about CHAR_EM of the font wide)."""
+    span = x_max or (df["x2"].max() if len(df) else 0) or 1.0
+    bar_px = (df["x2"] - df["x"]) / span * width
+    chars = df["text"].map(lambda t: max(map(len, t.split("\n"))))
+    return (df["label"] != "") & (bar_px >= CHAR_EM * font * chars + 3)
+
+
 def label_font(df: pd.DataFrame, width: int, x_max: float | None = None) -> int | None:
     """The largest font (px, LABEL_FONTS) at which every op bar holds its label, at `width` px for
     the time axis; None when even the smallest does not fit (colour then shows the micro-batch)."""
-    ops = df[df["label"] != ""]
-    span = x_max or (df["x2"].max() if len(df) else 0)
-    if not len(ops) or not span:
-        return LABEL_FONTS[0]
-    bar_px = (ops["x2"] - ops["x"]) / span * width
-    chars = ops["text"].map(lambda t: max(map(len, t.split("\n"))))
-    two_lines = ops["text"].str.contains("\n").any()
+    ops = df["label"] != ""
+    two_lines = df["text"].str.contains("\n").any()
     for font in LABEL_FONTS:
         if two_lines and font > TWO_LINE_FONT:  # two lines in a 22 px bar
             continue
-        if (bar_px >= CHAR_EM * font * chars + 3).all():
+        if (_fits(df, width, x_max, font) == ops).all():
             return font
     return None
 
@@ -112,8 +116,12 @@ def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] =
     x_scale = alt.Scale(domain=[0, x_max]) if x_max else alt.Undefined
     subtitle = [*([subtitle] if isinstance(subtitle, str) and subtitle else subtitle or [])]
     font = label_font(df, width, x_max)
+    if font is None and df["microbatch"].dropna().nunique() <= 1:  # colour would say nothing
+        font = LABEL_FONTS[-1]
+        subtitle.append("one micro-batch: every op is micro-batch 0 (labelled where it fits)")
     if font is not None:
-        chart = _labelled_bars(df, lanes, _x(seconds, x_scale), x_scale, font, seconds)
+        shown = df[_fits(df, width, x_max, font)]
+        chart = _labelled_bars(df, shown, lanes, _x(seconds, x_scale), x_scale, font, seconds)
         height = 34 * len(lanes)
     else:
         chart, height = _coloured_bars(df, lanes, _x(seconds, x_scale), width, seconds)
@@ -138,16 +146,16 @@ def _kind_color(kinds: list[str], legend: alt.Legend) -> alt.Color:
                      scale=alt.Scale(domain=names, range=[colors[k] for k in kinds]))
 
 
-def _labelled_bars(df: pd.DataFrame, lanes: list[str], x: alt.X, x_scale, font: int,
-                   seconds: bool) -> alt.LayerChart:
-    """Colour: the op kind; text on every op bar: its micro-batch (and chunk)."""
+def _labelled_bars(df: pd.DataFrame, shown: pd.DataFrame, lanes: list[str], x: alt.X, x_scale,
+                   font: int, seconds: bool) -> alt.LayerChart:
+    """Colour: the op kind; text on the op bars of `shown`: the micro-batch (and chunk)."""
     kinds = [k for k in PIPE_KINDS if k in set(df["kind"])]
     y = alt.Y("lane:N", title=None, sort=lanes)
     bars = alt.Chart(df).mark_bar(height=22, stroke="white", strokeWidth=0.5).encode(
         x=x, x2="x2:Q", y=y, tooltip=_tooltip(seconds),
         color=_kind_color(kinds, alt.Legend(orient="bottom", columns=3)))
     two_lines = df["text"].str.contains("\n").any()
-    labels = alt.Chart(df[df["label"] != ""]).mark_text(
+    labels = alt.Chart(shown).mark_text(
         color="white", fontSize=font, lineBreak="\n", lineHeight=font,
         dy=-font / 2 if two_lines else 0).encode(  # the lines' middle on the bar's
         x=alt.X("mid:Q", scale=x_scale), y=y, text="text:N",
