@@ -57,7 +57,15 @@ def test_interleaved_labels_name_the_chunk_and_crowded_charts_colour_the_microba
     labels = spec["layer"][1]
     rank0 = {r["label"] for r in _rows(spec, labels) if r["rank"] == 0}
     assert {"0·c0", "0·c4", "7·c4"} <= rank0 and len(_rows(spec, labels)) == 4 * 32
-    assert labels["mark"]["fontSize"] <= P.TWO_LINE_FONT  # "0" over "c4" in a 22 px bar
+    bar = spec["layer"][0]["mark"]["height"]  # "0" over "c4": the bar holds both lines
+    assert bar >= 2 * labels["mark"]["fontSize"] == 2 * labels["mark"]["lineHeight"]
+    # drawn larger after it is built (presentation mode: 16 px at least): fitted at that size
+    big = viz.pipeline_timeline(_plan("interleaved", 4, 8, 2), "i", seconds=False, width=960,
+                                drawn_font=lambda f: max(16, 1.6 * f)).to_dict()
+    assert "colour is the micro-batch" in big["title"]["subtitle"][-1]
+    big = viz.pipeline_timeline(_plan("gpipe", 4, 8), "g", seconds=False, width=960,
+                                drawn_font=lambda f: max(16, 1.6 * f)).to_dict()
+    assert big["layer"][1]["mark"]["lineHeight"] >= 16 and big["layer"][0]["mark"]["height"] >= 20
     # the most the page allows: 96 ops per rank, no font fits: colour is the micro-batch
     timed = _plan("interleaved", 4, 16, 3)
     spec = viz.pipeline_timeline(timed, "i", seconds=False, width=960).to_dict()

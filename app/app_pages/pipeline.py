@@ -18,6 +18,7 @@ from parallel_mini import theory, trace, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel import schedules as S
 from parallel_mini.report import RunReport
+from parallel_mini.viz.style import scaled_font
 
 SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv"]
 NAMES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe (all F, then all B)",
@@ -80,9 +81,11 @@ def timeline_layout(schedules: list[str], m: int, v: int) -> tuple[list, int]:
 
 
 def timeline_chart(timed: list[dict], title: str, subtitle: list[str], seconds: bool, width: int,
-                   x_max: float):
+                   x_max: float | None):
+    # presentation mode enlarges every text after the chart is built: fit the bar labels at the
+    # size they will be drawn
     return viz.pipeline_timeline(timed, title, subtitle=subtitle, seconds=seconds, width=width,
-                                 x_max=x_max)
+                                 x_max=x_max, drawn_font=scaled_font if pm.on() else None)
 
 
 def pipeline_experiment(key_json: str, attempt: int = 0) -> dict:

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import altair as alt
 import pandas as pd
 
@@ -21,7 +23,6 @@ PIPE_KINDS = {"F": "F: forward", "B": "B: backward", "W": "W: weight gradients",
 PIPE_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#79706e", "#bab0ac", "#fbe3e3"]
 OP_KINDS = ("F", "B", "W")
 LABEL_FONTS = (12, 11, 10, 9)  # px; below 9 a label is not read from the back of a room
-TWO_LINE_FONT = 10  # px, the largest font for a label on two lines ("3" over "c5")
 CHAR_EM = 0.62  # a digit's width in em (Helvetica/Arial, Vega's default font)
 
 
@@ -72,24 +73,24 @@ def pipeline_frame(timed: list[dict], seconds: bool = True) -> pd.DataFrame:
     return df
 
 
-def _fits(df: pd.DataFrame, width: int, x_max: float | None, font: int) -> pd.Series:
-    """Per row: whether the bar, drawn `width` px wide for the time axis, holds its label at
-    `font` px (a digit is about CHAR_EM of the font wide)."""
+def _fits(df: pd.DataFrame, width: int, x_max: float | None, font_px: float) -> pd.Series:
+    """Per row: whether the bar, drawn `width` px wide for the time axis, holds its label drawn at
+    `font_px` (a digit is about CHAR_EM of the font wide)."""
     span = x_max or (df["x2"].max() if len(df) else 0) or 1.0
     bar_px = (df["x2"] - df["x"]) / span * width
     chars = df["text"].map(lambda t: max(map(len, t.split("\n"))))
-    return (df["label"] != "") & (bar_px >= CHAR_EM * font * chars + 3)
+    return (df["label"] != "") & (bar_px >= CHAR_EM * font_px * chars + 3)
 
 
-def label_font(df: pd.DataFrame, width: int, x_max: float | None = None) -> int | None:
+def label_font(df: pd.DataFrame, width: int, x_max: float | None = None,
+               drawn_font: Callable[[int], float] | None = None) -> int | None:
     """The largest font (px, LABEL_FONTS) at which every op bar holds its label, at `width` px for
-    the time axis; None when even the smallest does not fit (colour then shows the micro-batch)."""
+    the time axis; None when even the smallest does not fit (colour then shows the micro-batch).
+    `drawn_font`: see pipeline_timeline."""
+    drawn = drawn_font or float
     ops = df["label"] != ""
-    two_lines = df["text"].str.contains("\n").any()
     for font in LABEL_FONTS:
-        if two_lines and font > TWO_LINE_FONT:  # two lines in a 22 px bar
-            continue
-        if (_fits(df, width, x_max, font) == ops).all():
+        if (_fits(df, width, x_max, drawn(font)) == ops).all():
             return font
     return None
 
@@ -102,7 +103,8 @@ def _x(seconds: bool, x_scale) -> alt.X:
 
 
 def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] = "",
-                      seconds: bool = True, width: int = 640, x_max: float | None = None) -> alt.LayerChart:
+                      seconds: bool = True, width: int = 640, x_max: float | None = None,
+                      drawn_font: Callable[[int], float] | None = None) -> alt.LayerChart:
     """Gantt chart of a pipeline step, one lane per rank: F, B, W ops, sends and waits (wall view),
     idle gaps, readable without hovering at any size. Each op bar is labelled with its micro-batch
     ("3", or "3·c5" for micro-batch 3 on model chunk 5 when a rank holds several chunks) in the
@@ -110,21 +112,24 @@ def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] =
     legend), each op kind (and chunk) gets a row of its own in the lane, named on the right.
     `timed`: records {rank, kind, microbatch, chunk, start, end} from schedules.simulate,
     trace.own_device_replay or trace.wall_view. `seconds=False` for unit-cost schedules (integer
-    ticks). `x_max`: a common time axis, to set two charts side by side on one scale."""
+    ticks). `x_max`: a common time axis, to set two charts side by side on one scale.
+    `drawn_font(f)`: the size a text of f px will be drawn at, when the spec is restyled after it is
+    built (the app's presentation mode: style.scaled_font); labels are fitted at that size."""
     df = pipeline_frame(timed, seconds)
     lanes = [f"rank {r}" for r in sorted(df["rank"].unique())]
     x_scale = alt.Scale(domain=[0, x_max]) if x_max else alt.Undefined
     subtitle = [*([subtitle] if isinstance(subtitle, str) and subtitle else subtitle or [])]
-    font = label_font(df, width, x_max)
+    drawn = drawn_font or float
+    font = label_font(df, width, x_max, drawn)
     if font is None and df["microbatch"].dropna().nunique() <= 1:  # colour would say nothing
         font = LABEL_FONTS[-1]
         subtitle.append("one micro-batch: every op is micro-batch 0 (labelled where it fits)")
     if font is not None:
-        shown = df[_fits(df, width, x_max, font)]
-        chart = _labelled_bars(df, shown, lanes, _x(seconds, x_scale), x_scale, font, seconds)
-        height = 34 * len(lanes)
+        shown = df[_fits(df, width, x_max, drawn(font))]
+        chart, height = _labelled_bars(df, shown, lanes, _x(seconds, x_scale), x_scale, font,
+                                       drawn(font), seconds)
     else:
-        chart, height = _coloured_bars(df, lanes, _x(seconds, x_scale), width, seconds)
+        chart, height = _coloured_bars(df, lanes, _x(seconds, x_scale), width, drawn(10), seconds)
         subtitle.append("too many ops for a label each: colour is the micro-batch; each lane has "
                         "a row per op kind" + (" and chunk" if df["row_name"].str.contains("c").any()
                                                else "") + ", named on the right")
@@ -147,29 +152,31 @@ def _kind_color(kinds: list[str], legend: alt.Legend) -> alt.Color:
 
 
 def _labelled_bars(df: pd.DataFrame, shown: pd.DataFrame, lanes: list[str], x: alt.X, x_scale,
-                   font: int, seconds: bool) -> alt.LayerChart:
-    """Colour: the op kind; text on the op bars of `shown`: the micro-batch (and chunk)."""
+                   font: int, font_px: float, seconds: bool) -> tuple[alt.LayerChart, int]:
+    """Colour: the op kind; text on the op bars of `shown`: the micro-batch (and chunk), `font`
+    px as built, `font_px` as drawn (the bars are made tall enough for its lines)."""
     kinds = [k for k in PIPE_KINDS if k in set(df["kind"])]
     y = alt.Y("lane:N", title=None, sort=lanes)
-    bars = alt.Chart(df).mark_bar(height=22, stroke="white", strokeWidth=0.5).encode(
+    lines = 2 if df["text"].str.contains("\n").any() else 1
+    bar_px = max(22, round(lines * font_px + 4))
+    bars = alt.Chart(df).mark_bar(height=bar_px, stroke="white", strokeWidth=0.5).encode(
         x=x, x2="x2:Q", y=y, tooltip=_tooltip(seconds),
         color=_kind_color(kinds, alt.Legend(orient="bottom", columns=3)))
-    two_lines = df["text"].str.contains("\n").any()
     labels = alt.Chart(shown).mark_text(
-        color="white", fontSize=font, lineBreak="\n", lineHeight=font,
-        dy=-font / 2 if two_lines else 0).encode(  # the lines' middle on the bar's
+        color="white", fontSize=font, lineBreak="\n", lineHeight=font_px,
+        dy=-font_px / 2 * (lines - 1)).encode(  # the lines' middle on the bar's
         x=alt.X("mid:Q", scale=x_scale), y=y, text="text:N",
     ).transform_calculate(mid="(datum.x + datum.x2) / 2")
-    return alt.layer(bars, labels)
+    return alt.layer(bars, labels), (bar_px + 12) * len(lanes)
 
 
-def _coloured_bars(df: pd.DataFrame, lanes: list[str], x: alt.X, width: int,
+def _coloured_bars(df: pd.DataFrame, lanes: list[str], x: alt.X, width: int, name_px: float,
                    seconds: bool) -> tuple[alt.LayerChart, int]:
     """Colour: the micro-batch; each op kind (and chunk) a row of the lane, named on the right;
     idle gaps, sends and waits span the lane in their own colours."""
     ops, rest = df[df["row"] != ""], df[df["row"] == ""]  # one dataset, filtered per layer
     rows = sorted(set(ops["row"]), key=lambda r: (OP_KINDS.index(r[0]), int(r[1:] or 0)))
-    row_px = 13
+    row_px = max(13, round(name_px + 3))  # a row holds its name, as drawn
     lane_px = max(34, row_px * len(rows) + 8)
     y = alt.Y("lane:N", title=None, sort=lanes, scale=alt.Scale(paddingInner=0.15))
     kinds = [k for k in PIPE_KINDS if k in set(rest["kind"])]
