@@ -48,12 +48,18 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
         try:
             page = browser.new_page(viewport=SCREEN)
             page.goto(app_url)
-            page.get_by_text("Presentation mode").click()
-            expect(page.locator("h1").first).to_be_visible(timeout=30_000)
+            toggle = page.get_by_role("switch", name="Presentation mode")
+            toggle.wait_for(timeout=30_000)
+            page.locator('[data-testid="stSidebar"]').get_by_text("Presentation mode").click()
+            expect(toggle).to_be_checked()
+            # the page list moves to the top bar once the script has rerun in presentation mode
+            expect(page.get_by_text("Topics", exact=True)).to_be_visible(timeout=30_000)
+            expect(page.locator('[data-testid="stSidebarNav"]')).to_have_count(0)
             sidebar_bottoms = {}
             for path, (title, has_chart) in PAGES.items():
                 _open(page, path, title)
-                button = page.get_by_role("button", name="Run live")
+                button = page.locator('[data-testid="stSidebar"]').get_by_role(
+                    "button", name="Run live")
                 expect(button).to_be_visible()
                 assert _on_first_screen(button.bounding_box()), (path, button.bounding_box())
                 sidebar_bottoms[path] = page.evaluate(SIDEBAR_BOTTOM)
