@@ -95,6 +95,13 @@ def _svg_texts(chart) -> list[str]:
     return chart.locator("svg text").all_text_contents()
 
 
+def wait_for_the_rerun(page) -> None:
+    """Streamlit keeps the previous run's elements (stale) on the page until a rerun ends, and
+    draws the new ones as the script reaches them: wait for the run to end before reading them."""
+    page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(
+        timeout=60_000)
+
+
 def _caption_step(chart) -> int:
     """The frame the ring animation shows, read from its caption ('step k of 2(N-1) · ...')."""
     for text in _svg_texts(chart):
@@ -146,6 +153,7 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
             chart.locator("svg text", has_text=f"step 2 of {steps}").wait_for(timeout=15_000)
             page.get_by_role("button", name="⏸ Pause").click()
             page.get_by_role("button", name="▶ Play").wait_for(timeout=10_000)
+            wait_for_the_rerun(page)  # a step already on its way is drawn before the pause
             held = _caption_step(chart)
             assert 2 <= held < steps
             page.wait_for_timeout(2_000)  # more than two steps at the default speed

@@ -14,7 +14,8 @@ import re
 
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
+                          wait_for_the_rerun)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/pipeline_page.png"
@@ -27,17 +28,10 @@ def _x_axis(chart) -> str:
         has_text="time from the step's start").first.get_attribute("aria-label")
 
 
-def _wait_for_the_rerun(page) -> None:
-    """Streamlit keeps the previous run's elements (stale) on the page until the rerun ends: wait
-    for it to end before counting elements."""
-    page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(
-        timeout=60_000)
-
-
 def _choose(page, label: str, option: str) -> None:
     page.get_by_role("combobox", name=label).click()
     page.get_by_role("option", name=option).click()
-    _wait_for_the_rerun(page)
+    wait_for_the_rerun(page)
 
 
 def test_pipeline_page_runs_live_and_draws_the_timelines(app_url):  # noqa: F811
@@ -72,10 +66,10 @@ def test_pipeline_page_runs_live_and_draws_the_timelines(app_url):  # noqa: F811
             assert _x_axis(inter).endswith("values from 0 to 30")  # its step: 28.5 units
             assert _x_axis(f1b).endswith("values from 0 to 35")  # 1F1B's: 33 units
             page.get_by_text("Same time axis for both schedules").click()
-            _wait_for_the_rerun(page)
+            wait_for_the_rerun(page)
             assert _x_axis(inter).endswith("values from 0 to 33") and _x_axis(f1b) == _x_axis(inter)
             page.get_by_text("Same time axis for both schedules").click()
-            _wait_for_the_rerun(page)
+            wait_for_the_rerun(page)
             _choose(page, "Schedule", "GPipe (all F, then all B)")
 
             # one micro-batch (the cheapest live run): the in-flight chart counts ops in integers
@@ -83,14 +77,14 @@ def test_pipeline_page_runs_live_and_draws_the_timelines(app_url):  # noqa: F811
             m.focus()
             page.keyboard.press("Home")
             expect(m).to_have_value("1")
-            _wait_for_the_rerun(page)
+            wait_for_the_rerun(page)
             expect(metrics.filter(has_text="Bubble (theory): gpipe")).to_contain_text("75.0%")
 
             page.get_by_role("button", name="Run live").click(timeout=30_000)
             wall = charts.filter(has=page.locator(
                 "svg text", has_text="gpipe: measured (wall clock)"))
             wall.wait_for(timeout=60_000)
-            _wait_for_the_rerun(page)
+            wait_for_the_rerun(page)
             wall.scroll_into_view_if_needed()
             texts = wall.locator("svg text").all_text_contents()
             for label in ("rank 0", "rank 1", "rank 2", "rank 3", "F: forward", "B: backward",
@@ -118,7 +112,7 @@ def test_pipeline_page_runs_live_and_draws_the_timelines(app_url):  # noqa: F811
             own = charts.filter(has=page.locator(
                 "svg text", has_text="gpipe: replayed (measured op times, own-device schedule)"))
             own.wait_for(timeout=30_000)
-            _wait_for_the_rerun(page)  # the wall view's metrics stay on the page until it ends
+            wait_for_the_rerun(page)  # the wall view's metrics stay on the page until it ends
             bars = own.locator('path[aria-roledescription="bar"]')
             assert bars.count() >= 4 * 2 * 1  # ranks x (F, B) x micro-batches, plus idle gaps
             replayed = metrics.filter(has_text="Replayed: gpipe")
@@ -127,7 +121,7 @@ def test_pipeline_page_runs_live_and_draws_the_timelines(app_url):  # noqa: F811
             assert page.locator('[data-testid="stException"]').count() == 0
             page.get_by_text("measured (wall clock)", exact=True).first.click()
             wall.wait_for(timeout=30_000)
-            _wait_for_the_rerun(page)
+            wait_for_the_rerun(page)
             # Streamlit scrolls inside its main block: a viewport as tall as the page shows it all
             height = page.evaluate('document.querySelector(\'[data-testid="stMain"]\').scrollHeight')
             page.set_viewport_size({"width": 1500, "height": min(int(height) + 50, 12_000)})

@@ -129,6 +129,12 @@ def test_ring_animation_fits_eight_ranks_and_starts_where_asked():
     assert step["value"] == 5 and step["bind"]["max"] == 2 * (n - 1)
     color = spec["layer"][0]["encoding"]["color"]
     assert color["scale"]["scheme"] == "viridis" and color["scale"]["domain"] == list(range(1, n + 1))
+    # the cells hold their labels: 4 ranks a line ("0+1+2+3+" over "4+5+6") and the move
+    cells = spec["datasets"][spec["layer"][0]["data"]["name"]]
+    assert max(len(line) for c in cells for line in c["label"].split("\n")) <= len("← from r7")
+    assert spec["height"] == n * max(40, int(1.2 * 10 * 3 + 10))
+    big = viz.ring_animation(exp, drawn_font=lambda f: 16).to_dict()  # presentation mode
+    assert big["width"] > spec["width"] and big["height"] == n * int(1.2 * 16 * 3 + 10)
     with pytest.raises(ValueError, match="frame 15 is not one of 0..14"):
         viz.ring_animation(exp, frame=15)
     assert isinstance(viz.ring_frames_frame(exp), pd.DataFrame)

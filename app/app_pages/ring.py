@@ -6,6 +6,7 @@ import presentation as pm
 from player import player
 from live_runs import fmt_bytes, fmt_count, fmt_rate, last_result, ring_experiment, run_live
 from parallel_mini import theory, viz
+from parallel_mini.viz.style import scaled_font
 
 st.title("Ring all-reduce")
 pm.intro("""
@@ -57,7 +58,9 @@ e1.metric("Exact on integers (vs gloo's all_reduce)", "yes" if exp["int_exact"] 
 e2.metric("float32: max |ring − gloo|", f"{exp['float_max_abs_err']:.2e}",
           help="Different summation order: fp32 rounding, not an error")
 
-player("ring", len(exp["frames"]), lambda frame: pm.chart(viz.ring_animation(exp, frame=frame)),
+drawn_font = scaled_font if pm.on() else None  # presentation mode enlarges the text: room for it
+player("ring", len(exp["frames"]),
+       lambda frame: pm.chart(viz.ring_animation(exp, frame=frame, drawn_font=drawn_font)),
        help="Steps through the ring's frames, one per Speed interval; Pause holds the frame.")
 st.caption("**▶ Play** steps through the frames (Pause holds one; Speed sets the pace); the **step** "
            "slider under the chart moves through them too. Every frame is decoded from the messages "

@@ -12,6 +12,8 @@ tensors before and after the call.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import altair as alt
 import pandas as pd
 
@@ -20,10 +22,14 @@ from .units import PAD, rate_unit
 PHASE_COLORS = {"reduce-scatter": "#4c78a8", "all-gather": "#f58518"}
 
 
-def ranks_label(mask: int, n: int) -> str:
-    """'0+1+3' for the ranks in a bitmask; 'all N' once every rank's data is in."""
-    ranks = [r for r in range(n) if mask >> r & 1]
-    return f"all {n}" if len(ranks) == n and n > 3 else "+".join(map(str, ranks))
+def ranks_label(mask: int, n: int, per_line: int | None = None) -> str:
+    """'0+1+3' for the ranks in a bitmask; 'all N' once every rank's data is in; a new line after
+    every `per_line` ranks ('0+1+2+3+\n4+5+6'), so that a cell stays narrow at N = 8."""
+    ranks = [str(r) for r in range(n) if mask >> r & 1]
+    if len(ranks) == n and n > 3:
+        return f"all {n}"
+    per_line = per_line or len(ranks) or 1
+    return "+\n".join("+".join(ranks[i:i + per_line]) for i in range(0, len(ranks), per_line))
 
 
 def _ranks_set(mask: int, n: int) -> str:
@@ -51,7 +57,7 @@ def ring_frames_frame(exp: dict) -> pd.DataFrame:
                 mv = got.get((r, c))
                 rows.append({"frame": i, "step": fr["step"], "phase": fr["phase"], "rank": r,
                              "chunk": c, "mask": mask, "contributors": bin(mask).count("1"),
-                             "label": ranks_label(mask, n)
+                             "label": ranks_label(mask, n, 4 if n > 5 else None)
                              + (f"\n← from r{mv['src']}" if mv else "")
                              + (f"\n→ to r{sent[(r, c)]['dst']}" if (r, c) in sent else ""),
                              "holds": _ranks_set(mask, n),
@@ -82,7 +88,7 @@ def ring_moves_text(exp: dict) -> list[str]:
 
 
 def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 40,
-                   frame: int = 0) -> alt.LayerChart:
+                   frame: int = 0, drawn_font: Callable[[int], float] | None = None) -> alt.LayerChart:
     """The ring all-reduce, one frame per step, as decoded from the messages of the live probe run.
 
     Grid: rank (rows) x chunk (columns). Colour: how many ranks' data the chunk holds (1..N); label:
@@ -90,7 +96,9 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     orange dashed: the chunk it sent (and to whom). Below the grid, every message of the step. A
     slider ("step", starting at `frame`) moves through the frames in the browser; frame 0 is the
     start, frames 1..N-1 reduce-scatter, N..2(N-1) all-gather. The app's Play redraws the chart with
-    the next `frame`."""
+    the next `frame`. Cells are sized for their labels (at least `cell_height` tall); `drawn_font(f)`:
+    the size a text of f px will be drawn at when the spec is restyled after it is built (the app's
+    presentation mode: style.scaled_font)."""
     n, frames = exp["world_size"], exp["frames"]
     cells = ring_frames_frame(exp)
     marks = pd.concat([
@@ -99,7 +107,11 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     ])[["frame", "rank", "chunk", "role"]]
     captions = pd.DataFrame({"frame": range(len(frames)), "caption": ring_moves_text(exp)})
     font = 11 if n <= 5 else 10
-    cell_width = cell_width or max(78, int(0.62 * font * (2 * n - 1)) + 12)  # fits "0+1+...+6"
+    drawn = (drawn_font or float)(font)
+    lines = [line for label in cells["label"] for line in label.split("\n")]
+    cell_width = cell_width or max(78, int(0.62 * drawn * max(map(len, lines))) + 12)
+    line_px = 1.2 * drawn  # set on the mark: a restyle enlarges fonts, not line heights
+    cell_height = max(cell_height, int(line_px * (cells["label"].str.count("\n").max() + 1) + 10))
     width, height = max(cell_width * n, 330), cell_height * n  # room for the caption below
 
     if not 0 <= frame < len(frames):
@@ -122,10 +134,14 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
                  alt.Tooltip("received_from:Q", title="received from rank"),
                  alt.Tooltip("sent_to:Q", title="sent to rank")],
     ).transform_filter(in_frame)
-    text = alt.Chart(cells).mark_text(fontSize=font, lineBreak="\n").encode(
+    # Vega puts a multi-line text's first line at the cell's middle: one layer per line count,
+    # each moved up by half its extra lines
+    cells["lines"] = cells["label"].str.count("\n") + 1
+    text = [alt.Chart(cells).mark_text(fontSize=font, lineBreak="\n", lineHeight=line_px,
+                                       dy=-line_px * (k - 1) / 2).encode(
         x=x, y=y, text="label:N",
         color=alt.condition(alt.datum.contributors > n / 2, alt.value("white"), alt.value("black")),
-    ).transform_filter(in_frame)
+    ).transform_filter(in_frame & (alt.datum.lines == k)) for k in sorted(set(cells["lines"]))]
     role_stroke = alt.Stroke("role:N", title="this step", scale=alt.Scale(
         domain=["received", "sent"], range=["black", "#f58518"]))
     received = alt.Chart(marks).mark_rect(fill=None, strokeWidth=3).encode(
@@ -140,7 +156,7 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     ).transform_filter(in_frame)
 
     # autosize "pad": the caption lies below the plot; "fit" would shrink the grid to make room
-    return alt.layer(fill, received, sent, text, caption).add_params(step).properties(
+    return alt.layer(fill, received, sent, *text, caption).add_params(step).properties(
         width=width, height=height, autosize=PAD,
         title=alt.TitleParams(
             f"Ring all-reduce on {n} ranks, {exp['numel']} elements: what really moved (live run)",
