@@ -38,6 +38,7 @@ pages = {
         st.Page("app_pages/long_sequences.py", title="Long sequences", icon="🧵",
                 url_path="long_sequences"),
         st.Page("app_pages/experts.py", title="Experts", icon="🔀", url_path="experts"),
+        st.Page("app_pages/plan.py", title="Plan a run", icon="🗺️", url_path="plan"),
     ],
 }
 # presentation mode: the page list moves to the top bar, leaving the sidebar to the page's controls

@@ -878,6 +878,12 @@ def _entry(rank, lay: Layout, p: dict, rank_all: int | None = None) -> dict:
                        "ranks_share_cores": p["cores_shared"]}}
 
 
+def layout_entry(lay: Layout, p: dict, rank_all: int | None = None) -> dict:
+    """One layout's entry as plan()'s "layouts" list it (theory only), for a layout picked from
+    plan()["all"] (rank_all: its place there, from 1) or predicted on its own."""
+    return _entry(None, lay, p, rank_all)
+
+
 def _model_summary(spec: ModelSpec) -> dict:
     return {"name": spec.name, "parameters": param_count(spec), "layers": spec.layers,
             "d_model": spec.d_model, "heads": spec.heads, "kv_heads": spec.kv,

@@ -1,0 +1,163 @@
+"""The "Plan a run" page (AppTest) and what it is built on: the decision guide's rule
+(parallel_mini.guide, pure Python) and the ranked-layout chart's frames (parallel_mini.viz.plan).
+
+Before any run the page draws the planner's ranked layouts for Llama 3 70B on 64 H100s: each bar's
+memory parts add up to the planner's predicted total and its step-time parts to the predicted step
+(planner.plan called here), and the layout the guide's answers lead to is the best-ranked one that
+follows them. Answering the guide changes that layout (long sequences: context parallel; a model
+whose states fit: no layout following the guide fits 70B). A custom model whose heads do not divide
+its width is refused in one line, its inputs kept. One live toy run (2 ranks) puts the measured
+step time beside the planner's, and every rank's measured model states equal theory.run_theory's
+to the byte."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import streamlit as st
+
+from parallel_mini import guide, planner, theory
+from parallel_mini.viz import plan as vplan
+from test_app import _app, _assert_clean, _chart, _charts, _metric, _rows_with, _widget
+
+PAGE = "app_pages/plan.py"
+RANKED = "Ranked layouts: memory per GPU and step time (theory)"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    st.cache_data.clear()
+    yield
+    st.cache_data.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# the guide's rule, pure Python
+# ---------------------------------------------------------------------------------------------
+def test_the_guide_turns_answers_into_axes():
+    fits = guide.recommend({"fits": "yes"})
+    assert (fits.tp, fits.pp, fits.cp, fits.ep, fits.zero) == (False, False, False, False, (0,))
+    assert guide.recommend({"fits": "states_only"}).zero == (1, 2)
+    split = guide.recommend({"fits": "no"})
+    assert split.tp and split.pp and 3 in split.zero
+    assert guide.recommend({"fits": "no", "link": "slow"}).zero == (0, 1)  # no ZeRO-3 across nodes
+    assert guide.recommend({"long": "yes"}).cp and guide.recommend({"moe": "yes"}).ep
+    for answers in itertools.product(*(q[1] for q in guide.QUESTIONS.values())):
+        rec = guide.recommend(dict(zip(guide.QUESTIONS, answers)))
+        assert len(rec.reasons) == 4  # one line per question
+    with pytest.raises(ValueError, match="fits = 'maybe': choose one of yes, states_only, no"):
+        guide.recommend({"fits": "maybe"})
+
+
+def test_follows_and_departures():
+    L = planner.Layout
+    rec = guide.recommend({"fits": "no", "link": "slow"})
+    assert guide.follows(L(8, 8, 4, 1, 1, 1, "1f1b", 1, 8, 1, "full", True), rec)
+    assert guide.departures(L(64, 1, 1, 1, 1, 3, "-", 1, 1, 1, "full", False), rec) == [
+        "the model split (tp or pp)", "ZeRO 0/1"]  # slow link: ZeRO-3 alone does not do
+    fast = guide.recommend({"fits": "no"})
+    assert guide.follows(L(64, 1, 1, 1, 1, 3, "-", 1, 1, 1, "full", False), fast)
+    assert guide.departures(L(8, 8, 1, 2, 1, 1, "-", 1, 1, 1, "full", True), fast) == [
+        "no context parallel"]
+    assert guide.follows(L(1, 1, 1, 1, 1, 0, "-", 1, 1, 1, "none", False), guide.recommend({}))
+
+
+def test_fact_answers():
+    gib = 2 ** 30
+    assert guide.fact_answers(8 * 10 ** 9, 72 * gib, 8192, 0, 50e9) == {
+        "fits": "states_only", "long": "no", "moe": "no", "link": "fast"}  # 128 GB of states
+    assert guide.fact_answers(10 ** 9, 72 * gib, 131072, 256, 3e9) == {
+        "fits": "yes", "long": "yes", "moe": "yes", "link": "slow"}
+    assert guide.fact_answers(70 * 10 ** 9, 72 * gib, 8192, 0, 50e9)["fits"] == "no"
+
+
+# ---------------------------------------------------------------------------------------------
+# the page
+# ---------------------------------------------------------------------------------------------
+def _bar_sums(chart: dict, column: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in _rows_with(chart, column):
+        if "part" in row:
+            out[row["layout"]] = out.get(row["layout"], 0.0) + row[column]
+    return out
+
+
+def test_ranked_layouts_the_guide_and_bad_input_before_any_run():
+    at = _app(PAGE)
+    _assert_clean(at)
+    assert at.title[0].value == "Plan a run"
+    assert [b.label for b in at.button] == ["Run live (toy version)"]
+    assert any("Press **Run live (toy version)**" in i.value for i in at.info)
+    assert [c["spec"]["title"]["text"] for c in _charts(at)] == [RANKED]
+
+    # every bar is the planner's prediction, its parts adding up to it
+    spec, hw = planner.MODELS["llama3-70b"], planner.hardware("h100-80gb")
+    res = planner.plan(spec, 64, hw, 1024, 8, top=8)
+    chart = _chart(at, RANKED)
+    mem, step = _bar_sums(chart, "bytes"), _bar_sums(chart, "seconds")
+    for e in res["layouts"]:
+        label = vplan.layout_label(e)
+        lay = e["layout"]
+        assert lay["dp"] * lay["tp"] * lay["pp"] * lay["cp"] == 64
+        assert mem[label] == pytest.approx(e["theory"]["memory_bytes_per_gpu"]["total"], rel=1e-9)
+        assert step[label] == pytest.approx(e["theory"]["step_s"], rel=1e-9)
+    assert list(mem)[:8] == [vplan.layout_label(e) for e in res["layouts"]]  # best first
+    assert "1,395 of 3,880 layouts fit" in " ".join(chart["spec"]["title"]["subtitle"])
+
+    # the guide, answered by the facts on a first visit: 70B's states do not fit on one GPU
+    assert _widget(at.radio, "Do the model's states fit").value == "no"
+    want = guide.first_following(res["all"], guide.recommend({"fits": "no"}))
+    assert _metric(at, "Planner's best that follows the guide") == f"#{want[0]:,}"
+    lay = want[1]
+    assert (lay.tp > 1 or lay.pp > 1 or lay.zero == 3) and lay.cp == 1
+    assert f"{vplan.layout_label(planner.layout_entry(lay, want[2], want[0]))}" in mem
+
+    # long sequences: the guide's layout takes context parallel
+    _widget(at.radio, "Are the sequences long").set_value("yes").run()
+    _assert_clean(at)
+    long = guide.first_following(res["all"], guide.recommend({"fits": "no", "long": "yes"}))
+    assert long[1].cp > 1 and _metric(at, "Planner's best that follows") == f"#{long[0]:,}"
+    # a model whose states fit needs no split: nothing that follows such a guide fits 70B
+    _widget(at.radio, "Do the model's states fit").set_value("yes").run()
+    assert any("No layout that follows the guide fits" in w.value for w in at.warning)
+    assert "dp1 zero0 tp1 pp1 cp2" in at.markdown[-1].value  # the toy still follows it
+
+    # a custom model with impossible heads: one line, the inputs kept, nothing drawn
+    _widget(at.selectbox, "Model").set_value("custom GPT (layers, width, heads)").run()
+    _assert_clean(at)
+    _widget(at.number_input, "Attention heads").set_value(48).run()
+    assert len(at.error) == 1 and "--d-model 4096: must be divisible by --heads 48" in at.error[0].value
+    assert not _charts(at) and _widget(at.number_input, "Attention heads").value == 48
+
+
+def test_toy_run_live_measured_beside_the_planner():
+    at = _app(PAGE)
+    assert _widget(at.radio, "Do the model's states fit").value == "no"  # 70B: split it
+    toy = next(m.value for m in at.markdown if m.value.startswith("**Toy layout:**"))
+    assert "follows the guide" in toy
+    at.button[0].click().run()
+    _assert_clean(at)
+    assert _metric(at, "Step time: theory (planner)").endswith(" ms")
+    measured = _metric(at, "Step time: measured")
+    assert float(measured.split()[0]) > 0
+    assert _metric(at, "Ranks whose measured states equal the planner's") == "2 of 2"
+
+    # the chart's numbers, checked against theory.run_theory for the run's own config
+    chart = _chart(at, "Toy run: memory per rank, measured vs theory")
+    rows = _rows_with(chart, "category")
+    described = toy.split("**Toy layout:** ")[1].split(":")[0]
+    ranked = planner.plan(planner.toy_model(), 2, planner.hardware("cpu"), 8, top=0)["all"]
+    (lay,) = [lay for lay, _ in ranked if lay.describe() == described]
+    cfg = planner.run_config(planner.toy_model(), lay, 8)
+    th = theory.run_theory(cfg, theory.gpt_param_count(128, 32, 64, 4))
+    stages = th["stages"] if cfg.pp > 1 else [th]
+    for rank in (0, 1):
+        stage = stages[rank // (2 // cfg.pp)]  # pipeline stages outermost in the mesh
+        for k in ("params", "grads", "optimizer"):
+            got = {r["source"]: r["bytes"] for r in rows
+                   if r["rank"] == f"rank {rank}" and r["category"] == k}
+            assert got["measured"] == got["theory"] == stage["memory"][k]
+        acts = {r["source"]: r["bytes"] for r in rows
+                if r["rank"] == f"rank {rank}" and r["category"] == "activations"}
+        assert acts["measured"] > 0 and acts["theory"] > 0
+    assert "equal within 1e-5" in [m.delta for m in at.metric]
