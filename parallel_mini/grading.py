@@ -115,12 +115,14 @@ class _RankTrace:
         self.failed = None  # the AssertionError this rank raised (a peer reports it)
         self.timed_out = True
         self.round = 0  # how many times the learner's function was entered
+        self.history: list[int] = []  # the count of calls when each round returned
         self.store = dist.distributed_c10d._get_default_store()
 
     def publish(self) -> None:
         import json
         state = {"calls": self.calls, "last": self.last, "waiting": self.waiting,
-                 "done": self.done, "failed": self.failed, "round": self.round}
+                 "done": self.done, "failed": self.failed, "round": self.round,
+                 "history": self.history}
         self.store.set(f"pm_check/{self.rank}", json.dumps(state))
 
     def _wrap(self, where: str, name: str, fn):
@@ -163,6 +165,7 @@ class _RankTrace:
             setattr(owner, name, fn)
         if exc_type is None:
             self.done, self.waiting = True, False
+            self.history.append(self.calls)
             self.publish()
             return False
         if exc_type is AssertionError:
@@ -185,19 +188,20 @@ class _RankTrace:
         import time
         deadline = time.monotonic() + CHECK_PG_TIMEOUT
         world = self.dist.get_world_size()
+        k = self.round
         while True:
             states = self.states()
             failed = [s["failed"] for s in states.values() if s.get("failed")]
             if failed:
                 raise AssertionError(failed[0])
-            mine = [s for s in states.values() if s["round"] == self.round and s["done"]]
-            if len(mine) == world:
-                counts = {q: s["calls"] for q, s in states.items()}
+            # a peer may already be in round k + 1 (it saw everyone done with k): its history says
+            if len(states) == world and all(len(s["history"]) >= k for s in states.values()):
+                counts = {q: s["history"][k - 1] for q, s in states.items()}
                 if len(set(counts.values())) == 1:
                     return
-                self.failed = self.mismatch_message(states)
+                self.failed = self.mismatch_message(states, k)
                 break
-            ahead = [q for q, s in states.items() if s["round"] == self.round and s["waiting"]
+            ahead = [q for q, s in states.items() if s["round"] == k and s["waiting"]
                      and s["calls"] > self.calls]
             if ahead or time.monotonic() > deadline:
                 self.failed = self.stuck_message("deadlock: " if ahead else None)
@@ -206,9 +210,11 @@ class _RankTrace:
         self.publish()
         raise AssertionError(self.failed)
 
-    def mismatch_message(self, states: dict) -> str:
-        parts = [f"rank {q} made {s['calls']} call{'s' if s['calls'] != 1 else ''}"
-                 + (f" (the last {s['last']})" if s["last"] else "")
+    def mismatch_message(self, states: dict, k: int) -> str:
+        def made(s):
+            c = s["history"][k - 1] - (s["history"][k - 2] if k > 1 else 0)
+            return f"{c} call{'s' if c != 1 else ''}"
+        parts = [f"rank {q} made {made(s)}" + (f" (the last {s['last']})" if s["last"] and s["round"] == k else "")
                  for q, s in sorted(states.items())]
         return (f"the ranks made different calls in {self.label}: " + "; ".join(parts)
                 + ". Every rank must make the same calls in the same order: a collective that "
@@ -236,16 +242,21 @@ class _RankTrace:
             s = states.get(q)
             if s is None:
                 parts.append(f"rank {q} had made no call in {self.label} yet")
-            elif s["waiting"]:
-                parts.append(f"rank {q} waited in {s['last']}, its call {s['calls']} in "
-                             f"{self.label}")
+                continue
+            # calls counted within the rank's current (or last returned) call of the function
+            before = s["history"][-2 if s["done"] else -1] if len(s["history"]) > s["done"] else 0
+            c, again = s["calls"] - before, (f" (its call {s['round']} of it)"
+                                             if s["round"] > 1 else "")
+            last = f" (the last {s['last']})" if s["last"] and c else ""
+            if s["waiting"]:
+                parts.append(f"rank {q} waited in {s['last']}, its call {c} in "
+                             f"{self.label}{again}")
             elif s["done"]:
-                parts.append(f"rank {q} had returned from {self.label} after {s['calls']} "
-                             f"call{'s' if s['calls'] != 1 else ''}"
-                             + (f" (the last {s['last']})" if s["last"] else ""))
+                parts.append(f"rank {q} had returned from {self.label}{again} after {c} "
+                             f"call{'s' if c != 1 else ''}{last}")
             else:
-                parts.append(f"rank {q} was computing after {s['calls']} calls"
-                             + (f" (the last {s['last']})" if s["last"] else ""))
+                parts.append(f"rank {q} was computing in {self.label}{again} after {c} "
+                             f"call{'s' if c != 1 else ''}{last}")
         head = head or (f"a rank stopped while its peers waited (it died or returned), so "
                         f"they could not go on: " if closed else
                         f"deadlock, stopped after {CHECK_PG_TIMEOUT:g} s of waiting: ")
@@ -916,6 +927,7 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
         return torch.allclose(a, b, rtol=1e-5, atol=1e-8)
 
     losses = []
+    trace = _RankTrace("your zero1_step")
     for step in range(cfg.steps):
         comm.step = step
         flat_grads = torch.zeros_like(flat_params)  # [N*k], backward accumulates into it
@@ -932,7 +944,9 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
         expected = layout.shard(expected, r) / n
         received.clear()
         updated.clear()
-        fn(flat_params, flat_grads, step_shard, comm)
+        with trace:
+            fn(flat_params, flat_grads, step_shard, comm)
+        trace.agree()  # every rank made the same calls: the checks' own collectives may follow
         at = f"at dp={n}, step {step}"
         if len(received) != 1:
             raise AssertionError(f"{at}: step_shard was called {len(received)} times; call it "
@@ -994,8 +1008,9 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     summary = []
     for n in world_sizes:
         cfg = RunConfig(dp=n, zero=1, batch=2 * n, steps=steps, **ZERO1_CHECK_SHAPE)
-        results = _on_ranks(lambda: run_ranks(_zero1_rank, n, cfg.to_dict(), fn, timeout=60.0,
-                                              pg_timeout=30.0),
+        results = _on_ranks(lambda: run_ranks(_zero1_rank, n, cfg.to_dict(), fn,
+                                              timeout=CHECK_RUN_TIMEOUT,
+                                              pg_timeout=CHECK_PG_TIMEOUT),
                             "zero1_step still raises NotImplementedError: write the three "
                             "steps, then run this cell again.", f"at dp={n}")
         if isinstance(results, Grade):
@@ -1081,9 +1096,12 @@ def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
     shards = (fc_w.chunk(n, dim=0)[r].clone(), fc_b.chunk(n, dim=0)[r].clone(),  # [4h/t, h], [4h/t]
               proj_w.chunk(n, dim=1)[r].clone(), proj_b.clone())  # [h, 4h/t], [h]
     calls = []
+    trace = _RankTrace("your parallel_mlp")
     for x in xs:
         comm.records.clear()
-        out = fn(x.clone(), *(t.clone() for t in shards), comm)
+        with trace:
+            out = fn(x.clone(), *(t.clone() for t in shards), comm)
+        trace.agree()
         calls.append({"out": out.detach().clone() if isinstance(out, torch.Tensor) else out,
                       "records": [{k: c.get(k) for k in ("op", "group", "payload_bytes",
                                                          "wire_bytes", "count")}
@@ -1115,7 +1133,8 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     for n in world_sizes:
         cfg = RunConfig(tp=n, d_model=h, heads=n, vocab=128)
         results = _on_ranks(lambda: run_ranks(_parallel_mlp_rank, n, cfg.to_dict(), fn,
-                                              timeout=60.0, pg_timeout=30.0),
+                                              timeout=CHECK_RUN_TIMEOUT,
+                                              pg_timeout=CHECK_PG_TIMEOUT),
                             "parallel_mlp still raises NotImplementedError: write it, then run "
                             "this cell again.", f"at tp={n}")
         if isinstance(results, Grade):

@@ -775,3 +775,16 @@ def test_compare_prediction_says_right_off_or_only_the_value():
     assert compare_prediction("faster", "slower", "ring", choices=choices).endswith("not what happened.")
     assert "not one of the choices" in compare_prediction("tree", "slower", "ring", choices=choices)
     assert "is not a number" in compare_prediction("many", 3, "steps")
+
+
+def mlp_all_reduce_on_rank1_only(x, w1, b1, w2, b2, comm):
+    y = F.gelu(x @ w1.T + b1) @ w2.T
+    if comm.rank("tp") == 1:
+        comm.all_reduce(y, "tp")
+    return y + b2
+
+
+def test_mlp_checker_names_a_collective_only_one_rank_calls():
+    with pytest.raises(AssertionError, match=r"deadlock: rank 0 had returned from your parallel_mlp "
+                                             r"after 0 calls; rank 1 waited in comm\.all_reduce"):
+        check_parallel_mlp(mlp_all_reduce_on_rank1_only, world_sizes=(2,))
