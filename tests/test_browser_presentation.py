@@ -69,16 +69,15 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
                     assert _on_first_screen(chart.bounding_box()), (path, chart.bounding_box())
                     sizes = page.evaluate(CHART_TEXT_PX)
                     assert sizes and min(sizes) >= 16, (path, sorted(sizes)[:5])
+                if path == "memory":  # a control to find again after the other pages
+                    stage = page.locator('[data-testid="stSidebar"] [role="radiogroup"]').filter(
+                        has_text="3").first
+                    stage.get_by_text("2", exact=True).click()
+                    expect(page.get_by_text("ZeRO-2 model states (highlighted)")).to_be_visible()
             # every page's controls fit the first screen (Memory's fourteen in two columns)
             assert max(sidebar_bottoms.values()) <= SCREEN["height"], sidebar_bottoms
 
-            # a control keeps its value across a page change
-            _open(page, "memory", "Memory per GPU")
-            stage = page.locator('[data-testid="stSidebar"] [role="radiogroup"]').filter(
-                has_text="3").first
-            stage.get_by_text("2", exact=True).click()
-            expect(page.get_by_text("ZeRO-2 model states (highlighted)")).to_be_visible()
-            _open(page, "ring", "Ring all-reduce")
+            # the control kept its value while four other pages were shown
             _open(page, "memory", "Memory per GPU")
             expect(page.get_by_text("ZeRO-2 model states (highlighted)")).to_be_visible()
         finally:
