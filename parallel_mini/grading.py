@@ -1080,6 +1080,33 @@ def _parallel_mlp_weights(h: int, seed: int = 0):
     return fc_w, fc_b, proj_w, proj_b, xs
 
 
+def _library_tp_refused(*args, **kwargs):
+    """Swapped in for the code of the library's tensor-parallel layers while a learner's MLP runs."""
+    raise AssertionError("your parallel_mlp called the library's own tensor parallelism (parallel_"
+                         "mini.parallel.tensor: ColumnParallelLinear, RowParallelLinear, "
+                         "reduce_from_tp, copy_to_tp, ...), which the checker disables while your "
+                         "code runs: write the two matmuls and the one comm.all_reduce yourself")
+
+
+class _LibraryTensorParallelDisabled:
+    """While active, the library's tensor-parallel layers and their f/g functions raise."""
+
+    def __enter__(self):
+        from .parallel import tensor
+        fns = [tensor.copy_to_tp, tensor.reduce_from_tp, tensor.apply_tensor_parallel,
+               tensor._CopyToTP.forward, tensor._ReduceFromTP.forward,
+               tensor.ColumnParallelLinear.forward, tensor.RowParallelLinear.forward]
+        self.saved = [(f, f.__code__) for f in fns]
+        for f, _ in self.saved:
+            f.__code__ = _library_tp_refused.__code__
+        return self
+
+    def __exit__(self, *exc):
+        for f, code in self.saved:
+            f.__code__ = code
+        return False
+
+
 def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
     """One rank of the parallel-MLP check: rank r gets fc's rows r (its slice of the hidden
     features), proj's columns r (the matching slice of proj's inputs) and proj's whole bias, calls
@@ -1099,7 +1126,7 @@ def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
     trace = _RankTrace("your parallel_mlp")
     for x in xs:
         comm.records.clear()
-        with trace:
+        with _LibraryTensorParallelDisabled(), trace:
             out = fn(x.clone(), *(t.clone() for t in shards), comm)
         trace.agree()
         calls.append({"out": out.detach().clone() if isinstance(out, torch.Tensor) else out,
@@ -1120,7 +1147,9 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     unsharded MLP computed in one process, within rtol = atol = 1e-5 (fp32: the sharded version
     adds the 4h products of each output in t partial sums, a different order than one matmul, so
     the last bits may differ; a wrong answer is off by O(1)); each call records exactly one
-    all-reduce over "tp", of b*s*h fp32 numbers, whose wire bytes are theory's 2(t-1)/t x S."""
+    all-reduce over "tp", of b*s*h fp32 numbers, whose wire bytes are theory's 2(t-1)/t x S.
+    While the learner's code runs the library's tensor-parallel layers raise (an answer built on
+    them is refused, saying so); a deadlock stops after CHECK_PG_TIMEOUT seconds of waiting."""
     import torch
     import torch.nn.functional as F
 

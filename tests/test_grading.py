@@ -784,7 +784,19 @@ def mlp_all_reduce_on_rank1_only(x, w1, b1, w2, b2, comm):
     return y + b2
 
 
-def test_mlp_checker_names_a_collective_only_one_rank_calls():
-    with pytest.raises(AssertionError, match=r"deadlock: rank 0 had returned from your parallel_mlp "
-                                             r"after 0 calls; rank 1 waited in comm\.all_reduce"):
-        check_parallel_mlp(mlp_all_reduce_on_rank1_only, world_sizes=(2,))
+def mlp_with_the_library_g(x, w1, b1, w2, b2, comm):
+    from parallel_mini.parallel.tensor import reduce_from_tp
+    return reduce_from_tp(F.gelu(x @ w1.T + b1) @ w2.T, comm) + b2
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (mlp_all_reduce_on_rank1_only, r"deadlock: rank 0 had returned from your parallel_mlp after 0 "
+                                   r"calls; rank 1 waited in comm\.all_reduce"),
+    (mlp_with_the_library_g, r"called the library's own tensor parallelism .* disables"),
+])
+def test_mlp_checker_names_the_mistake(wrong, message):
+    from parallel_mini.parallel import tensor
+    code = tensor.reduce_from_tp.__code__
+    with pytest.raises(AssertionError, match=message):
+        check_parallel_mlp(wrong, world_sizes=(2,))
+    assert tensor.reduce_from_tp.__code__ is code
