@@ -78,6 +78,15 @@ def test_sigterm_and_sigkill_of_the_cli_leave_no_process_behind():
     side on 2 cores it is paid about once); one gets SIGTERM, the other SIGKILL."""
     marks = {"TERM": uuid.uuid4().hex, "KILL": uuid.uuid4().hex}
     started = {how: _start_training(mark) for how, mark in marks.items()}
+    try:
+        _signal_both_and_check(marks, started)
+    finally:  # a failed assertion must not leave a CLI training (its ranks would follow it)
+        for cli, _, _ in started.values():
+            if cli.poll() is None:
+                cli.kill()
+
+
+def _signal_both_and_check(marks, started):
     procs, ranks = {}, {}
     for how, (cli, lines, first_step) in started.items():
         first_step.wait(timeout=120)
@@ -92,8 +101,11 @@ def test_sigterm_and_sigkill_of_the_cli_leave_no_process_behind():
     # SIGTERM: the CLI kills and joins its ranks, says so in one line, exits 128 + 15.
     cli, lines, _ = started["TERM"]
     assert cli.wait(timeout=60) == 128 + signal.SIGTERM
-    time.sleep(0.1)  # the drain thread reads the last line
-    assert lines[-1] == "stopped by SIGTERM: every rank was ended; no report\n", lines[-3:]
+    said = "stopped by SIGTERM: every rank was ended; no report\n"
+    deadline = time.monotonic() + 10  # written before the exit; the drain thread may lag behind
+    while lines[-1] != said and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lines[-1] == said, lines[-3:]
     assert not any("Traceback" in ln for ln in lines)
     assert _wait_until_gone(marks["TERM"], ranks["TERM"], 0) == {}, "a rank outlived the CLI"
 
