@@ -142,7 +142,7 @@ can get at most E/k times the mean (each token's k choices are distinct experts)
 the same data and seed, weight 0 and the weight chosen above:
 """)
     a1, a2 = st.columns([1, 3])
-    steps = a1.select_slider("Steps per run", AUX_STEPS, value=40, key="experts_aux_steps",
+    steps = a1.select_slider("Steps per run", AUX_STEPS, key=pm.kept("experts_aux_steps", 40),
                              help="Collapse takes a few steps at lr 3e-2; more steps show the "
                                   "recovery (or not).")
     key = {"experts": experts, "top_k": top_k, "factor": factor, "ep": ep, "aux": aux,
@@ -274,9 +274,10 @@ ep = c4.radio("Expert-parallel ranks (ep = P)", EP_CHOICES, horizontal=True,
 aux = controls.area.slider("Load-balancing (aux) loss weight", 0.0, 0.1, step=0.01,
                            key=pm.kept("experts.aux", 0.05),
                            help="0 turns it off; the library's default is 0.01.")
-controls.area.caption(f"Model: {MODEL['layers']} MoE layers × d{MODEL['d_model']}, s = {MODEL['seq']}, "
-           f"vocabulary {MODEL['vocab']}, batch {MODEL['batch']}, {MODEL['steps']} training "
-           f"steps on dp = {dp_for(ep)} ranks, with the single-process reference.")
+controls.area.caption(f"Model: {MODEL['layers']} MoE layers × d{MODEL['d_model']}, "
+                      f"s = {MODEL['seq']}, vocabulary {MODEL['vocab']}, batch {MODEL['batch']}, "
+                      f"{MODEL['steps']} training steps on dp = {dp_for(ep)} ranks, with the "
+                      f"single-process reference.")
 fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 cfg = run_config(experts, top_k, factor, ep, aux)

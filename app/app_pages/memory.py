@@ -39,7 +39,8 @@ activations by t (all of them with sequence parallel, SP); PP with the 1F1B sche
 
 controls = pm.Controls(4, sidebar_columns=2)  # fourteen controls: two columns in presentation mode
 c1, c2, c3, c4 = controls.columns
-model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM], key=pm.kept("mem.model", [*TOYS][0]),
+model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM],
+                     key=pm.kept("mem.model", [*TOYS][0]),
                      help="Toy models run live here; the presets and custom sizes use theory alone.")
 toy = model in TOYS
 if toy:
@@ -107,16 +108,16 @@ def billions(n: float) -> str:
 
 def custom_model_error(shape: dict) -> str | None:
     """Why a custom model cannot exist, one line, or None: heads must split the hidden size, and
-    the layers' own weights (12·L·h², Kaplan et al.'s count without embeddings) must fit in Ψ."""
+    the layers' own weights (12·L·h², without embeddings) must fit in Ψ."""
     h, a, layers, n = shape["d_model"], shape["heads"], shape["layers"], shape["n_params"]
     if h % a:
         return (f"Hidden size {h:,} is not divisible by {a} attention heads: each head takes "
                 f"hidden / heads dimensions. Choose a head count that divides {h:,} (e.g. "
                 f"{max(d for d in range(1, min(a, h) + 1) if h % d == 0)}).")
     if 12 * layers * h * h > n:
-        return (f"{layers} layers of hidden size {h:,} hold 12·L·h² = {billions(12 * layers * h * h)} "
-                f"parameters, more than the {billions(n)} given: raise the parameters or lower "
-                f"the layers or the hidden size.")
+        return (f"{layers} layers of hidden size {h:,} hold 12·L·h² = "
+                f"{billions(12 * layers * h * h)} parameters, more than the {billions(n)} given: "
+                f"raise the parameters or lower the layers or the hidden size.")
     return None
 
 
