@@ -346,3 +346,49 @@ def test_unguarded_script_runs_its_body_once(tmp_path):
     assert [ln for ln in lines if ln.startswith("BODY")] == [f"BODY {lines[0].split()[1]}"], \
         f"the script's body ran more than once:\n{proc.stdout}"
     assert "RESULT [0, 10]" in lines and "AGAIN [3, 3, 3]" in lines
+
+
+# ---------------------------------------------------------------------------------------------
+# a rank ends when its launcher is gone (exit_with_parent), however late or early that happens
+# ---------------------------------------------------------------------------------------------
+def _child_watching(read_end_closed_before_watch: bool) -> tuple[int, int]:
+    """Fork a stand-in rank that holds the write end of a result pipe and would sleep 30 s; the test
+    process plays the launcher, holding the read end. Returns (child pid, read end or -1)."""
+    r, w = os.pipe()
+    if read_end_closed_before_watch:
+        os.close(r)  # the launcher died before the rank could start watching (prctl's race)
+    pid = os.fork()
+    if pid == 0:  # the stand-in rank: only os calls and a thread, no torch
+        try:
+            if not read_end_closed_before_watch:
+                os.close(r)
+            launch.exit_with_parent(w)
+            time.sleep(30)
+        finally:
+            os._exit(0)  # 0 only if the watch did not end it
+    os.close(w)
+    return pid, (-1 if read_end_closed_before_watch else r)
+
+
+def _exit_status_within(pid: int, seconds: float) -> int | None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watch is Linux-only")
+def test_a_rank_ends_when_its_launcher_is_gone_before_or_after_it_starts_watching():
+    pid, _ = _child_watching(read_end_closed_before_watch=True)
+    assert _exit_status_within(pid, 5) == 1, "a launcher gone before the watch went unnoticed"
+
+    pid, read_end = _child_watching(read_end_closed_before_watch=False)
+    time.sleep(0.3)  # its watch is running by now (a thread started right after the fork)
+    assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the rank ended while its launcher was alive"
+    os.close(read_end)  # the launcher dies
+    assert _exit_status_within(pid, 5) == 1, "the rank outlived its launcher"
