@@ -17,7 +17,7 @@ SCREEN = {"width": 1440, "height": 900}
 PAGES = {"ring": ("Ring all-reduce", False), "data_parallel": ("Data parallel", False),
          "memory": ("Memory per GPU", True), "tensor": ("Tensor parallel", True),
          "pipeline": ("Pipeline bubbles", True), "long_sequences": ("Long sequences", False),
-         "experts": ("Experts", False)}
+         "experts": ("Experts", False), "plan": ("Plan a run", True)}
 CHART_TEXT_PX = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChart"] svg text')]
     .filter(t => t.textContent.trim()).map(t => parseFloat(getComputedStyle(t).fontSize))"""
 SIDEBAR_BOTTOM = """() => Math.max(...[...document.querySelectorAll(

@@ -95,8 +95,9 @@ def ranked_layouts(entries: list[dict], capacity_bytes: float, usable_bytes: flo
     mem_bars = alt.Chart(mem).mark_bar().encode(
         y=y, x=alt.X("value:Q", title=f"memory per GPU ({unit})", stack="zero",
                      scale=alt.Scale(domain=[0, 1.05 * top / div])),
-        color=alt.Color("part:N", title="memory", sort=MEMORY_PARTS,
-                        scale=alt.Scale(domain=MEMORY_PARTS, range=MEMORY_COLORS)),
+        color=alt.Color("part:N", title=None, sort=MEMORY_PARTS,
+                        scale=alt.Scale(domain=MEMORY_PARTS, range=MEMORY_COLORS),
+                        legend=alt.Legend(orient="bottom", direction="vertical")),
         order=alt.Order("part_index:Q"), opacity=opacity,
         tooltip=["layout:N", "describe:N", "part:N",
                  alt.Tooltip("value:Q", format=",.4g", title=unit),
@@ -105,11 +106,13 @@ def ranked_layouts(entries: list[dict], capacity_bytes: float, usable_bytes: flo
     rules = [{"value": capacity_bytes / div, "label": f"GPU memory {capacity_bytes / div:.4g} {unit}"}]
     if usable_bytes and usable_bytes < capacity_bytes:
         rules.append({"value": usable_bytes / div,
-                      "label": f"usable (planner's reserve kept) {usable_bytes / div:.4g} {unit}"})
+                      "label": f"usable {usable_bytes / div:.4g} {unit} "
+                               f"({1 - usable_bytes / capacity_bytes:.0%} kept free)"})
     rule_df = pd.DataFrame(rules)
     rule = alt.Chart(rule_df).mark_rule(strokeWidth=2).encode(
         x="value:Q", tooltip=["label:N"],
-        stroke=alt.Stroke("label:N", title=None, legend=alt.Legend(orient="bottom", direction="vertical"),
+        stroke=alt.Stroke("label:N", title=None, legend=alt.Legend(orient="bottom", direction="vertical",
+                                                          labelLimit=400),
                           scale=alt.Scale(domain=list(rule_df["label"]),
                                           range=["#c62828", "#c62828"][:len(rule_df)])),
         strokeDash=alt.StrokeDash("label:N", legend=None,
@@ -122,8 +125,9 @@ def ranked_layouts(entries: list[dict], capacity_bytes: float, usable_bytes: flo
     right = alt.Chart(tim[tim["part"].isin(parts)]).mark_bar().encode(
         y=alt.Y("layout:N", sort=order, title=None, axis=alt.Axis(labels=False, ticks=False)),
         x=alt.X("value:Q", title=f"predicted step time ({tunit})", stack="zero"),
-        color=alt.Color("part:N", title="step time", sort=parts,
-                        scale=alt.Scale(domain=parts, range=colors)),
+        color=alt.Color("part:N", title=None, sort=parts,
+                        scale=alt.Scale(domain=parts, range=colors),
+                        legend=alt.Legend(orient="bottom", direction="vertical", columns=2)),
         order=alt.Order("part_index:Q"), opacity=opacity,
         tooltip=["layout:N", "describe:N", "part:N",
                  alt.Tooltip("value:Q", format=",.4g", title=tunit)],
