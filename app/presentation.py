@@ -19,7 +19,7 @@ MODE_KEY = "presentation_mode"
 _KEPT = "_kept_widget_keys"
 # the plot width a chart fills in presentation mode: the main column is about 980 px at 1440 px
 # with the sidebar open; axes and a legend take the rest
-PAGE_CHART_PX = 720
+PAGE_CHART_PX = 680
 SIDEBAR_PX, WIDE_SIDEBAR_PX = 300, 460
 _CHART_PX = "_presentation_chart_px"  # this page's chart width (Controls sets it on every run)
 _WIDE_SIDEBAR_CSS = f"""<style>
