@@ -609,7 +609,8 @@ def ring_calls_dist(x, comm):
 
 @pytest.mark.parametrize("wrong,message", [
     (ring_calls_library, r"called the library's own ring_all_reduce .* disables"),
-    (ring_calls_dist, r"called dist\.all_reduce, one of the backend's own collectives"),
+    pytest.param(ring_calls_dist, r"called dist\.all_reduce, one of the backend's own collectives",
+                 marks=pytest.mark.slow),  # the same refusal path as the library's ring
     (lambda x, comm: _ring(x, comm, all_gather=False),
      r"N-1 = 1 comm\.sendrecv calls: that is the reduce-scatter alone, and the all-gather is missing"),
     (lambda x, comm: _ring(x, comm, ag_send=lambda r, s, n: (r - s) % n),
@@ -650,7 +651,8 @@ def avg_only_rank0(params, comm):
 
 @pytest.mark.parametrize("wrong,message", [
     (avg_without_divide, r"holds the sum over the ranks, N = 2 times the mean: divide by N"),
-    (avg_calls_library, r"called the library's own .*average_gradients.* disables"),
+    pytest.param(avg_calls_library, r"called the library's own .*average_gradients.* disables",
+                 marks=pytest.mark.slow),  # the code swap is tested for rings, buckets, MLPs
     (avg_only_rank0, r"rank 0 waited in comm\.all_reduce\(over 'dp'\), its call 1 .*rank 1 had "
                      r"returned from your average_gradients after 0 calls"),
 ])
@@ -792,7 +794,8 @@ def mlp_with_the_library_g(x, w1, b1, w2, b2, comm):
 @pytest.mark.parametrize("wrong,message", [
     (mlp_all_reduce_on_rank1_only, r"deadlock: rank 0 had returned from your parallel_mlp after 0 "
                                    r"calls; rank 1 waited in comm\.all_reduce"),
-    (mlp_with_the_library_g, r"called the library's own tensor parallelism .* disables"),
+    pytest.param(mlp_with_the_library_g, r"called the library's own tensor parallelism .* disables",
+                 marks=pytest.mark.slow),
 ])
 def test_mlp_checker_names_the_mistake(wrong, message):
     from parallel_mini.parallel import tensor
