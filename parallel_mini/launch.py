@@ -56,7 +56,17 @@ class RankError(RuntimeError):
 
 
 class RunTimeout(RankError):
-    pass
+    """The run did not finish within its timeout. `cpu_share`: each pending rank's CPU time over the
+    last stretch before the deadline, as a share of one core (empty where /proc cannot say);
+    `idle`: True when every pending rank was below IDLE_CPU_SHARE (waiting: likely a deadlock),
+    False when one was computing (the run is too long), None when unknown."""
+
+    def __init__(self, rank: int, details: str, outputs: list[str] | None = None,
+                 cpu_share: dict[int, float] | None = None):
+        super().__init__(rank, details, outputs)
+        self.cpu_share = cpu_share or {}
+        self.idle = (all(v < IDLE_CPU_SHARE for v in self.cpu_share.values())
+                     if self.cpu_share else None)
 
 
 @dataclass
@@ -399,11 +409,11 @@ def _timed_out(timeout, pending, procs, sample, outputs) -> RunTimeout:
         return RunTimeout(pending[0], (
             f"{head}, and they were idle (CPU time over the last {window}: {cpu} of a core). Most "
             f"likely a deadlock: each waits on a collective or recv that its peers never call "
-            f"(check that every rank calls the same collectives in the same order)."), outputs)
+            f"(check that every rank calls the same collectives in the same order)."), outputs, shares)
     return RunTimeout(pending[0], (
         f"{head}; ranks {busy} were still computing (CPU time over the last {window}: {cpu} of a "
         f"core), so the run is longer than the timeout rather than stuck: {more_time}, or make "
-        f"the run smaller."), outputs)
+        f"the run smaller."), outputs, shares)
 
 
 def _collect(procs, conns, timeout, oom_before=None) -> list[RankResult]:
