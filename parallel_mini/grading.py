@@ -4,6 +4,12 @@ Each `check_*` returns a Grade. A stub that still raises NotImplementedError is 
 (shown, not raised, so the learner's notebook runs top to bottom); a wrong answer raises an
 AssertionError that says what was observed; a right one returns the measured run so the lesson can
 draw the learner's own result (e.g. animate their ring).
+
+While the learner's code runs, the library's own implementation of the same thing is disabled (its
+functions' code swapped for a raiser that says so), so an answer that calls it is refused. The
+ranks of a check wait at most CHECK_PG_TIMEOUT seconds for each other: a _RankTrace records each
+rank's calls in the learner's code, so a deadlock is reported as who waited in which call, not as
+gloo's text. `compare_prediction` prints a lesson's prediction cell against what the live cell got.
 """
 from __future__ import annotations
 
