@@ -107,7 +107,7 @@ def test_ranked_layouts_the_guide_and_bad_input_before_any_run():
     # the guide, answered by the facts on a first visit: 70B's states do not fit on one GPU
     assert _widget(at.radio, "Do the model's states fit").value == "no"
     want = guide.first_following(res["all"], guide.recommend({"fits": "no"}))
-    assert _metric(at, "Planner's best that follows the guide") == f"#{want[0]:,}"
+    assert _metric(at, "Guide's best layout") == f"#{want[0]:,}"
     lay = want[1]
     assert (lay.tp > 1 or lay.pp > 1 or lay.zero == 3) and lay.cp == 1
     assert f"{vplan.layout_label(planner.layout_entry(lay, want[2], want[0]))}" in mem
@@ -116,7 +116,7 @@ def test_ranked_layouts_the_guide_and_bad_input_before_any_run():
     _widget(at.radio, "Are the sequences long").set_value("yes").run()
     _assert_clean(at)
     long = guide.first_following(res["all"], guide.recommend({"fits": "no", "long": "yes"}))
-    assert long[1].cp > 1 and _metric(at, "Planner's best that follows") == f"#{long[0]:,}"
+    assert long[1].cp > 1 and _metric(at, "Guide's best layout") == f"#{long[0]:,}"
     # a model whose states fit needs no split: nothing that follows such a guide fits 70B
     _widget(at.radio, "Do the model's states fit").set_value("yes").run()
     assert any("No layout that follows the guide fits" in w.value for w in at.warning)
@@ -140,7 +140,7 @@ def test_toy_run_live_measured_beside_the_planner():
     assert _metric(at, "Step time: theory (planner)").endswith(" ms")
     measured = _metric(at, "Step time: measured")
     assert float(measured.split()[0]) > 0
-    assert _metric(at, "Ranks whose measured states equal the planner's") == "2 of 2"
+    assert _metric(at, "Ranks whose states equal theory") == "2 of 2"
 
     # the chart's numbers, checked against theory.run_theory for the run's own config
     chart = _chart(at, "Toy run: memory per rank, measured vs theory")

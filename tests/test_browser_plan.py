@@ -41,7 +41,7 @@ def test_plan_page_guide_and_toy_run(app_url):  # noqa: F811
 
             # the guide: long sequences -> the planner's best layout with context parallel
             page.get_by_text("yes: one layer's activations crowd the GPU").click()
-            expect(metric("Planner's best that follows the guide")).to_contain_text(
+            expect(metric("Guide's best layout")).to_contain_text(
                 f"#{place:,}", timeout=30_000)
             expect(page.locator('[data-testid="stMarkdown"]').filter(
                 has_text="Toy layout:")).to_contain_text("cp2")
@@ -54,7 +54,7 @@ def test_plan_page_guide_and_toy_run(app_url):  # noqa: F811
             assert float(value.split()[0]) > 0 and value.split()[1] in ("s", "ms"), value
             # beside the prediction: the same row of metrics
             assert abs(measured.bounding_box()["y"] - theory.bounding_box()["y"]) < 2
-            expect(metric("Ranks whose measured states equal the planner's")).to_contain_text(
+            expect(metric("Ranks whose states equal theory")).to_contain_text(
                 "2 of 2")
             toy = page.locator('[data-testid="stVegaLiteChart"]').filter(
                 has=page.locator("svg text", has_text="Toy run: memory per rank"))

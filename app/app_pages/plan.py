@@ -121,11 +121,17 @@ def show_guide_result(rec, entry: dict | None, first: dict | None, usable: float
         return
     t, f = entry["theory"], first["theory"]
     m1, m2, m3 = st.columns(3)
-    m1.metric("Planner's best that follows the guide: place among every fitting layout",
-              f"#{entry['rank_among_all_variants']:,}", help=entry["describe"])
-    m2.metric("Its step time (theory)", fmt_s(t["step_s"]),
-              delta=f"{t['step_s'] / f['step_s'] - 1:+.0%} vs the planner's first",
-              delta_color="inverse")
+    place = entry["rank_among_all_variants"]
+    m1.metric("Guide's best layout: the planner's rank", f"#{place:,}",
+              help=f"{entry['describe']}: the best-ranked of the layouts that fit and follow the "
+                   f"guide; #N is its place among every fitting layout")
+    if place == 1:
+        m2.metric("Its step time (theory)", fmt_s(t["step_s"]), delta="the planner's first",
+                  delta_color="off")
+    else:
+        m2.metric("Its step time (theory)", fmt_s(t["step_s"]),
+                  delta=f"{t['step_s'] / f['step_s'] - 1:+.1%} vs the planner's first",
+                  delta_color="inverse")
     m3.metric("Its memory per GPU (theory)",
               format_bytes(t["memory_bytes_per_gpu"]["total"], decimal=True),
               help=f"usable per GPU: {format_bytes(usable, decimal=True)}")
@@ -176,8 +182,9 @@ def show_toy(rec, controls, fresh_key: str) -> None:
                    "(planner.measured_step_s). Ranks share this machine's cores.")
     equal = sum(all(r["memory"][k] == p["memory_per_rank"][r["coords"]["pp"]][k] for k in STATES)
                 for r in result["ranks"])
-    m3.metric("Ranks whose measured states equal the planner's to the byte",
-              f"{equal} of {len(result['ranks'])}")
+    m3.metric("Ranks whose states equal theory", f"{equal} of {len(result['ranks'])}",
+              help="params, grads and optimizer bytes measured on each rank, against the "
+                   "planner's prediction for its pipeline stage: equal to the byte")
     rows = []
     for r in result["ranks"]:
         want = p["memory_per_rank"][r["coords"]["pp"]]
