@@ -274,14 +274,16 @@ def test_a_deadlock_is_a_run_timeout(tmp_path):
 
 
 def test_a_run_still_computing_at_the_timeout_is_not_called_a_deadlock(tmp_path):
-    """The ranks spin: the message says they were computing and names the flag that gives more time."""
+    """The ranks spin: the message says they were computing and names the flag that gives more time.
+    (A rank still starting when its CPU time is read, 0.5 s before this 1 s deadline, computes too.)"""
     with pytest.raises(RunTimeout) as info:
-        run_ranks(_spin, 2, str(tmp_path), timeout=2, pg_timeout=60)
+        run_ranks(_spin, 2, str(tmp_path), timeout=1, pg_timeout=60)
     message = str(info.value)
-    assert "did not finish within 2 s" in message and "still computing" in message, message
+    assert "did not finish within 1 s" in message and "still computing" in message, message
     assert "--timeout-s" in message and "deadlock" not in message, message
     assert info.value.idle is False
-    _assert_no_rank_survives(_pids(tmp_path, 2))
+    # the ranks may not have reached their pid files within 1 s on a loaded machine: those noted
+    _assert_no_rank_survives([int(f.read_text()) for f in tmp_path.glob("rank*.pid")])
 
 
 def test_a_rank_killed_from_outside_is_not_blamed_on_a_collective(tmp_path, monkeypatch):
