@@ -119,7 +119,8 @@ def test_ranked_layouts_the_guide_and_bad_input_before_any_run():
     assert long[1].cp > 1 and _metric(at, "Guide's best layout") == f"#{long[0]:,}"
     # a model whose states fit needs no split: nothing that follows such a guide fits 70B
     _widget(at.radio, "Do the model's states fit").set_value("yes").run()
-    assert any("No layout that follows the guide fits" in w.value for w in at.warning)
+    assert any(w.value.startswith("None of the 1,395 layouts that fit in memory follows the guide")
+               for w in at.warning)
     assert "dp1 zero0 tp1 pp1 cp2" in at.markdown[-1].value  # the toy still follows it
 
     # a custom model with impossible heads: one line, the inputs kept, nothing drawn
@@ -161,3 +162,23 @@ def test_toy_run_live_measured_beside_the_planner():
                 if r["rank"] == f"rank {rank}" and r["category"] == "activations"}
         assert acts["measured"] > 0 and acts["theory"] > 0
     assert "equal within 1e-5" in [m.delta for m in at.metric]
+
+
+@pytest.mark.slow
+def test_every_toy_layout_the_guide_can_pick_runs_with_states_equal_to_the_planners():
+    """For every answer to the guide and 2 or 4 local ranks, the toy layout the page would run (the
+    best-ranked with the fewest departures from the guide) runs here, and every rank's measured
+    params/grads/optimizer bytes equal the planner's prediction (planner.validate_on_toy_runs)."""
+    picks: dict[bool, set] = {False: set(), True: set()}
+    for answers in itertools.product(*(q[1] for q in guide.QUESTIONS.values())):
+        rec = guide.recommend(dict(zip(guide.QUESTIONS, answers)))
+        for ranks in (2, 4):
+            spec = planner.toy_model(**({"experts": 4, "top_k": 2} if rec.ep else {}))
+            ranked = planner.plan(spec, ranks, planner.hardware("cpu"), 8, top=0)["all"]
+            picks[rec.ep].add(guide.closest(ranked, rec)[1])
+    for moe, layouts in picks.items():
+        model = {"layers": 4, "heads": 4, "batch": 8, **({"experts": 4, "top_k": 2} if moe else {})}
+        res = planner.validate_on_toy_runs(sorted(layouts, key=planner.Layout.describe), steps=3,
+                                           model=model)
+        assert res["failed"] == 0, [r for r in res["rows"] if "error" in r]
+        assert res["states_equal"] == len(layouts), [r["mismatches"] for r in res["rows"]]

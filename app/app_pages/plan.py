@@ -110,14 +110,17 @@ def show_guide(facts: dict) -> None:
         st.caption(f"The numbers suggest: {answers[facts[key]]}.")
 
 
-def show_guide_result(rec, entry: dict | None, first: dict | None, usable: float) -> None:
+def show_guide_result(rec, entry: dict | None, first: dict | None, usable: float, spec,
+                      fit: int) -> None:
     st.markdown(f"**The guide's layout:** {rec.describe()}")
     st.markdown("\n".join(f"- {r}" for r in rec.reasons))
     if first is None:
         return
     if entry is None:
-        st.warning("No layout that follows the guide fits in memory on this cluster: the planner "
-                   f"ranks others (its first: {first['describe']}).")
+        why = (f"The guide calls for expert parallel, but {spec.name} is a dense model: none of "
+               f"its layouts follows the guide" if rec.ep and not spec.experts else
+               f"None of the {fit:,} layouts that fit in memory follows the guide")
+        st.warning(f"{why}. The planner's first: {first['describe']}.")
         return
     t, f = entry["theory"], first["theory"]
     m1, m2, m3 = st.columns(3)
@@ -290,5 +293,5 @@ if res is not None:
                        "checkpointing). Every number is the planner's prediction: none is measured.")
 
 show_guide(facts)
-show_guide_result(rec, entry, first, hw.usable_bytes)
+show_guide_result(rec, entry, first, hw.usable_bytes, spec, res["fit"] if res else 0)
 show_toy(rec, controls, "plan.fresh")
