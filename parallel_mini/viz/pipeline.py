@@ -130,9 +130,9 @@ def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] =
                                        drawn(font), seconds)
     else:
         chart, height = _coloured_bars(df, lanes, _x(seconds, x_scale), width, drawn(10), seconds)
-        subtitle.append("too many ops for a label each: colour is the micro-batch; each lane has "
-                        "a row per op kind" + (" and chunk" if df["row_name"].str.contains("c").any()
-                                               else "") + ", named on the right")
+        chunks = " and chunk" if df["row_name"].str.contains("c").any() else ""
+        subtitle.append("bars too narrow for a label each: colour is the micro-batch; each lane "
+                        f"has a row per op kind{chunks}, named on the right")
     return chart.properties(autosize=PAD, width=width, height=height,
                             title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
