@@ -226,7 +226,9 @@ class _Stopped(KeyboardInterrupt):
 @contextlib.contextmanager
 def _stop_signals_end_the_run():
     """Under torchrun the agent stops its workers itself (SIGTERM, then SIGKILL): left as it is.
-    Signal handlers can only be set from the main thread (a caller may run `main` elsewhere)."""
+    Signal handlers can only be set from the main thread (a caller may run `main` elsewhere). A
+    signal the process was told to ignore stays ignored (`nohup` ignores SIGHUP, a shell's
+    background job SIGINT): a closed terminal must not stop a run started with nohup."""
     from .launch import under_torchrun
     if under_torchrun() or threading.current_thread() is not threading.main_thread():
         yield
@@ -235,7 +237,8 @@ def _stop_signals_end_the_run():
     def stop(signum, frame):
         raise _Stopped(signum)
 
-    saved = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    saved = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+             if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
