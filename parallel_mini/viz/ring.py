@@ -3,6 +3,7 @@ ranks really sent it, its step times and bandwidth beside the formula, and each 
 tensors before and after the call.
 
     ring_animation(exp)    the ring all-reduce step by step, decoded from the probe run's messages
+                           (a 'step' slider; frame=k starts it at step k, for the app's Play)
     ring_step_times(exp)   wall time of each of the 2(N-1) ring steps (rank 0, timed run)
     bandwidth_bars(exp)    bus bandwidth: our ring vs the backend's all-reduce
     ring_time_bars(exp)    all-reduce time: measured ring, measured backend, 2(N-1)/N * X / B
