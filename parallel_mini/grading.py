@@ -472,6 +472,10 @@ def _ring_diagnosis(n: int, numel: int, per_rank: list[dict]) -> str | None:
         return (f"{at} rank {r} made no comm.sendrecv call: move every chunk with "
                 f"comm.sendrecv(send, dst, recv, src, 'dp') (dist.send / dist.recv are not "
                 f"recorded, so nothing can be checked)")
+    if exact:
+        return (f"{at} the result is right, but the ranks made {steps} comm.sendrecv calls; the "
+                f"ring makes 2(N-1) = {want} on every rank, each moving one chunk of X/N (so that "
+                f"no link carries more than 2(N-1)/N X)")
     if steps == [n - 1] * n:
         return (f"{at} each rank made N-1 = {n - 1} comm.sendrecv calls: that is the "
                 f"reduce-scatter alone, and the all-gather is missing. After it rank r holds only "
