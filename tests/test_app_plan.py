@@ -1,14 +1,15 @@
 """The "Plan a run" page (AppTest) and what it is built on: the decision guide's rule
 (parallel_mini.guide, pure Python) and the ranked-layout chart's frames (parallel_mini.viz.plan).
 
-Before any run the page draws the planner's ranked layouts for Llama 3 70B on 64 H100s: each bar's
-memory parts add up to the planner's predicted total and its step-time parts to the predicted step
+One AppTest session (one page load, one live run: the cheapest way through the page). Before any
+run the page draws the planner's ranked layouts for Llama 3 70B on 64 H100s: each bar's memory
+parts add up to the planner's predicted total and its step-time parts to the predicted step
 (planner.plan called here), and the layout the guide's answers lead to is the best-ranked one that
-follows them. Answering the guide changes that layout (long sequences: context parallel; a model
-whose states fit: no layout following the guide fits 70B). A custom model whose heads do not divide
-its width is refused in one line, its inputs kept. One live toy run (2 ranks) puts the measured
-step time beside the planner's, and every rank's measured model states equal theory.run_theory's
-to the byte."""
+follows them. Answering the guide changes that layout (long sequences: context parallel; states
+that fit: none of 70B's fitting layouts follows such a guide, and the page says so). The toy
+version, run live on 2 ranks, puts the measured step time beside the planner's, and every rank's
+measured model states equal theory.run_theory's to the byte. A custom model whose heads do not
+divide its width is refused in one line, its inputs kept."""
 from __future__ import annotations
 
 import itertools
@@ -82,7 +83,7 @@ def _bar_sums(chart: dict, column: str) -> dict[str, float]:
     return out
 
 
-def test_ranked_layouts_the_guide_and_bad_input_before_any_run():
+def test_ranked_layouts_the_guide_a_live_toy_run_and_bad_input():
     at = _app(PAGE)
     _assert_clean(at)
     assert at.title[0].value == "Plan a run"
@@ -122,27 +123,16 @@ def test_ranked_layouts_the_guide_and_bad_input_before_any_run():
     assert any(w.value.startswith("None of the 1,395 layouts that fit in memory follows the guide")
                for w in at.warning)
     assert "dp1 zero0 tp1 pp1 cp2" in at.markdown[-1].value  # the toy still follows it
+    assert "follows the guide" in at.markdown[-1].value
 
-    # a custom model with impossible heads: one line, the inputs kept, nothing drawn
-    _widget(at.selectbox, "Model").set_value("custom GPT (layers, width, heads)").run()
-    _assert_clean(at)
-    _widget(at.number_input, "Attention heads").set_value(48).run()
-    assert len(at.error) == 1 and "--d-model 4096: must be divisible by --heads 48" in at.error[0].value
-    assert not _charts(at) and _widget(at.number_input, "Attention heads").value == 48
-
-
-def test_toy_run_live_measured_beside_the_planner():
-    at = _app(PAGE)
-    assert _widget(at.radio, "Do the model's states fit").value == "no"  # 70B: split it
+    # the toy version of that layout, run live on 2 ranks: measured beside the planner
     toy = next(m.value for m in at.markdown if m.value.startswith("**Toy layout:**"))
-    assert "follows the guide" in toy
     at.button[0].click().run()
     _assert_clean(at)
     assert _metric(at, "Step time: theory (planner)").endswith(" ms")
     measured = _metric(at, "Step time: measured")
-    assert float(measured.split()[0]) > 0
+    assert float(measured.split()[0]) > 0 and measured.split()[1] in ("ms", "s")
     assert _metric(at, "Ranks whose states equal theory") == "2 of 2"
-
     # the chart's numbers, checked against theory.run_theory for the run's own config
     chart = _chart(at, "Toy run: memory per rank, measured vs theory")
     rows = _rows_with(chart, "category")
@@ -162,6 +152,14 @@ def test_toy_run_live_measured_beside_the_planner():
                 if r["rank"] == f"rank {rank}" and r["category"] == "activations"}
         assert acts["measured"] > 0 and acts["theory"] > 0
     assert "equal within 1e-5" in [m.delta for m in at.metric]
+
+    # a custom model with impossible heads: one line, the inputs kept, nothing drawn
+    _widget(at.selectbox, "Model").set_value("custom GPT (layers, width, heads)").run()
+    _assert_clean(at)
+    _widget(at.number_input, "Attention heads").set_value(48).run()
+    assert len(at.error) == 1 and "--d-model 4096: must be divisible by --heads 48" in at.error[0].value
+    assert RANKED not in [c["spec"]["title"]["text"] for c in _charts(at)]  # no plan drawn
+    assert _widget(at.number_input, "Attention heads").value == 48
 
 
 @pytest.mark.slow
