@@ -79,7 +79,8 @@ def check_answers(answers: dict) -> dict:
     out = {**DEFAULTS, **answers}
     for key, value in out.items():
         if key not in QUESTIONS:
-            raise ValueError(f"{key!r}: not a question of the guide; choose from {', '.join(QUESTIONS)}")
+            raise ValueError(f"{key!r}: not a question of the guide; choose from "
+                             f"{', '.join(QUESTIONS)}")
         if value not in QUESTIONS[key][1]:
             raise ValueError(f"{key} = {value!r}: choose one of {', '.join(QUESTIONS[key][1])}")
     return out

@@ -22,7 +22,7 @@ CUSTOM = "custom GPT (layers, width, heads)"
 SHOWN = 8  # ranked layouts drawn (each degree tuple at its best variant)
 TOY = {"layers": 4, "d_model": 64, "heads": 4, "seq": 32, "vocab": 128, "batch": 8}
 TOY_MOE = {"experts": 4, "top_k": 2}
-TOY_STEPS = 4  # steps 1 and 2 are timed (planner.measured_step_s: not the first, not the metered last)
+TOY_STEPS = 4  # steps 1 and 2 timed (planner.measured_step_s: not the first, not the metered last)
 TOY_RANKS = [2, 4]
 STATES = ("params", "grads", "optimizer")
 
@@ -264,10 +264,12 @@ if res is not None:
     usable = res["hardware"]["usable_bytes"]
     if not res["layouts"]:
         c = res["closest"]
-        st.warning("No layout fits: " + (
-            f"the least memory is {format_bytes(c['theory']['memory_bytes_per_gpu']['total'], decimal=True)} "
-            f"per GPU ({c['describe']}); add GPUs or take a GPU with more memory." if c else
-            "no layout divides this cluster; change the GPUs or the batch."))
+        if c:
+            least = format_bytes(c["theory"]["memory_bytes_per_gpu"]["total"], decimal=True)
+            st.warning(f"No layout fits: the least memory is {least} per GPU ({c['describe']}); "
+                       f"add GPUs or take a GPU with more memory.")
+        else:
+            st.warning("No layout fits: none divides this cluster; change the GPUs or the batch.")
     else:
         first = res["layouts"][0]
         entry = guide_entry(spec, res, rec, gpu, node)
@@ -290,7 +292,8 @@ if res is not None:
             st.caption("Memory: the pipeline rank that holds the most. Step time: compute, the "
                        "pipeline's bubble and the communication compute does not hide, per axis. "
                        "Hover a bar for the full layout (ZeRO stage, schedule, micro-batches, "
-                       "checkpointing). Every number is the planner's prediction: none is measured.")
+                       "checkpointing). Every number is the planner's prediction: none is "
+                       "measured.")
 
 show_guide(facts)
 show_guide_result(rec, entry, first, hw.usable_bytes, spec, res["fit"] if res else 0)

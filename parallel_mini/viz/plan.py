@@ -65,8 +65,8 @@ def layout_time_frame(entries: list[dict]) -> pd.DataFrame:
         bubble = 0.0 if t["ranks_share_cores"] else t["compute_s"] * t["bubble"]
         parts = {"compute": t["compute_s"] - bubble, "bubble": bubble}
         for axis in AXES:
-            parts[f"{axis} comm (exposed)"] = sum(
-                c["exposed_s"] for a, c in t["comm"].items() if a == axis or (axis, a) == ("dp", "edp"))
+            parts[f"{axis} comm (exposed)"] = sum(c["exposed_s"] for a, c in t["comm"].items()
+                                                  if a == axis or (axis, a) == ("dp", "edp"))
         for part, s in parts.items():
             rows.append({"layout": layout_label(e), "describe": e["describe"], "part": part,
                          "seconds": float(s)})
@@ -103,7 +103,8 @@ def ranked_layouts(entries: list[dict], capacity_bytes: float, usable_bytes: flo
                  alt.Tooltip("value:Q", format=",.4g", title=unit),
                  alt.Tooltip("bytes:Q", format=",.0f", title="bytes")],
     ).transform_calculate(part_index=f"indexof({MEMORY_PARTS}, datum.part)")
-    rules = [{"value": capacity_bytes / div, "label": f"GPU memory {capacity_bytes / div:.4g} {unit}"}]
+    rules = [{"value": capacity_bytes / div,
+              "label": f"GPU memory {capacity_bytes / div:.4g} {unit}"}]
     if usable_bytes and usable_bytes < capacity_bytes:
         rules.append({"value": usable_bytes / div,
                       "label": f"usable {usable_bytes / div:.4g} {unit} "
@@ -111,8 +112,8 @@ def ranked_layouts(entries: list[dict], capacity_bytes: float, usable_bytes: flo
     rule_df = pd.DataFrame(rules)
     rule = alt.Chart(rule_df).mark_rule(strokeWidth=2).encode(
         x="value:Q", tooltip=["label:N"],
-        stroke=alt.Stroke("label:N", title=None, legend=alt.Legend(orient="bottom", direction="vertical",
-                                                          labelLimit=400),
+        stroke=alt.Stroke("label:N", title=None,
+                          legend=alt.Legend(orient="bottom", direction="vertical", labelLimit=400),
                           scale=alt.Scale(domain=list(rule_df["label"]),
                                           range=["#c62828", "#c62828"][:len(rule_df)])),
         strokeDash=alt.StrokeDash("label:N", legend=None,
