@@ -255,19 +255,25 @@ def _kill(procs):
         p.join(timeout=5)
 
 
+# One process-wide lock (the app starts runs from several session threads at once): without it a
+# second thread could restore `__main__` while the first one's ranks are still being started.
+_STARTING = threading.Lock()
+
+
 @contextlib.contextmanager
 def _main_module_hidden():
     """multiprocessing re-imports the parent's `__main__` in every child (a script without an
     `if __name__ == "__main__"` guard would run again on every rank). Ranks receive their function
     by value, so they never need it: hide it while the ranks start."""
-    main = sys.modules["__main__"]
-    saved = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
+    with _STARTING:
+        main = sys.modules["__main__"]
+        saved = {k: main.__dict__.pop(k) for k in ("__file__", "__spec__") if k in main.__dict__}
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 30.0,
