@@ -176,9 +176,11 @@ def show_toy(rec, controls, fresh_key: str) -> None:
                 "measured numbers beside the planner's.")
         return
     if not current:
-        st.warning("The settings changed: press **Run live (toy version)**. Below: the last run "
-                   f"({result['config']['dp']} dp × {result['config']['tp']} tp × "
-                   f"{result['config']['pp']} pp × {result['config']['cp']} cp).")
+        c = result["config"]
+        st.warning("The toy layout changed (the guide's answers or the ranks): press **Run "
+                   f"live (toy version)**. The last run (dp {c['dp']} × tp {c['tp']} × pp "
+                   f"{c['pp']} × cp {c['cp']}, ep {c['ep']}) is not drawn beside this layout's "
+                   f"prediction.")
         return
     m2.metric("Step time: measured (median of the timed steps)", fmt_s(result["measured_step_s"]),
               help="Wall clock from the first op to the last of a step, all ranks "
