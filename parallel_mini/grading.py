@@ -884,6 +884,31 @@ def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
 ZERO1_CHECK_SHAPE = {"layers": 3, "d_model": 42, "heads": 6}
 
 
+def _library_zero_refused(*args, **kwargs):
+    """Swapped in for the code of the library's ZeRO while a learner's zero1_step runs."""
+    raise AssertionError("your zero1_step called the library's own ZeRO (parallel_mini.parallel."
+                         "zero.ZeroDataParallel), which the checker disables while your code runs: "
+                         "reduce-scatter, step and all-gather yourself, with comm")
+
+
+class _LibraryZeroDisabled:
+    """While active, ZeroDataParallel's constructor, gradient sync and step raise."""
+
+    def __enter__(self):
+        from .parallel import zero
+        fns = [getattr(zero.ZeroDataParallel, n) for n in ("__init__", "finish_gradient_sync",
+                                                          "step")]
+        self.saved = [(f, f.__code__) for f in fns]
+        for f, _ in self.saved:
+            f.__code__ = _library_zero_refused.__code__
+        return self
+
+    def __exit__(self, *exc):
+        for f, code in self.saved:
+            f.__code__ = code
+        return False
+
+
 def _zero1_rank(cfg_dict: dict, fn) -> dict:
     """One rank of the ZeRO-1 check: ZeroDataParallel's flat layout (every parameter a view into
     one flat fp32 buffer, padded to a multiple of N) and an Adam that owns only this rank's slice,
@@ -954,7 +979,7 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
         expected = layout.shard(expected, r) / n
         received.clear()
         updated.clear()
-        with trace:
+        with _LibraryZeroDisabled(), trace:
             fn(flat_params, flat_grads, step_shard, comm)
         trace.agree()  # every rank made the same calls: the checks' own collectives may follow
         at = f"at dp={n}, step {step}"

@@ -803,3 +803,17 @@ def test_mlp_checker_names_the_mistake(wrong, message):
     with pytest.raises(AssertionError, match=message):
         check_parallel_mlp(wrong, world_sizes=(2,))
     assert tensor.reduce_from_tp.__code__ is code
+
+
+def zero1_with_the_library(flat_params, flat_grads, step_shard, comm):
+    from parallel_mini.parallel.zero import ZeroDataParallel
+    ZeroDataParallel(None, comm, 1)
+
+
+@pytest.mark.slow  # the same code swap as the rings', buckets' and 1F1B's (tested by default)
+def test_zero1_checker_refuses_the_library():
+    from parallel_mini.parallel import zero
+    code = zero.ZeroDataParallel.step.__code__
+    with pytest.raises(AssertionError, match=r"called the library's own ZeRO .* disables"):
+        check_zero1_step(zero1_with_the_library, world_sizes=(2,))
+    assert zero.ZeroDataParallel.step.__code__ is code
