@@ -46,7 +46,7 @@ QUESTIONS: dict[str, tuple[str, dict[str, str]]] = {
               "slow": "slow: Ethernet, a few GB/s per GPU"}),
 }
 DEFAULTS = {"fits": "yes", "long": "no", "moe": "no", "link": "fast"}
-SLOW_LINK_BYTES_S = 10e9  # below this per GPU between nodes, the guide calls a link slow
+SLOW_LINK_BYTES_S = 20e9  # below this per GPU between nodes (100 Gb Ethernet: 12.5e9), slow
 LONG_SEQUENCE = 32_768  # from this many tokens, the guide calls a sequence long
 BYTES_PER_PARAM_STATES = 16  # bf16 weights and gradients, fp32 master copy and Adam's moments
 BYTES_PER_PARAM_WEIGHTS_GRADS = 4  # bf16 weights and gradients

@@ -6,12 +6,15 @@ run the page draws the planner's ranked layouts for Llama 3 70B on 64 H100s: eac
 parts add up to the planner's predicted total and its step-time parts to the predicted step
 (planner.plan called here), and the layout the guide's answers lead to is the best-ranked one that
 follows them. Answering the guide changes that layout (long sequences: context parallel; states
-that fit: none of 70B's fitting layouts follows such a guide, and the page says so). The toy
+that fit: none of 70B's fitting layouts follows such a guide, and the page says so). Ethernet
+between nodes changes the planner's ranking as planner.plan does with that link, and the guide's
+facts call the link slow. The toy
 version, run live on 2 ranks, puts the measured step time beside the planner's, and every rank's
 measured model states equal theory.run_theory's to the byte. A custom model whose heads do not
 divide its width is refused in one line, its inputs kept."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -124,6 +127,19 @@ def test_ranked_layouts_the_guide_a_live_toy_run_and_bad_input():
                for w in at.warning)
     assert "dp1 zero0 tp1 pp1 cp2" in at.markdown[-1].value  # the toy still follows it
     assert "follows the guide" in at.markdown[-1].value
+
+    # a slow network between nodes: the planner's numbers follow it, the guide's facts say so
+    _widget(at.selectbox, "Network between nodes").set_value(
+        "25 Gb Ethernet (3.1 GB/s per GPU)").run()
+    _assert_clean(at)
+    slow = dataclasses.replace(hw, inter="25 Gb Ethernet", inter_bw=3.125e9)
+    top = planner.plan(spec, 64, slow, 1024, 8, top=1)["layouts"][0]
+    chart = _chart(at, RANKED)
+    assert next(iter(_bar_sums(chart, "bytes"))) == vplan.layout_label(top)
+    assert "nodes of 8: 25 Gb Ethernet 3.12 GB/s per GPU between them" in chart["spec"]["title"][
+        "subtitle"]
+    suggested = [c.value for c in at.caption]
+    assert "The numbers suggest: slow: Ethernet, a few GB/s per GPU." in suggested
 
     # the toy version of that layout, run live on 2 ranks: measured beside the planner
     toy = next(m.value for m in at.markdown if m.value.startswith("**Toy layout:**"))

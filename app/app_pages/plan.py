@@ -1,9 +1,10 @@
-"""Plan a run: a model and a cluster in, the planner's ranked layouts out (memory per GPU against
-the GPU's capacity, predicted step time split into compute, bubble and each axis's exposed
-communication: theory, `parallel_mini.planner`), the decision guide walked question by question
-(`parallel_mini.guide`) to the layout it calls for and the planner's best layout that follows it,
-and the toy version of that layout run live on 2 or 4 local ranks: measured memory per rank and
-step time beside the planner's prediction for the same toy layout."""
+"""Plan a run: a model and a cluster (GPUs, nodes, the network between them) in, the planner's
+ranked layouts out (memory per GPU against the GPU's capacity, predicted step time split into
+compute, bubble and each axis's exposed communication: theory, `parallel_mini.planner`), the
+decision guide walked question by question (`parallel_mini.guide`) to the layout it calls for and
+the planner's best layout that follows it, and the toy version of that layout run live on 2 or 4
+local ranks: measured memory per rank and step time beside the planner's prediction for the same
+toy layout."""
 import dataclasses
 import json
 from types import SimpleNamespace
@@ -19,6 +20,9 @@ GPU_COUNTS = [8 * 2 ** i for i in range(10)]  # 8 .. 4,096
 BATCHES = [0, 64, 128, 256, 512, 1024, 2048, 4096]  # sequences per step; 0: the model's own
 SEQS = [0, 2048, 4096, 8192, 32768, 131072]  # tokens; 0: the model's own
 CUSTOM = "custom GPT (layers, width, heads)"
+# between nodes, per GPU: the GPU's own network (planner.HARDWARE: InfiniBand), or Ethernet
+NETWORKS = {"the GPU's own (InfiniBand)": 0.0, "100 Gb Ethernet (12.5 GB/s per GPU)": 12.5e9,
+            "25 Gb Ethernet (3.1 GB/s per GPU)": 3.125e9}
 SHOWN = 8  # ranked layouts drawn (each degree tuple at its best variant)
 TOY = {"layers": 4, "d_model": 64, "heads": 4, "seq": 32, "vocab": 128, "batch": 8}
 TOY_MOE = {"experts": 4, "top_k": 2}
@@ -34,12 +38,20 @@ def _own(value: int, what: str):
 # ---------------------------------------------------------------------------------------------
 # theory, cached (a big model's plan predicts thousands of layouts: seconds)
 # ---------------------------------------------------------------------------------------------
+def cluster_hardware(gpu: str, network: str) -> planner.Hardware:
+    """The GPU's profile, with Ethernet between nodes when chosen (the planner's link times
+    follow the bandwidth; a link name it does not list is fine with inter_bw given)."""
+    hw = planner.hardware(gpu)
+    bw = NETWORKS[network]
+    return dataclasses.replace(hw, inter=network.split(" (")[0], inter_bw=bw) if bw else hw
+
+
 @st.cache_data(max_entries=32, show_spinner="The planner predicts every layout…")
-def cached_plan(spec_json: str, gpus: int, gpu: str, node: int, batch: int) -> dict:
+def cached_plan(spec_json: str, gpus: int, gpu: str, network: str, node: int, batch: int) -> dict:
     """planner.plan, its ranked layouts kept as plain dicts (every one, for the guide's pick)."""
     fields = json.loads(spec_json)
     spec = planner.ModelSpec(**{**fields, "mla": tuple(fields["mla"])})  # hashable, as given
-    res = planner.plan(spec, gpus, planner.hardware(gpu), batch, node, top=SHOWN)
+    res = planner.plan(spec, gpus, cluster_hardware(gpu, network), batch, node, top=SHOWN)
     res["ranked"] = [dataclasses.asdict(lay) for lay, _ in res.pop("all")]
     return res
 
@@ -48,14 +60,13 @@ def _spec_json(spec: planner.ModelSpec) -> str:
     return json.dumps(dataclasses.asdict(spec), sort_keys=True)
 
 
-def guide_entry(spec, res: dict, rec, gpu: str, node: int):
+def guide_entry(spec, res: dict, rec, hw: planner.Hardware, node: int):
     """The planner's best-ranked layout that follows the guide, as an entry (theory), or None."""
     hit = guide.first_following([(planner.Layout(**d), None) for d in res["ranked"]], rec)
     if hit is None:
         return None
     rank, lay, _ = hit
-    p = planner.predict(spec, lay, planner.hardware(gpu), res["global_batch"], node,
-                        res["precision"])
+    p = planner.predict(spec, lay, hw, res["global_batch"], node, res["precision"])
     return planner.layout_entry(lay, p, rank)
 
 
@@ -239,6 +250,10 @@ gpus = c2.select_slider("GPUs", GPU_COUNTS, key=pm.kept("plan.gpus", 64),
 node = c2.radio("GPUs per node", [4, 8], horizontal=True, key=pm.kept("plan.node", 8),
                 help="Tensor parallel stays inside a node; the planner puts any axis whose group "
                      "fits in one node on the node's link.")
+network = c2.selectbox("Network between nodes", list(NETWORKS),
+                       key=pm.kept("plan.network", list(NETWORKS)[0]),
+                       help="Bandwidth per GPU between nodes; inside a node the GPU's own link "
+                            "(NVLink).")
 gpu = c3.selectbox("GPU", list(planner.HARDWARE), key=pm.kept("plan.gpu", "h100-80gb"))
 batch = c3.select_slider("Global batch (sequences)", BATCHES, key=pm.kept("plan.batch", 0),
                          format_func=_own(base.global_batch, "sequences"))
@@ -246,7 +261,7 @@ seq = c3.select_slider("Sequence length (tokens)", SEQS, key=pm.kept("plan.seq",
                        format_func=_own(base.seq, "tokens"))
 spec = dataclasses.replace(base, seq=seq or base.seq)
 batch = batch or spec.global_batch
-hw = planner.hardware(gpu)
+hw = cluster_hardware(gpu, network)
 
 # the guide's answers are read before the chart (which marks the guide's layout); their radios
 # are drawn in section 2. On a first visit they are what the numbers suggest; the learner's
@@ -259,7 +274,7 @@ rec = guide.recommend(answers)
 st.subheader(f"1 · The planner's ranked layouts for {spec.name} on {gpus:,} × {gpu} (theory)")
 res, first, entry = None, None, None
 try:
-    res = cached_plan(_spec_json(spec), gpus, gpu, node, batch)
+    res = cached_plan(_spec_json(spec), gpus, gpu, network, node, batch)
 except planner.PlanError as err:
     st.error(f"Invalid settings: {err}")
 if res is not None:
@@ -274,19 +289,21 @@ if res is not None:
             st.warning("No layout fits: none divides this cluster; change the GPUs or the batch.")
     else:
         first = res["layouts"][0]
-        entry = guide_entry(spec, res, rec, gpu, node)
+        entry = guide_entry(spec, res, rec, hw, node)
         shown = list(res["layouts"])
         if entry and all(e["rank_among_all_variants"] != entry["rank_among_all_variants"]
                          for e in shown):
             shown.append(entry)
         from parallel_mini.viz import plan as vplan
         highlight = vplan.layout_label(entry) if entry else None
-        m = res["model"]
+        m, between = res["model"], res["hardware"]["inter_node"]
         pm.chart(vplan.ranked_layouts(
             shown, res["hardware"]["memory_bytes"], usable, highlight=highlight,
             subtitle=[f"{m['parameters'] / 1e9:,.1f}B parameters, seq {m['seq']:,}, global batch "
                       f"{res['global_batch']:,}, {res['precision']}; {res['fit']:,} of "
                       f"{res['considered']:,} layouts fit; each degree tuple at its best variant",
+                      f"nodes of {node}: {between['link']} "
+                      f"{between['bytes_per_s'] / 1e9:.3g} GB/s per GPU between them",
                       ("opaque: the planner's best layout that follows the decision guide (2)"
                        if highlight else "no layout that follows the decision guide fits"),
                       "#N: the layout's place among every fitting layout"]))
