@@ -173,8 +173,10 @@ def test_ranked_layouts_the_guide_a_live_toy_run_and_bad_input():
     _widget(at.selectbox, "Model").set_value("custom GPT (layers, width, heads)").run()
     _assert_clean(at)
     _widget(at.number_input, "Attention heads").set_value(48).run()
-    assert len(at.error) == 1
-    assert "--d-model 4096: must be divisible by --heads 48" in at.error[0].value
+    assert len(at.error) == 1 and not at.exception
+    assert at.error[0].value == ("Invalid settings: hidden size 4,096 is not divisible by 48 "
+                                 "attention heads; choose heads that divide it (e.g. 8, 16, 32, "
+                                 "64, 128).")
     assert RANKED not in [c["spec"]["title"]["text"] for c in _charts(at)]  # no plan drawn
     assert _widget(at.number_input, "Attention heads").value == 48
 

@@ -273,10 +273,16 @@ rec = guide.recommend(answers)
 
 st.subheader(f"1 · The planner's ranked layouts for {spec.name} on {gpus:,} × {gpu} (theory)")
 res, first, entry = None, None, None
-try:
-    res = cached_plan(_spec_json(spec), gpus, gpu, network, node, batch)
-except planner.PlanError as err:
-    st.error(f"Invalid settings: {err}")
+if spec.d_model % spec.heads:  # the planner would refuse it naming its CLI flags: say it here
+    divisors = [h for h in (8, 16, 32, 40, 64, 128) if spec.d_model % h == 0]
+    st.error(f"Invalid settings: hidden size {spec.d_model:,} is not divisible by {spec.heads} "
+             f"attention heads; choose heads that divide it"
+             + (f" (e.g. {', '.join(map(str, divisors))})." if divisors else "."))
+else:
+    try:
+        res = cached_plan(_spec_json(spec), gpus, gpu, network, node, batch)
+    except planner.PlanError as err:
+        st.error(f"Invalid settings: {err}")
 if res is not None:
     usable = res["hardware"]["usable_bytes"]
     if not res["layouts"]:
