@@ -1,8 +1,14 @@
 # Two commands do all the set-up on a fresh machine: `make app` and `make test`.
 # GPU users: make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126' ...
+# A stock Linux machine without a GPU: PyPI's torch wheel for Linux is a multi-GB CUDA build;
+# `make app CPU_TORCH=1` takes the CPU build from PyTorch's CPU index instead, and falls back to the
+# plain pin when that index cannot be reached. Chosen by you, never probed: the default installs
+# the plain pin from the configured package index alone.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+CPU_TORCH ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PORT ?= 8501
@@ -13,7 +19,9 @@ $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, from TORCH_SPEC: a bare `torch` would resolve to a multi-GB CUDA build
-	$(PIP) install -q $(TORCH_SPEC)
+	$(if $(CPU_TORCH),$(PIP) install -q $(TORCH_SPEC) --index-url $(TORCH_CPU_INDEX) || \
+		{ echo "the CPU index could not be used: installing the plain pin $(TORCH_SPEC)"; \
+		  $(PIP) install -q $(TORCH_SPEC); },$(PIP) install -q $(TORCH_SPEC))
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.base pyproject.toml
