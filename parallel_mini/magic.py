@@ -12,7 +12,8 @@ Every rank runs the cell in a fresh namespace that already holds `rank`, `world_
 data-parallel mesh of N ranks; axis "dp"). Every other name the cell uses that the notebook defines
 (functions, classes, values, imported modules) is copied to the ranks with cloudpickle, by value: a
 function written in one cell runs on the ranks in the next, and what a rank changes stays on that
-rank. Options: `--timeout S` (default 60 s: a deadlock ends with a message); `--backend gloo|nccl`
+rank. Options: `--timeout S` (default 20 s; a rank waits at most half of it in one collective or recv,
+so a deadlock ends within 10 s with the cell line each waiting rank was stuck on); `--backend gloo|nccl`
 (default gloo, so that cells written with CPU tensors run anywhere; with nccl, put tensors on
 `torch.device("cuda", torch.cuda.current_device())`).
 
@@ -30,6 +31,7 @@ import argparse
 import contextlib
 import html
 import linecache
+import re
 import shlex
 import sys
 import traceback
@@ -37,9 +39,10 @@ import types
 
 import cloudpickle
 
-from .launch import RankError, run_ranks
+from .launch import RankError, RunTimeout, run_ranks
 
 CELL_FILENAME = "<%%ranks cell>"
+DEFAULT_TIMEOUT_S = 20.0  # a cell's run; a deadlock stops after half of it (pg_timeout_for)
 PROVIDED = ("rank", "world_size", "torch", "dist", "comm")
 MAX_SHIP_BYTES = 64 * 2 ** 20  # a notebook value bigger than this is not copied to every rank
 
@@ -108,12 +111,12 @@ def shippable(source: str, user_ns: dict) -> tuple[dict, dict]:
     return ok, skipped
 
 
-def run_cell(source: str, n: int, user_ns: dict | None = None, timeout: float = 60.0,
+def run_cell(source: str, n: int, user_ns: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S,
              backend: str = "gloo") -> list[str]:
     """Run `source` on n ranks; returns what each rank printed (index = rank)."""
     shipped, _ = shippable(source, user_ns or {})
     results = run_ranks(_exec_on_rank, n, source, shipped, timeout=timeout,
-                        pg_timeout=min(timeout, 30.0), backend=backend)
+                        pg_timeout=pg_timeout_for(timeout), backend=backend)
     return [r.output for r in results]
 
 
@@ -180,7 +183,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="%%ranks", add_help=False)
     p.add_argument("n", type=int, help="number of ranks")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds before a run is killed")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds before a run is killed")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     return p
 
@@ -206,19 +210,50 @@ def ranks(line: str, cell: str):
     notes = [f"{name} was not sent to the ranks ({why})" for name, why in skipped.items()]
     try:
         results = run_ranks(_exec_on_rank, args.n, cell, shipped, timeout=args.timeout,
-                            pg_timeout=min(args.timeout, 30.0), backend=args.backend)
+                            pg_timeout=pg_timeout_for(args.timeout), backend=args.backend)
     except ValueError as err:  # e.g. a world size beyond what runs locally
         raise UsageError(str(err)) from None
     except RankError as err:
         outputs = list(err.outputs) + [""] * (args.n - len(err.outputs))
         display(RanksOutput(outputs, err.rank, err.details, notes))
-        last = [ln for ln in err.details.strip().splitlines() if ln.strip()]
-        hint = ""
-        if "Connection reset by peer" in err.details or "Connection closed by peer" in err.details:
-            hint = ("\n(a peer finished or failed while this rank was still waiting for it: "
-                    "every send needs a matching recv, every collective a call on every rank)")
-        raise UsageError(f"rank {err.rank} failed: {last[-1] if last else err}{hint}") from None
+        raise UsageError(failure_message(err, cell, pg_timeout_for(args.timeout))) from None
     display(RanksOutput([r.output for r in results], notes=notes))
+
+
+def pg_timeout_for(timeout: float) -> float:
+    """How long a rank waits in one collective or recv: half the run's time (at most 30 s), so
+    that a deadlock ends with the waiting rank's own traceback (which names the cell line) before
+    the launcher's timeout kills every rank."""
+    return min(timeout / 2, 30.0)
+
+
+def _cell_line(details: str, cell: str) -> str:
+    """' at line n of the cell (its source)': the last line of the cell a rank's traceback names."""
+    found = re.findall(r'File "' + re.escape(CELL_FILENAME) + r'", line (\d+)', details)
+    if not found:
+        return ""
+    n, lines = int(found[-1]), cell.splitlines()
+    source = f" ({lines[n - 1].strip()})" if 0 < n <= len(lines) else ""
+    return f" at line {n} of the cell{source}"
+
+
+def failure_message(err: RankError, cell: str, pg_timeout: float) -> str:
+    """One line for a failed cell: the failing rank's exception, and where a rank waited in vain
+    the cell line it waited on and the likely mismatch, instead of gloo's own words."""
+    details = str(err.details)
+    last = [ln for ln in details.strip().splitlines() if ln.strip()]
+    if isinstance(err, RunTimeout):  # the launcher's own sentence: idle or still computing
+        return str(err.details)
+    if "Timed out" in details or "timed out" in details:
+        return (f"rank {err.rank} waited {pg_timeout:g} s{_cell_line(details, cell)} for peers "
+                f"that never joined: most likely a deadlock. Every send needs a matching recv on "
+                f"its peer, and every collective a call on every rank of its group, in the same "
+                f"order (print rank and the op before each call to see who waits on what)")
+    if "Connection reset by peer" in details or "Connection closed by peer" in details:
+        return (f"rank {err.rank}{_cell_line(details, cell)} lost its peer: a peer finished or "
+                f"failed while this rank was still waiting for it (every send needs a matching "
+                f"recv, every collective a call on every rank)")
+    return f"rank {err.rank} failed: {last[-1] if last else err}"
 
 
 def load_ipython_extension(ip) -> None:

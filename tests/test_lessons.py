@@ -281,6 +281,27 @@ def test_magic_shows_every_rank_and_fails_the_cell_not_the_kernel(ipython_shell,
     assert shell.run_cell("%%ranks 2\nprint(rank)\n").success  # the kernel carries on
 
 
+def test_magic_deadlock_names_the_line_each_rank_waited_on(ipython_shell, capsys):
+    """Both ranks receive first: neither sends. The cell stops after half its --timeout with the
+    cell line the reported rank waited on and what to check, not gloo's own text."""
+    import time
+
+    from IPython.core.error import UsageError
+
+    shell = ipython_shell
+    shell.run_line_magic("load_ext", "parallel_mini.magic")
+    t0 = time.monotonic()
+    bad = shell.run_cell("%%ranks 2 --timeout 6\nx = torch.zeros(4)\npeer = 1 - rank\n"
+                         "dist.recv(x, src=peer)\ndist.send(x, dst=peer)\n")
+    elapsed = time.monotonic() - t0
+    message = str(bad.error_in_exec)
+    assert isinstance(bad.error_in_exec, UsageError), message
+    assert "waited 3 s at line 3 of the cell (dist.recv(x, src=peer))" in message, message
+    assert "deadlock" in message and "Timed out" not in message, message
+    assert elapsed < 10, f"{elapsed:.1f} s"
+    capsys.readouterr()
+
+
 # ---------------------------------------------------------------------------------------------
 # the notebooks, executed
 # ---------------------------------------------------------------------------------------------
