@@ -725,11 +725,11 @@ def _wire_rank(sizes: list[int], repeats: int) -> list[dict]:
                 dist.barrier()
                 calls[op]()
                 rec = comm.records[-1]
-                if rec["wire_bytes"]:
-                    ratios.append(rec["wire_bytes_measured"] / rec["wire_bytes"])
+                if rec["wire_bytes_model"]:
+                    ratios.append(rec["wire_bytes_measured"] / rec["wire_bytes_model"])
             rec = comm.records[-1]
             rows.append({"op": op, "ranks": n, "payload_bytes": rec["payload_bytes"],
-                         "model_bytes": rec["wire_bytes"], "written_bytes": rec["wire_bytes_measured"],
+                         "model_bytes": rec["wire_bytes_model"], "written_bytes": rec["wire_bytes_measured"],
                          "written_over_model": statistics.median(ratios) if ratios else None})
     return rows
 

@@ -36,7 +36,7 @@ def _primitives_rank(n: int) -> list[dict]:
 
     def show(op, before, after, note):
         rows.append({"op": op, "rank": r, "before": before, "after": after, "note": note,
-                     "wire_bytes": comm.records[-1]["wire_bytes"] if comm.records else 0})
+                     "wire_bytes_model": comm.records[-1]["wire_bytes_model"] if comm.records else 0})
 
     dev = rank_device()
     x = torch.arange(n, dtype=torch.float32, device=dev) + 10 * r  # [n]: rank r holds 10r, 10r+1, ...
@@ -89,7 +89,7 @@ def _ring_rank(n: int, numel: int, impl, repeats: int, timed_numel: int | None) 
     ours, ref = x.clone(), x.clone()
     fcomm = _dp_comm(n)
     impl(ours, fcomm)
-    out["sent_bytes"] = sum(rec["wire_bytes"] for rec in fcomm.records)  # fp32: 4 bytes/element
+    out["sent_bytes"] = sum(rec["wire_bytes_model"] for rec in fcomm.records)  # fp32: 4 bytes/element
     dist.all_reduce(ref)
     out["float_max_abs_err"] = (ours - ref).abs().max().item() if numel else 0.0
     # (3) timing: ring vs the backend, same bytes

@@ -1,7 +1,7 @@
 """Collectives that keep a record of themselves, and ring all-reduce written on send/recv.
 
 Every call through `Comm` appends one record: op, group (a mesh axis), count (elements), payload
-bytes S, `wire_bytes` (the model: what this rank sends under the ring algorithm,
+bytes S, `wire_bytes_model` (the model: what this rank sends under the ring algorithm,
 `theory.wire_bytes`), `wire_bytes_measured` (what this process really wrote to its sockets during
 the op, see WireMeter; None where that cannot be read), the step, and wall/CPU time. Lessons and
 the app read these records; tests compare them with theory.
@@ -60,7 +60,7 @@ class WireMeter:
         delta, self.last = now - self.last, now
         if not self.inflight:
             return  # written while no op ran (a print, a file): not communication
-        weights = [max(r["wire_bytes"], 1) for r in self.inflight]
+        weights = [max(r["wire_bytes_model"], 1) for r in self.inflight]
         groups = sorted({r["group"] for r in self.inflight})
         for r, w in zip(self.inflight, weights):
             r["wire_bytes_measured"] += delta * w / sum(weights)
@@ -133,7 +133,7 @@ class Comm:
         payload = tensor_or_bytes if isinstance(tensor_or_bytes, int) else \
             tensor_or_bytes.numel() * tensor_or_bytes.element_size()
         rec = {"op": op, "group": axis, "count": count, "payload_bytes": payload,
-               "wire_bytes": wire, "step": self.step, "start": time.perf_counter(), **extra}
+               "wire_bytes_model": wire, "step": self.step, "start": time.perf_counter(), **extra}
         self.records.append(rec)
         return rec
 

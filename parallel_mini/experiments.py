@@ -74,7 +74,7 @@ def _tp_mlp_shards_rank(cfg_dict: dict, tokens: int = 8) -> dict:
             blocks.append(out)
     return {"rank": r, "blocks": blocks,
             "comm": [{k: v for k, v in c.items() if k in ("op", "layer", "payload_bytes",
-                                                           "wire_bytes")} for c in comm.records]}
+                                                           "wire_bytes_model")} for c in comm.records]}
 
 
 def tp_mlp_shards(cfg_dict: dict, tokens: int = 8, timeout: float = 60.0) -> list[dict]:
@@ -112,7 +112,7 @@ def _wire_rank(numel: int, repeats: int) -> list[dict]:
             written.append(comm.records[-1]["wire_bytes_measured"])
         rec = comm.records[-1]
         rows.append({"op": op, "rank": r, "payload_bytes": rec["payload_bytes"],
-                     "ring_model_bytes": rec["wire_bytes"],
+                     "ring_model_bytes": rec["wire_bytes_model"],
                      "written_bytes": (None if None in written else
                                        int(statistics.median(written)))})
     return rows
@@ -122,7 +122,7 @@ def wire_bytes_experiment(n: int = 4, nbytes: int = 2 ** 20, repeats: int = 3,
                           timeout: float = 60.0) -> list[dict]:
     """Each collective on n ranks over an fp32 tensor of `nbytes` (S: the full tensor, as in
     theory.wire_bytes): one row per (op, rank) with the ring model's bytes (the op's record,
-    `wire_bytes`) and the bytes the rank really wrote to its sockets during the op (median of
+    `wire_bytes_model`) and the bytes the rank really wrote to its sockets during the op (median of
     `repeats` calls, `wire_bytes_measured`; None where it cannot be read: off Linux, on NCCL).
     The model assumes a ring (a pipelined chain for broadcast); gloo does not always use one."""
     numel = max(n, nbytes // 4 // n * n)

@@ -418,7 +418,7 @@ def _ring_check_rank(n: int, numel: int, fn) -> dict:
                     and returned.shape == x.shape and torch.equal(returned.to(x.dtype), expected))
     return {"rank": r, "calls": calls, "final": x.tolist(), "expected": expected.tolist(),
             "returned_sum": returned_sum, "starts": starts,
-            "sent_bytes": sum(rec["wire_bytes"] for rec in comm.records if rec["op"] == "send")}
+            "sent_bytes": sum(rec["wire_bytes_model"] for rec in comm.records if rec["op"] == "send")}
 
 
 def _ring_call_problem(n: int, r: int, s: int, call: dict) -> str | None:
@@ -792,7 +792,7 @@ def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
         for i, (row, c) in enumerate(zip(rows, recs)):
             row.update(bucket=i, grads_pending=sum(t > c["start"] for t in arrived),
                        rank=r, step=step, finished_in_backward=row["finish_ms"] <= 0.0,
-                       wire_bytes=c["wire_bytes"], payload_bytes=c["payload_bytes"],
+                       wire_bytes_model=c["wire_bytes_model"], payload_bytes=c["payload_bytes"],
                        **{"async": bool(c.get("async_op"))})
         steps.append({"step": step, "backward_ms": 1e3 * (t_end - t_start),
                       "finish_ms": 1e3 * (t_done - t_end), "all_reduces": rows})
@@ -848,7 +848,7 @@ def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
                                          f"Launch it with comm.all_reduce(flat, 'dp', "
                                          f"async_op=True), keep the handle, wait in "
                                          f"finish_gradient_sync")
-                sent = sum(a["wire_bytes"] for a in ars)
+                sent = sum(a["wire_bytes_model"] for a in ars)
                 if sent != predicted:
                     raise AssertionError(f"{at}: your all-reduces sent {sent:,} bytes (ring "
                                          f"model); every gradient once is 2(N-1)/N x 4P = "
@@ -1067,7 +1067,7 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
         library_bytes = library.wire_bytes_per_step().get("dp", 0)
         s = 4 * theory.padded(p, n)  # padded flat buffer, fp32
         for r in per_rank:
-            measured = sum(c["wire_bytes"] for c in r["comm"] if c["step"] >= 0) / steps
+            measured = sum(c["wire_bytes_model"] for c in r["comm"] if c["step"] >= 0) / steps
             if measured != predicted or measured != library_bytes:
                 hint = ""
                 if measured == 0:
@@ -1166,7 +1166,7 @@ def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
         trace.agree()
         calls.append({"out": out.detach().clone() if isinstance(out, torch.Tensor) else out,
                       "records": [{k: c.get(k) for k in ("op", "group", "payload_bytes",
-                                                         "wire_bytes", "count")}
+                                                         "wire_bytes_model", "count")}
                                   for c in comm.records]})
     return {"rank": r, "calls": calls}
 
@@ -1247,8 +1247,8 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
                                          f"bytes; the MLP's output [b, s, h] in fp32 is "
                                          f"{out_bytes}")
                 expected_wire = theory.wire_bytes("all_reduce", out_bytes, n)
-                if rec["wire_bytes"] != expected_wire:
-                    raise AssertionError(f"{at}: the all-reduce's wire bytes {rec['wire_bytes']} "
+                if rec["wire_bytes_model"] != expected_wire:
+                    raise AssertionError(f"{at}: the all-reduce's wire bytes {rec['wire_bytes_model']} "
                                          f"differ from 2(t-1)/t x {out_bytes} = {expected_wire}")
                 got = got.to(want.dtype)
                 if not torch.allclose(got, want, **PARALLEL_MLP_TOLERANCE):
@@ -1266,7 +1266,7 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
                 worst = max(worst, (got - want).abs().max().item())
         summary.append({"tp": n, "max_abs_diff": worst,
                         "all_reduce_bytes": [x.shape[0] * x.shape[1] * h * 4 for x in xs],
-                        "wire_bytes": [theory.wire_bytes("all_reduce", x.shape[0] * x.shape[1] * h * 4, n)
+                        "wire_bytes_model": [theory.wire_bytes("all_reduce", x.shape[0] * x.shape[1] * h * 4, n)
                                        for x in xs]})
     worst = max(row["max_abs_diff"] for row in summary)
     return Grade("correct", f"equal to the unsharded MLP (max |diff| {worst:.1e}) at tp = "

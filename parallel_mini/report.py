@@ -29,11 +29,11 @@ class RunReport:
     def wire_bytes_per_step(self, rank: int = 0, group: str | None = None,
                             kind: str = "model") -> dict[str, float | None]:
         """Bytes this rank sent per training step, by group: kind "model" sums the ring model of
-        the ops that ran (records' `wire_bytes`), "measured" what the process wrote to its
+        the ops that ran (records' `wire_bytes_model`), "measured" what the process wrote to its
         sockets during them (`wire_bytes_measured`; None for a group where it could not be read).
         Expert parallel's all-to-all depends on where the router sent tokens, so it is kept apart
         (moe_wire_bytes_per_step): what is left is traffic a formula predicts exactly."""
-        key = {"model": "wire_bytes", "measured": "wire_bytes_measured"}[kind]
+        key = {"model": "wire_bytes_model", "measured": "wire_bytes_measured"}[kind]
         steps = max(1, self.config["steps"])
         out: dict[str, float | None] = {}
         for rec in self.ranks[rank]["comm"]:
@@ -53,7 +53,7 @@ class RunReport:
         """Expert parallel's all-to-all bytes this rank sent per step (counts, dispatch, combine;
         forward and backward): every row it routed to another rank's experts, and back."""
         steps = max(1, self.config["steps"])
-        return sum(r["wire_bytes"] for r in self.ranks[rank]["comm"]
+        return sum(r["wire_bytes_model"] for r in self.ranks[rank]["comm"]
                    if r["step"] >= 0 and r.get("layer") == "moe") / steps
 
     def comm_summary(self, rank: int = 0) -> list[dict]:
@@ -62,10 +62,10 @@ class RunReport:
         for rec in self.ranks[rank]["comm"]:
             key = (rec["op"], rec["group"], "setup" if rec["step"] < 0 else "steps")
             a = agg.setdefault(key, {"op": key[0], "group": key[1], "when": key[2], "calls": 0,
-                                     "payload_bytes": 0, "wire_bytes": 0})
+                                     "payload_bytes": 0, "wire_bytes_model": 0})
             a["calls"] += 1
             a["payload_bytes"] += rec["payload_bytes"]
-            a["wire_bytes"] += rec["wire_bytes"]
+            a["wire_bytes_model"] += rec["wire_bytes_model"]
         return list(agg.values())
 
     def to_dict(self) -> dict:

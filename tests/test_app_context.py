@@ -135,7 +135,7 @@ def test_live_ring_zigzag_ulysses_on_four_ranks():
     assert len(uly_msgs) == c * 4
     assert {m["kind"] for m in uly_msgs} == {"a2a_qkv", "a2a_out", "a2a_dout", "a2a_dqkv"}
     # an all-to-all keeps 1/C of its payload: q, k, v are 3 blocks, the output 1
-    assert {(m["kind"], m["wire_bytes"]) for m in uly_msgs} == {
+    assert {(m["kind"], m["wire_bytes_model"]) for m in uly_msgs} == {
         ("a2a_qkv", 3 * blk * (c - 1) // c), ("a2a_dqkv", 3 * blk * (c - 1) // c),
         ("a2a_out", blk * (c - 1) // c), ("a2a_dout", blk * (c - 1) // c)}
     bars = {(r["impl"], r["source"]): r["bytes"]

@@ -126,7 +126,7 @@ def test_live_tp2_equals_reference_and_theory_and_sp_moves_the_same_bytes():
     assert float(_widget(at.metric, "max |run − reference|").value) <= 1e-5
     expected = tp_bytes_by_hand(2, sp=False)
     assert expected == 591_360
-    assert _count(at, "TP bytes per step, rank 0: measured") == expected
+    assert _count(at, "TP bytes per step, rank 0: counted (ring model of the ops run)") == expected
     assert _count(at, "TP bytes per step: theory") == expected
     assert _widget(at.metric, "Ranks sending exactly that").value == "2 of 2"
 
@@ -177,7 +177,7 @@ def test_live_tp2_equals_reference_and_theory_and_sp_moves_the_same_bytes():
     _widget(at.checkbox, "Sequence parallel").check().run()
     _assert_clean(at)
     assert not at.warning
-    assert _count(at, "TP bytes per step, rank 0: measured") == tp_bytes_by_hand(2, sp=True)
+    assert _count(at, "TP bytes per step, rank 0: counted (ring model of the ops run)") == tp_bytes_by_hand(2, sp=True)
     assert _count(at, "TP bytes per step: theory") == tp_bytes_by_hand(2, sp=True)
     # a knob that changes the runs starts nothing: the page says the result is stale
     _set(at, "select_slider", "Sequence length (tokens)", 64)
@@ -194,7 +194,7 @@ def test_live_tp4_with_sp_shards_and_bytes():
     _assert_clean(at)
     assert float(_widget(at.metric, "max |run − reference|").value) <= 1e-5
     expected = tp_bytes_by_hand(4, sp=True)
-    assert _count(at, "TP bytes per step, rank 0: measured") == expected
+    assert _count(at, "TP bytes per step, rank 0: counted (ring model of the ops run)") == expected
     assert _count(at, "TP bytes per step: theory") == expected
     assert _widget(at.metric, "Ranks sending exactly that").value == "4 of 4"
     acts = {(r["setting"], r["source"]): r["bytes"]
@@ -218,14 +218,14 @@ def test_live_tp2_dp2_adds_data_parallel_over_the_shards():
     at.button[0].click().run()
     _assert_clean(at)
     assert float(_widget(at.metric, "max |run − reference|").value) <= 1e-5
-    assert _count(at, "TP bytes per step, rank 0: measured") == tp_bytes_by_hand(2, False, b=2)
+    assert _count(at, "TP bytes per step, rank 0: counted (ring model of the ops run)") == tp_bytes_by_hand(2, False, b=2)
     assert _widget(at.metric, "Ranks sending exactly that").value == "4 of 4"
     # each rank's gradients: its tp slices (v*h/2 tokens, s*h positions, per block
     # (12h^2 + 7h)/2 + 6h, 2h final LayerNorm, h*v/2 head), all-reduced over dp = 2: 4 bytes each
     local = V * H // 2 + S * H + L * ((12 * H * H + 7 * H) // 2 + 6 * H) + 2 * H + H * V // 2
     (cap,) = [c.value for c in at.caption if "Data parallel over the tp shards" in c.value]
     assert f"{local:,} gradient elements" in cap
-    assert f"measured {4 * local:,} B per step, theory {4 * local:,} B" in cap
+    assert f"{4 * local:,} B per step counted from the all-reduces it ran (ring model), theory {4 * local:,} B" in cap
 
 
 def test_failed_live_run_shows_one_line_error(monkeypatch):

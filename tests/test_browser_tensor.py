@@ -31,12 +31,13 @@ def test_tensor_page_runs_live_and_draws_the_shards(app_url):  # noqa: F811
                 assert label in texts, texts
             cells = shards.locator('path[aria-roledescription="rect mark"]')
             assert cells.count() >= 2 * 2 * 32 * 16  # 2 matrices x 2 ranks x (32 x 16) patches
-            expect(page.get_by_text("TP bytes per step, rank 0: measured")).to_be_visible()
+            tp_bytes = "TP bytes per step, rank 0: counted (ring model of the ops run)"
+            expect(page.get_by_text(tp_bytes)).to_be_visible()
             theory = page.locator('[data-testid="stMetric"]').filter(
                 has_text="TP bytes per step: theory")
             expect(theory).to_contain_text("591,360 B")
             expect(theory).to_contain_text("equal")
             expect(page.locator('[data-testid="stMetric"]').filter(
-                has_text="TP bytes per step, rank 0: measured")).to_contain_text("591,360 B")
+                has_text=tp_bytes)).to_contain_text("591,360 B")
         finally:
             browser.close()

@@ -58,9 +58,9 @@ def _ring_vs_backend(sizes):
             "float_err": (ours_f - ref_f).abs().max().item(),
             "float_scale": ref_f.abs().max().item(),
             "sendrecv_steps": len(sends), "p2p_log": len(comm.p2p_log),
-            "sent_bytes": sum(rec["wire_bytes"] for rec in sends),
+            "sent_bytes": sum(rec["wire_bytes_model"] for rec in sends),
             "sent_per_step": [rec["payload_bytes"] for rec in sends],
-            "recv_wire": sum(rec["wire_bytes"] for rec in comm.records if rec["op"] == "recv"),
+            "recv_wire": sum(rec["wire_bytes_model"] for rec in comm.records if rec["op"] == "recv"),
         })
     return out
 
@@ -142,7 +142,7 @@ def test_recorded_collectives_results_and_wire_bytes(n, k):
         for rec in recs:
             assert rec["group"] == "dp" and rec["step"] == 5
             assert rec["end"] >= rec["start"]
-            for key in ("count", "payload_bytes", "wire_bytes"):
+            for key in ("count", "payload_bytes", "wire_bytes_model"):
                 assert isinstance(rec[key], int)
         ar, ag, rs, a2a, bc, send, recv, ar_async = recs
         chain_pos = (r - 1) % n  # broadcast from axis rank 1: the chain is 1, 2, ..., 0
@@ -154,14 +154,14 @@ def test_recorded_collectives_results_and_wire_bytes(n, k):
             "broadcast": (n * k, S_full, S_full if chain_pos < n - 1 else 0),
         }
         for rec in (ar, ag, rs, a2a, bc):
-            assert (rec["count"], rec["payload_bytes"], rec["wire_bytes"]) == expect[rec["op"]], rec
-        assert (send["payload_bytes"], send["wire_bytes"], send["peer"]) == (S_piece, S_piece, (r + 1) % n)
-        assert (recv["payload_bytes"], recv["wire_bytes"], recv["peer"]) == (S_piece, 0, (r - 1) % n)
+            assert (rec["count"], rec["payload_bytes"], rec["wire_bytes_model"]) == expect[rec["op"]], rec
+        assert (send["payload_bytes"], send["wire_bytes_model"], send["peer"]) == (S_piece, S_piece, (r + 1) % n)
+        assert (recv["payload_bytes"], recv["wire_bytes_model"], recv["peer"]) == (S_piece, 0, (r - 1) % n)
         assert ar_async["async_op"] is True and ar_async["bucket"] == 7
         assert ar["async_op"] is False
-        assert ar_async["wire_bytes"] == ar["wire_bytes"]
+        assert ar_async["wire_bytes_model"] == ar["wire_bytes_model"]
     # over the chain, all ranks but the last send the tensor once: (n-1) * S in all
-    assert sum(out["records"][4]["wire_bytes"] for out in per_rank) == (n - 1) * S_full
+    assert sum(out["records"][4]["wire_bytes_model"] for out in per_rank) == (n - 1) * S_full
 
 
 def test_theory_wire_bytes_table():
@@ -191,7 +191,7 @@ def _group_of_one():
 def test_a_group_of_one_copies_and_sends_nothing():
     out, x, records = run_ranks(_group_of_one, 1)[0].value
     assert torch.equal(out, torch.arange(6.0)) and torch.equal(x, torch.arange(6.0))
-    assert [r["wire_bytes"] for r in records] == [0, 0]
+    assert [r["wire_bytes_model"] for r in records] == [0, 0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -217,7 +217,7 @@ def test_cli_json_report_has_the_run_contract(cli_runs):
             assert isinstance(r["memory"][k], int) and r["memory"][k] > 0, k
         assert r["comm"], "a dp=2 run communicates"
         for rec in r["comm"]:
-            for k in ("op", "group", "count", "payload_bytes", "wire_bytes"):
+            for k in ("op", "group", "count", "payload_bytes", "wire_bytes_model"):
                 assert k in rec
         assert {e["kind"] for e in r["events"]} >= {"forward", "backward", "optimizer"}
         for e in r["events"]:

@@ -45,7 +45,7 @@ def _check_wire_bytes(report, cfg):
         for rec in report.ranks[rank]["comm"]:
             if rec["step"] >= 0:
                 assert rec["group"] == "dp"
-                per_step[rec["step"]] = per_step.get(rec["step"], 0) + rec["wire_bytes"]
+                per_step[rec["step"]] = per_step.get(rec["step"], 0) + rec["wire_bytes_model"]
         assert [per_step.get(s, 0) for s in range(cfg.steps)] == [expected] * cfg.steps, \
             f"rank {rank}: wire bytes per step {per_step}, theory {expected}"
         assert report.wire_bytes_per_step(rank).get("dp", 0) == expected
@@ -70,7 +70,7 @@ def test_dp_equals_reference_and_theory(mode, dp, grad_accum, reference):
     if dp > 1:  # rank 0 heads the broadcast chain: it sends every parameter once
         assert {rec["op"] for rec in setup} == {"broadcast"}
         weights = [rec for rec in setup if rec.get("kind") != "bucket-order"]
-        assert sum(rec["payload_bytes"] for rec in weights) == sum(rec["wire_bytes"] for rec in weights) == 4 * P
+        assert sum(rec["payload_bytes"] for rec in weights) == sum(rec["wire_bytes_model"] for rec in weights) == 4 * P
         # bucketed: after the first step, the order gradients became ready (one int64 per tensor)
         order = [rec for rec in setup if rec.get("kind") == "bucket-order"]
         n_tensors = sum(1 for _ in engine.build_model(cfg).parameters())

@@ -21,7 +21,7 @@ def test_dp4_gradient_all_reduce_written_within_2_percent_of_the_ring_model():
     for r in report.ranks:
         for step in range(2):
             recs = [x for x in r["comm"] if x["step"] == step and x["op"] == "all_reduce"]
-            model = sum(x["wire_bytes"] for x in recs)
+            model = sum(x["wire_bytes_model"] for x in recs)
             written = sum(x["wire_bytes_measured"] for x in recs)
             assert model > 0 and abs(written / model - 1) < 0.02, (r["rank"], step, written, model)
     per_step = report.wire_bytes_per_step(kind="measured")["dp"]
@@ -51,7 +51,7 @@ def test_gloo_reduce_scatter_writes_an_all_reduce(one_mib_on_four_ranks):
 
 
 def test_unmeasurable_is_none_not_a_number():
-    meter, rec = WireMeter(backend="nccl"), {"wire_bytes": 10, "group": "dp"}
+    meter, rec = WireMeter(backend="nccl"), {"wire_bytes_model": 10, "group": "dp"}
     meter.begin(rec)
     meter.end(rec)
     assert rec["wire_bytes_measured"] is None

@@ -201,12 +201,14 @@ def show_wire(rep: dict) -> None:
              share=0.5)
     pm.chart(vx.all_to_all_vs_uniform(rep), cols[1], share=0.5)
     uniform = rep["theory"]["ep_all_to_all_uniform"]
-    measured = [sum(x["wire_bytes"] for x in r["comm"] if x["step"] >= 0) / c["steps"]
-                for r in rep["ranks"]]
+    # what each rank's splits sent to other ranks: counted from the run's records, not socket bytes
+    counted = [sum(x["wire_bytes_model"] for x in r["comm"] if x["step"] >= 0) / c["steps"]
+               for r in rep["ranks"]]
     m1, m2 = st.columns(2)
-    m1.metric("All-to-all bytes per step, rank 0: measured", fmt_bytes(measured[0]),
-              help=f"{fmt_count(measured[0])} B; every rank: "
-                   + ", ".join(fmt_count(b) for b in measured) + " B")
+    m1.metric("All-to-all bytes per step, rank 0: counted from the run's splits",
+              fmt_bytes(counted[0]),
+              help=f"{fmt_count(counted[0])} B; every rank: "
+                   + ", ".join(fmt_count(b) for b in counted) + " B")
     m2.metric("If routing were uniform, nothing dropped: theory", fmt_bytes(uniform),
               help=f"{fmt_count(uniform)} B: theory.ep_wire_bytes_per_step")
     t = c["batch"] // c["dp"] * c["seq"]

@@ -122,7 +122,7 @@ def _tp_bytes_per_step(run: dict, rank: int = 0) -> dict[tuple[str, str], dict]:
         a = out.setdefault((c.get("layer", "?"), c["op"]), {"calls": 0, "bytes": 0.0,
                                                              "payload": 0, "wall_s": 0.0})
         a["calls"] += 1 / steps
-        a["bytes"] += c["wire_bytes"] / steps
+        a["bytes"] += c["wire_bytes_model"] / steps
         a["payload"] += c["payload_bytes"] / steps
         a["wall_s"] += (c["end"] - c["start"]) / steps if "end" in c else 0.0
     return out
@@ -203,11 +203,12 @@ def show_comm(chosen: dict, variants: dict[str, dict]) -> None:
     else:
         show_tp_comm(chosen, variants)
     if c["dp"] > 1:
-        dp_measured = sum(x["wire_bytes"] for x in chosen["ranks"][0]["comm"]
-                          if x["group"] == "dp") / c["steps"]
+        dp_counted = sum(x["wire_bytes_model"] for x in chosen["ranks"][0]["comm"]
+                         if x["group"] == "dp") / c["steps"]
         st.caption(f"Data parallel over the tp shards: each rank also all-reduces its own "
                    f"{chosen['theory']['n_params_per_rank']:,} gradient elements over dp = "
-                   f"{c['dp']}: measured {fmt_count(dp_measured)} B per step, theory "
+                   f"{c['dp']}: {fmt_count(dp_counted)} B per step counted from the all-reduces it ran "
+                   f"(ring model), theory "
                    f"{fmt_count(chosen['theory']['wire_bytes_per_step']['dp'])} B.")
 
 
@@ -217,7 +218,7 @@ def show_tp_comm(chosen: dict, variants: dict[str, dict]) -> None:
     measured = sum(a["bytes"] for a in _tp_bytes_per_step(chosen).values())
     predicted = chosen["theory"]["wire_bytes_per_step"].get("tp", 0.0)
     b1, b2, b3 = st.columns(3)
-    b1.metric("TP bytes per step, rank 0: measured", f"{fmt_count(measured)} B")
+    b1.metric("TP bytes per step, rank 0: counted (ring model of the ops run)", f"{fmt_count(measured)} B")
     b2.metric("TP bytes per step: theory", f"{fmt_count(predicted)} B",
               delta=("equal" if measured == predicted
                      else f"differ by {measured - predicted:+,.0f} B"),

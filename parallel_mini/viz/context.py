@@ -93,7 +93,7 @@ def cp_sent_bytes(report) -> list[float]:
     for r in cp_ranks(report):
         recs = _cp_records(r)
         steps = {c["step"] for c in recs} or {0}
-        out.append(sum(c["wire_bytes"] for c in recs) / len(steps))
+        out.append(sum(c["wire_bytes_model"] for c in recs) / len(steps))
     return out
 
 
@@ -129,7 +129,7 @@ def ring_kv_frames(report) -> list[dict]:
 
     def msg(k, x):
         return {"src": k, "dst": x["peer"], "block": x["block"], "carries": x["carries"],
-                "payload_bytes": x["payload_bytes"], "wire_bytes": x["wire_bytes"],
+                "payload_bytes": x["payload_bytes"], "wire_bytes_model": x["wire_bytes_model"],
                 "ms": 1e3 * (x["end"] - x["start"])}
 
     frames = []
@@ -462,9 +462,9 @@ def cp_comm_frame(report) -> pd.DataFrame:
                 block = None
             rows.append({"rank": k, "lane": f"rank {k}", "kind": kind, "what": CP_COMM_KINDS[kind],
                          "block": block, "peer": x.get("peer"), "start": x["start"], "end": x["end"],
-                         "payload_bytes": x["payload_bytes"], "wire_bytes": x["wire_bytes"]})
+                         "payload_bytes": x["payload_bytes"], "wire_bytes_model": x["wire_bytes_model"]})
     df = pd.DataFrame(rows, columns=["rank", "lane", "kind", "what", "block", "peer", "start",
-                                     "end", "payload_bytes", "wire_bytes"])
+                                     "end", "payload_bytes", "wire_bytes_model"])
     t0 = df["start"].min() if len(df) else 0.0
     df["x"], df["x2"] = 1e3 * (df["start"] - t0), 1e3 * (df["end"] - t0)
     df["ms"] = df["x2"] - df["x"]

@@ -464,7 +464,7 @@ def all_to_all_vs_uniform(report) -> alt.LayerChart:
     steps = max(1, rep["config"]["steps"])
     rows = []
     for r in rep["ranks"]:
-        sent = sum(c["wire_bytes"] for c in r["comm"] if c.get("layer") == "moe"
+        sent = sum(c["wire_bytes_model"] for c in r["comm"] if c.get("layer") == "moe"
                    and c["step"] >= 0) / steps
         rows += [{"rank": f"rank {r['rank']}", "source": "measured (this run's splits)",
                   "bytes": sent},

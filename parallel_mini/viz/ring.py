@@ -260,7 +260,7 @@ def primitives_frame(rows: list[dict], per_line: int | None = None) -> pd.DataFr
         return _fmt_values(values, per_line or max(1, len(values)))
 
     return pd.DataFrame([{"op": r["op"], "rank": r["rank"], "before": fmt(r["before"]),
-                          "after": fmt(r["after"]), "wire_bytes": r["wire_bytes"],
+                          "after": fmt(r["after"]), "wire_bytes_model": r["wire_bytes_model"],
                           "note": r["note"]} for r in rows])
 
 
@@ -269,7 +269,7 @@ def primitives_table(rows: list[dict]) -> alt.LayerChart:
     held before the call and after it, from the live run; hover for the op's wire bytes."""
     df = primitives_frame(rows, per_line=4)
     ops = list(dict.fromkeys(df["op"]))
-    long = df.melt(id_vars=["op", "rank", "wire_bytes", "note"], value_vars=["before", "after"],
+    long = df.melt(id_vars=["op", "rank", "wire_bytes_model", "note"], value_vars=["before", "after"],
                    var_name="when", value_name="tensor")
     long["row"] = long["op"] + " · " + long["when"]
     order = [f"{op} · {w}" for op in ops for w in ("before", "after")]

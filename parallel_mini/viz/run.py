@@ -73,10 +73,10 @@ def comm_bytes_frame(report: dict, written: bool = False) -> pd.DataFrame:
     """Bytes per training step, per rank and group, summed over the steps and divided by their count.
 
     written=False (the app's Data parallel page): "measured", the ring model's count of the calls the
-    rank really made (records' `wire_bytes`), beside "theory", the formula for the config.
+    rank really made (records' `wire_bytes_model`), beside "theory", the formula for the config.
     written=True (lesson 02): three sources, named for what they are: "measured (written to
     sockets)", what the rank's process really wrote during its ops (records' `wire_bytes_measured`;
-    left out where it cannot be read), "ring model" (the records' `wire_bytes`) and "theory"."""
+    left out where it cannot be read), "ring model" (the records' `wire_bytes_model`) and "theory"."""
     steps = max(1, report["config"]["steps"])
     theory_b = report["theory"].get("wire_bytes_per_step", {})
     model_label = COMM_SOURCES[1] if written else "measured"
@@ -87,7 +87,7 @@ def comm_bytes_frame(report: dict, written: bool = False) -> pd.DataFrame:
         for rec in r["comm"]:
             if rec["step"] >= 0:
                 g = rec["group"]
-                model[g] = model.get(g, 0.0) + rec["wire_bytes"]
+                model[g] = model.get(g, 0.0) + rec["wire_bytes_model"]
                 w, so_far = rec.get("wire_bytes_measured"), sent.get(g, 0.0)
                 sent[g] = None if w is None or so_far is None else so_far + w
         for g, b in model.items():
@@ -207,7 +207,7 @@ def timeline_frame(report: dict, steps=None) -> pd.DataFrame:
                 continue
             rows.append({"rank": rk, "lane": f"rank {rk} · comm", "kind": c["op"],
                          "step": c.get("step"), "microbatch": None, "bucket": c.get("bucket"),
-                         "async_op": c.get("async_op"), "bytes": c.get("wire_bytes"),
+                         "async_op": c.get("async_op"), "bytes": c.get("wire_bytes_model"),
                          "start_ms": 1e3 * c["start"], "end_ms": 1e3 * c["end"],
                          "cpu_ms": 1e3 * c.get("cpu", 0.0),
                          "waited_until_ms": 1e3 * c["waited_until"] if "waited_until" in c else None})
