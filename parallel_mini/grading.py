@@ -98,6 +98,13 @@ def _describe(where: str, name: str, args, kwargs) -> str:
         rec = args[0].record if args and hasattr(args[0], "record") else {}
         return (f"the wait() of an async comm.{rec.get('op', 'op')}"
                 + (f" (bucket {rec['bucket']})" if "bucket" in rec else ""))
+    if where == "comm" and name == "all_to_all" and kwargs.get("layer") == "moe":
+        # expert parallel's exchanges (parallel/expert.py): rows to and from each rank
+        ins, outs = arg(4, "in_splits"), arg(3, "out_splits")
+        rows = f": sending {ins} rows, receiving {outs}" if ins is not None else ""
+        return (f"comm.all_to_all(over '{arg(2, 'axis')}', MoE layer {kwargs.get('block')} "
+                f"{kwargs.get('phase', '')}"
+                f"{' (backward)' if kwargs.get('pass') == 'backward' else ''}{rows})")
     if where == "comm":
         return f"comm.{name}(over '{arg(1 if name in ('all_reduce', 'broadcast') else 2, 'axis')}')"
     if name in ("send", "recv"):
@@ -123,13 +130,38 @@ class _RankTrace:
         self.round = 0  # how many times the learner's function was entered
         self.history: list[int] = []  # the count of calls when each round returned
         self.store = dist.distributed_c10d._get_default_store()
+        # when the library's code runs with a learner's function inside it (lessons 06, 07):
+        # the function running now ("your merge"), and how often each was entered on this rank
+        self.inside, self.entered = None, {}
 
     def publish(self) -> None:
         import json
         state = {"calls": self.calls, "last": self.last, "waiting": self.waiting,
                  "done": self.done, "failed": self.failed, "round": self.round,
-                 "history": self.history}
+                 "history": self.history, "inside": self.inside,
+                 "entered": self.entered.get(self.inside, 0)}
         self.store.set(f"pm_check/{self.rank}", json.dumps(state))
+
+    def learners(self, fn, name: str, where: str):
+        """`fn` (the learner's function, called by the library's code on this rank) as `name`
+        ("your merge"): while it runs, peers that give up waiting say this rank was in it; a call
+        to a collective from inside it is refused (it gets this rank's tensors only, and a
+        collective only some ranks make waits forever); an exception it raises becomes an
+        AssertionError saying where."""
+        def run(*args, **kwargs):
+            self.entered[name] = self.entered.get(name, 0) + 1
+            self.inside = name
+            self.publish()
+            try:
+                return fn(*args, **kwargs)
+            except (AssertionError, NotImplementedError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the learner's code: say what it raised
+                raise AssertionError(f"{where}: {name} raised {type(e).__name__}: {e}") from None
+            finally:
+                self.inside = None
+                self.publish()
+        return run
 
     def _wrap(self, where: str, name: str, fn):
         def traced(*args, **kwargs):
@@ -138,6 +170,10 @@ class _RankTrace:
             key = f"{where}.{name}"
             if key in self.refuse:
                 raise AssertionError(self.refuse[key])
+            if self.inside:
+                raise AssertionError(f"{self.inside} called {key}: it gets this rank's tensors "
+                                     f"only and needs no communication (the library's code "
+                                     f"around it makes the calls, the same on every rank)")
             self.calls += 1
             self.last = _describe(where, name, args[1:] if where == "comm" else args, kwargs)
             if where == "handle":
@@ -254,7 +290,11 @@ class _RankTrace:
             c, again = s["calls"] - before, (f" (its call {s['round']} of it)"
                                              if s["round"] > 1 else "")
             last = f" (the last {s['last']})" if s["last"] and c else ""
-            if s["waiting"]:
+            if s.get("inside"):
+                parts.append(f"rank {q} was still running {s['inside']} (its call "
+                             f"{s['entered']} of it on that rank), after {c} "
+                             f"call{'s' if c != 1 else ''} in {self.label}{last}")
+            elif s["waiting"]:
                 parts.append(f"rank {q} waited in {s['last']}, its call {c} in "
                              f"{self.label}{again}")
             elif s["done"]:
@@ -263,9 +303,16 @@ class _RankTrace:
             else:
                 parts.append(f"rank {q} was computing in {self.label}{again} after {c} "
                              f"call{'s' if c != 1 else ''}{last}")
+        still = next((s["inside"] for s in states.values() if s.get("inside")), None)
         head = head or (f"a rank stopped while its peers waited (it died or returned), so "
                         f"they could not go on: " if closed else
+                        f"stopped after {CHECK_PG_TIMEOUT:g} s of waiting for a rank that never "
+                        f"left {still} (a loop that never ends, or a wait in it): " if still else
                         f"deadlock, stopped after {CHECK_PG_TIMEOUT:g} s of waiting: ")
+        if still:  # the library's code makes the calls: the learner's function held it up
+            return (head + "; ".join(parts) + f". The library's code around {still} makes the "
+                    f"same calls on every rank, so one rank that stays in {still} holds up all "
+                    f"the others: look for a loop, or a wait, that does not end on that rank")
         return (head + "; ".join(parts)
                 + ". A send is matched only by a receive on the rank it is sent to, and a "
                 "collective only by the same collective on every rank of the group: every rank "
@@ -1583,24 +1630,28 @@ def _merge_rank(cfg_dict: dict, layout: str, fn, shape: tuple) -> dict:
     pos = context.positions_of(layout, s, c, r)
     mine = [t[:, :, pos].contiguous() for t in (q, k, v)]  # [b, a, s/C, d]
     calls, inside = [0], [False]
+    where = f"at C={c} ({layout}), rank {r}"
+    # the ring's sends and receives traced: a merge that hangs, or raises, on one rank only is
+    # reported as who waited on what within CHECK_PG_TIMEOUT, not as gloo's text
+    trace = _RankTrace("ring attention with your merge")
+    traced_fn = trace.learners(fn, "your merge", where)
 
     def learners_merge(out, lse, o_t, lse_t):
         if inside[0]:  # the learner's code called context._merge, i.e. this wrapper
             _library_merge_refused(out, lse, o_t, lse_t)
         inside[0] = True
         try:
-            res = fn(out, lse, o_t, lse_t)
+            res = traced_fn(out, lse, o_t, lse_t)
         finally:
             inside[0] = False
         calls[0] += 1
-        return _merge_result(res, (tuple(out.shape), tuple(lse.shape)),
-                             f"at C={c} ({layout}), rank {r}")
+        return _merge_result(res, (tuple(out.shape), tuple(lse.shape)), where)
 
     library = context._merge
     learners_merge.__wrapped_library__ = library
     context._merge = learners_merge
     try:
-        with _LibraryMergeDisabled():
+        with _LibraryMergeDisabled(), trace:
             core = context.RingAttentionCore(comm, "cp", layout)
             out, lse = core.ring_forward(*mine)
             dq, dk, dv = core.ring_backward(*mine, out, lse, grad[:, :, pos].contiguous())
@@ -1627,7 +1678,9 @@ def check_merge(fn, cases=MERGE_CHECK_CASES, shape=MERGE_CHECK_SHAPE) -> Grade:
     `fn` in place of its `_merge`, at each (C, layout) of `cases`, against torch's SDPA on the
     whole sequence: every rank's output, log-sum-exp and dq, dk, dv within MERGE_TOLERANCE.
     Throughout, the library's own `_merge` is disabled (it raises): an answer that calls it is
-    refused, saying so."""
+    refused, saying so. A merge that raises on one rank only is named with that rank; one that
+    never returns on a rank stops the check after CHECK_PG_TIMEOUT seconds of waiting, saying
+    which rank was still in it and what the others waited on."""
     from .launch import run_ranks
 
     try:
@@ -1639,7 +1692,8 @@ def check_merge(fn, cases=MERGE_CHECK_CASES, shape=MERGE_CHECK_SHAPE) -> Grade:
         cfg = RunConfig(cp=c, cp_impl="zigzag" if layout == "zigzag" else "ring",
                         seq=shape[2], heads=shape[1])
         results = _on_ranks(lambda: run_ranks(_merge_rank, c, cfg.to_dict(), layout, fn, shape,
-                                              timeout=60.0, pg_timeout=30.0),
+                                              timeout=CHECK_RUN_TIMEOUT,
+                                              pg_timeout=CHECK_PG_TIMEOUT),
                             _MERGE_STUB, f"at C={c} ({layout})")
         if isinstance(results, Grade):
             return results
@@ -2015,16 +2069,19 @@ def _capacity_diagnosis(capacity_fn) -> None:
         raise AssertionError(f"{where} {why}")
 
 
-def _learners_routing(fn, capacity_fn, factor: float, calls: list, where: str):
+def _learners_routing(fn, capacity_fn, factor: float, calls: list, where: str, trace):
     """The function put in a MoE layer's `routing` seam on a rank: the learner's capacity (if
-    any) computes the cap, the learner's route routes, the library's own disabled meanwhile."""
+    any) computes the cap, the learner's route routes, the library's own disabled meanwhile;
+    both run as the learner's code under the rank's `trace` (_RankTrace.learners)."""
+    route_fn = trace.learners(fn, "your route", where)
+    cap_fn = capacity_fn and trace.learners(capacity_fn, "your capacity", where)
 
     def routing(logits, k, cap):
         g, t, E = logits.shape
         with _LibraryRoutingDisabled():
-            if capacity_fn is not None:
-                cap = capacity_fn(t, E, k, factor)
-            r = fn(logits, k, cap)
+            if cap_fn is not None:
+                cap = cap_fn(t, E, k, factor)
+            r = route_fn(logits, k, cap)
         calls.append(1)
         return _routing_result(r, g, t, k, E, where)
 
@@ -2037,21 +2094,27 @@ def _route_rank(cfg_dict: dict, fn, capacity_fn) -> dict:
     the comparison, keeps the library's route)."""
     from . import engine
 
+    import torch.distributed as dist
+
     cfg = RunConfig.from_dict(cfg_dict)
     calls: list = []
     original = engine.apply_expert_parallel
+    where = f"at {_case_name(cfg)}, rank {dist.get_rank()}"
+    # every collective of the run traced: a route that hangs, or raises, on one rank only is
+    # reported as who waited on what within CHECK_PG_TIMEOUT, not as gloo's text
+    trace = _RankTrace("the training run with your route")
 
     def apply_with_learners_routing(model, comm, axis, loss_scale=1.0):
         experts = original(model, comm, axis, loss_scale)
-        import torch.distributed as dist
-        where = f"at {_case_name(cfg)}, rank {dist.get_rank()}"
         for layer in experts.layers:
-            layer.routing = _learners_routing(fn, capacity_fn, cfg.capacity_factor, calls, where)
+            layer.routing = _learners_routing(fn, capacity_fn, cfg.capacity_factor, calls, where,
+                                              trace)
         return experts
 
     engine.apply_expert_parallel = apply_with_learners_routing
     try:
-        out = engine.train_rank(cfg_dict)
+        with trace:
+            out = engine.train_rank(cfg_dict)
     finally:
         engine.apply_expert_parallel = original
     out["route_calls"] = len(calls)
@@ -2115,7 +2178,11 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
     library's route: the same assignments kept and dropped in every layer, micro-batch and rank,
     the same losses, and final parameters equal to the single-process reference (within
     ROUTE_TOLERANCE). Throughout, the library's route, capacity and dispatch_order are disabled
-    (they raise) while the learner's code runs: an answer calling them is refused, saying so."""
+    (they raise) while the learner's code runs: an answer calling them is refused, saying so.
+    On the ranks, a route (or capacity) that raises on one rank only is named with that rank, one
+    that calls a collective is refused, and one that never returns on a rank stops the check
+    after CHECK_PG_TIMEOUT seconds of waiting, saying which rank was still in it and what the
+    others waited on (e.g. the MoE layer's all-to-all, with its rows per rank)."""
     from .engine import run
     from .launch import run_ranks
     from .report import merge_rank_results
@@ -2134,7 +2201,8 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
     for case in cases:
         cfg = RunConfig(**{**ROUTE_RUN_COMMON, **case}, reference=True).validate()
         results = _on_ranks(lambda: run_ranks(_route_rank, cfg.world_size, cfg.to_dict(), fn,
-                                              capacity, timeout=120.0, pg_timeout=30.0),
+                                              capacity, timeout=120.0,
+                                              pg_timeout=CHECK_PG_TIMEOUT),
                             _ROUTE_STUB, f"at {_case_name(cfg)}")
         if isinstance(results, Grade):
             return results

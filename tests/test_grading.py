@@ -1,6 +1,7 @@
 """The exercise graders: a stub is "not attempted", a right answer passes, and each typical wrong
 answer is refused with an AssertionError (a grader that accepts anything would be worse than none)."""
 import re
+import time
 
 import pytest
 import torch
@@ -817,3 +818,99 @@ def test_zero1_checker_refuses_the_library():
     with pytest.raises(AssertionError, match=r"called the library's own ZeRO .* disables"):
         check_zero1_step(zero1_with_the_library, world_sizes=(2,))
     assert zero.ZeroDataParallel.step.__code__ is code
+
+
+# ---------------------------------------------------------------------------------------------
+# lessons 06, 07: the learner's function inside the library's code on real ranks; one rank that
+# diverges (raises, or never returns) stops the check within 10 s with who was where (issue 15)
+# ---------------------------------------------------------------------------------------------
+from parallel_mini.grading import ROUTE_RUN_CASES  # noqa: E402
+
+ROUTE_CASE_2 = ROUTE_RUN_CASES[0]  # dp = ep = 2: the smallest run
+
+
+def _on_rank(r, wrong, right):
+    """A learner's function that is `right` except on global rank r of a check's ranks (and
+    right in the checker's own process, so that the in-process probes pass)."""
+    def fn(*args):
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_rank() == r:
+            return wrong(*args)
+        return right(*args)
+    return fn
+
+
+@pytest.fixture(scope="module")
+def started_ranks():
+    """One rank run before the timed checks: the launcher's forkserver imports torch once per
+    process (2-7 s on this machine, paid by whatever test runs ranks first), so the tests time
+    the check itself, as a lesson's later check cells are."""
+    from parallel_mini.launch import run_ranks
+    assert run_ranks(abs, 1, -1)[0].value == 1
+
+
+def _never_returns(*args):
+    import time
+    time.sleep(60)  # the launcher ends the rank when the check stops
+
+
+def _raises(*args):
+    raise ValueError("only here")
+
+
+def test_a_merge_raising_on_one_rank_is_named_with_that_rank(started_ranks):
+    from parallel_mini.grading import check_merge
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError, match=r"^at C=2 \(contiguous\), rank 1: your merge raised "
+                                             r"ValueError: only here$"):
+        check_merge(_on_rank(1, _raises, merge_right), cases=((2, "contiguous"),))
+    assert time.perf_counter() - t0 < 10
+
+
+@pytest.mark.slow  # the same trace as the route's hang below (tested by default)
+def test_a_merge_that_never_returns_on_one_rank_stops_within_10_s(started_ranks):
+    from parallel_mini.grading import check_merge
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError) as err:
+        check_merge(_on_rank(1, _never_returns, merge_right), cases=((2, "contiguous"),))
+    assert time.perf_counter() - t0 < 10
+    text = str(err.value)
+    assert "Timed out" not in text and "GLHF" not in text, text
+    assert re.search(r"stopped after 5 s of waiting for a rank that never left your merge.*"
+                     r"rank 0 waited in .*ring attention with your merge; rank 1 was still "
+                     r"running your merge \(its call 1 of it on that rank\)", text), text
+
+
+def test_a_route_that_never_returns_on_one_rank_stops_within_10_s_saying_where(started_ranks):
+    from parallel_mini.grading import check_route
+    t0 = time.perf_counter()
+    with pytest.raises(AssertionError) as err:
+        check_route(_on_rank(1, _never_returns, route_right), capacity_right,
+                    cases=(ROUTE_CASE_2,))
+    assert time.perf_counter() - t0 < 10
+    text = str(err.value)
+    assert "Timed out" not in text and "GLHF" not in text, text
+    # rank 0 went on to the first MoE layer's exchange of row counts, and waits there for rank 1
+    assert re.search(r"^stopped after 5 s of waiting for a rank that never left your route \(a "
+                     r"loop that never ends, or a wait in it\): rank 0 waited in comm\.all_to_all"
+                     r"\(over '\w+', MoE layer \d+ counts\), its call \d+ in the training run "
+                     r"with your route; rank 1 was still running your route \(its call 1 of it on "
+                     r"that rank\)", text), text
+
+
+@pytest.mark.slow  # the same wrapper as the merge's (tested by default)
+def test_a_route_raising_on_one_rank_or_calling_a_collective_is_named():
+    import torch.distributed as dist
+    from parallel_mini.grading import check_route
+
+    def route_all_reduces(logits, k, cap):
+        dist.all_reduce(logits)
+        return route_right(logits, k, cap)
+
+    with pytest.raises(AssertionError, match=r"^at dp=2 x ep=2 .*, rank 1: your route raised "
+                                             r"ValueError: only here$"):
+        check_route(_on_rank(1, _raises, route_right), capacity_right, cases=(ROUTE_CASE_2,))
+    with pytest.raises(AssertionError, match=r"your route called dist\.all_reduce: it gets this "
+                                             r"rank's tensors only"):
+        check_route(_on_rank(0, route_all_reduces, route_right), capacity_right,
+                    cases=(ROUTE_CASE_2,))
