@@ -10,6 +10,7 @@
     python -m parallel_mini.bench cp      # (g) ring attention vs torch's, K/V transfer hidden
     python -m parallel_mini.bench ep      # (h) expert parallel vs experts replicated; a2a split
     python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
+    python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -51,7 +52,10 @@
     wrote to its sockets during the op (comm.WireMeter: /proc/self/io's wchar, gloo's threads
     included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
     ones write more (per-message headers, and the algorithm gloo picks for small tensors).
-(a) to (i) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+(j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny
+    GPT (planner.validate_on_toy_runs) is run; each rank's model states against the prediction,
+    to the byte, and Spearman's rank correlation of the predicted and measured step times.
+(a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
 PyTorch's versions is built on our GPT) are in `peers.py`, shared with the peer tests.
@@ -743,6 +747,37 @@ def bench_wire(world_sizes=(2, 4), sizes=(4 * 1024, 64 * 1024, MB, 16 * MB), rep
     return rows
 
 
+def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
+    """(j) Every memory class of layout the planner ranks for `ranks` ranks of the tiny GPT on this
+    machine, run live (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes
+    against the planner's prediction, and the planner's step-time order against the measured one
+    (Spearman's rank correlation; the timings are this machine's, with its cores shared)."""
+    from . import planner
+
+    def progress(row):
+        print(f"  {row['layout']}: " + (row.get("error") or (
+              f"states {'equal' if row['states_equal'] else 'DIFFER'}, step predicted "
+              f"{1e3 * row['predicted_step_s']:.1f} ms, measured {1e3 * row['measured_step_s']:.1f} ms")),
+              file=sys.stderr, flush=True)
+
+    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress)
+
+
+def _print_plan(res: dict):
+    print(f"(j) the planner's {res['ranks']}-rank layouts of the tiny GPT, run here on "
+          f"{res['cores']} cores: model states equal to the prediction on every rank in "
+          f"{res['states_equal']} of {res['layouts'] - res['failed']} layouts"
+          + (f" ({res['failed']} failed to run)" if res["failed"] else ""))
+    ran = [r for r in res["rows"] if "error" not in r]
+    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms"],
+                 [[r["layout"], "yes" if r["states_equal"] else "NO",
+                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}"]
+                  for r in ran]))
+    rho = res["spearman_step_time"]
+    print("Spearman's rank correlation, predicted vs measured step time: "
+          + ("n/a (fewer than 3 layouts ran)" if rho is None else f"{rho:+.2f}"))
+
+
 def _print_wire(rows):
     print("(i) bytes written to sockets during each op (measured: /proc/self/io wchar, gloo's "
           "threads included) / the ring model's bytes for it; ranks 0 and 1 (a broadcast's root "
@@ -758,7 +793,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "wire", "all"])
+                                     "ep", "wire", "plan", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -813,6 +848,9 @@ def main(argv=None) -> int:
     if args.what in ("wire", "all"):
         out["wire"] = bench_wire()
         show(_print_wire, out["wire"])
+    if args.what in ("plan", "all"):
+        out["plan"] = bench_plan()
+        show(_print_plan, out["plan"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])
