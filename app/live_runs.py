@@ -121,6 +121,36 @@ def tp_mlp_shards(cfg_json: str, attempt: int = 0) -> list[dict]:
         return experiments.tp_mlp_shards(cfg)
 
 
+def step_text(i: int, n: int, what: str) -> str:
+    """What every live run's progress bar says: which step of how many, and what runs now."""
+    return f"Step {i} of {n}: {what}"
+
+
+class StepBar:
+    """The progress bar of a page function that runs several things per press (run_live's
+    `own_progress`): "Step i of n: <what runs now>", filled (i - 1)/n while step i runs, and
+    "Step n of n: done" at the end, as run_live's own bar for a single run says "Step 1 of 1".
+
+        bar = StepBar(len(jobs))
+        for job in jobs:
+            bar.step(f"{job}: training on 4 ranks…")
+            ...
+        bar.done()
+    """
+
+    def __init__(self, total: int):
+        self.total, self.i = max(total, 1), 0
+        self._bar = st.progress(0.0, text=step_text(1, self.total, "starting the ranks…"))
+
+    def step(self, what: str) -> None:
+        """The next step starts; `what` it runs."""
+        self.i = min(self.i + 1, self.total)
+        self._bar.progress((self.i - 1) / self.total, text=step_text(self.i, self.total, what))
+
+    def done(self, what: str = "done") -> None:
+        self._bar.progress(1.0, text=step_text(self.total, self.total, what))
+
+
 def rank_error_summary(err: RankError) -> str:
     """The failing rank and the last line of its traceback (the exception itself)."""
     lines = [ln for ln in str(err.details).strip().splitlines() if ln.strip()]
@@ -139,14 +169,17 @@ def _queue_note(queue, need: int, position: int | None = None, waited_s: float =
 
 
 def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, ranks: int = 1,
-             own_progress: bool = False):
+             own_progress: bool = False, where=None):
     """Run `fn(*args, attempt)` and keep the result as this page's last one.
 
     `ranks`: the most rank processes the press starts at once (a page function that runs several
     configurations in a row: the largest). Its progress is drawn outside the collapsed status box:
-    a bar, step 1 of 1, or, with `own_progress`, the bar `fn` draws itself (step i of n); above it
-    the queue position while the press waits for rank slots. A press abandoned mid-run (a control
-    changed, Streamlit reran the script) is said on the next run by last_result.
+    a bar, step 1 of 1, or, with `own_progress`, the StepBar `fn` draws itself (step i of n);
+    above it the queue position while the press waits for rank slots. `where`: the container of
+    the status box, the queue position and the bar (presentation.Controls.run_area: in
+    presentation mode the sidebar under "Run live"); by default, where run_live is called.
+    A press abandoned mid-run (a control changed, Streamlit reran the script) is said on the next
+    run by last_result.
     Shows st.error (no traceback wall) for a bad config or a failed rank; returns None then."""
     attempts = st.session_state.setdefault(f"{page}_attempts", {})
     tag = json.dumps(key, sort_keys=True)
@@ -158,8 +191,9 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
         st.error(f"The server's run queue is misconfigured: {err}")
         return None
     st.session_state[f"{page}_running"] = {"key": key, "label": label}
-    status = st.status(label, expanded=False)
-    note, area = st.empty(), st.empty()  # outside the box: seen without opening it
+    box = st if where is None else where
+    status = box.status(label, expanded=False)
+    note, area = box.empty(), box.empty()  # outside the box: seen without opening it
     lease = _Lease(queue, ranks)
     error, details, result = None, None, None
     t0 = time.perf_counter()
@@ -171,13 +205,14 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
                     with area.container():
                         result = fn(*args, attempts.get(tag, 0))
                 else:
-                    bar = area.progress(0.0, text=f"Step 1 of 1: {label}")
+                    bar = area.progress(0.0, text=step_text(1, 1, label))
                     result = fn(*args, attempts.get(tag, 0))
-                    bar.progress(1.0, text="Step 1 of 1: done")
+                    bar.progress(1.0, text=step_text(1, 1, "done"))
                 break
             except WaitForSlots as ask:  # every slot taken: queue (a rerun leaves the queue)
                 if not own_progress:
-                    area.progress(0.0, text=f"Step 1 of 1: waiting for {ask.ranks} rank processes…")
+                    area.progress(0.0, text=step_text(
+                        1, 1, f"waiting for {ask.ranks} rank processes…"))
                 lease.wait(ask.ranks, lambda pos, waited: note.info(
                     _queue_note(queue, ask.ranks, pos, waited), icon="⏳"))
                 note.empty()

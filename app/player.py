@@ -34,11 +34,13 @@ def _toggle(state: dict) -> None:
     state["playing"] = not state["playing"]
 
 
-def player(key: str, frames: int, draw: Callable[[int], None], help: str | None = None) -> int:
-    """Play/Pause and speed controls, then `draw(frame)` inside a fragment that advances one frame
-    per tick while playing; stops on the last frame. Returns the frame drawn by this run."""
+def player(key: str, frames: int, draw: Callable[[int], None], help: str | None = None,
+           where=None) -> int:
+    """Play/Pause and speed controls (in `where`, a column beside the page's own control, or a
+    row of their own), then `draw(frame)` inside a fragment that advances one frame per tick while
+    playing; stops on the last frame. Returns the frame drawn by this run."""
     state = _state(key, frames)
-    c1, c2, _ = st.columns([1, 2, 3])
+    c1, c2 = st.columns([1, 2, 3])[:2] if where is None else where.columns(2)
     c1.button("⏸ Pause" if state["playing"] else "▶ Play", key=f"{key}_play", on_click=_toggle,
               args=(state,), help=help)
     speed = c2.select_slider("Speed", list(SPEEDS), value="normal", key=f"{key}_speed",

@@ -81,13 +81,16 @@ def intro(markdown: str) -> None:
 class Controls:
     """Where a page puts its controls: `columns` (st.columns, or the sidebar in presentation mode),
     `area` for a control outside the columns, and `run_button`, drawn at the top of the sidebar in
-    presentation mode so that it is on the first screen. A page with more controls than one
+    presentation mode so that it is on the first screen, with `run_area` under it: where run_live
+    draws the run's status box and progress bar (None outside presentation mode: where run_live is
+    called), so that they do not push the page's first chart below the first screen. A page with more controls than one
     sidebar column holds on 900 px asks for `sidebar_columns=2`: a wider sidebar, the page's
     columns dealt alternately into two (and its charts a little narrower)."""
 
     def __init__(self, spec: int | list, sidebar_columns: int = 1):
         n = spec if isinstance(spec, int) else len(spec)
         st.session_state[_CHART_PX] = PAGE_CHART_PX
+        self.run_area = None
         if on():
             self._slot = st.sidebar.container()
             self.area = st.sidebar
@@ -104,8 +107,11 @@ class Controls:
             self.columns = st.columns(spec)
 
     def run_button(self, label: str = "Run live", **kwargs) -> bool:
-        where = self._slot if self._slot is not None else st
-        return where.button(label, type="primary", **kwargs)
+        if self._slot is None:
+            return st.button(label, type="primary", **kwargs)
+        pressed = self._slot.button(label, type="primary", **kwargs)
+        self.run_area = self._slot.container()
+        return pressed
 
 
 def chart(chart, where=st, share: float = 1.0) -> None:

@@ -64,6 +64,28 @@ def _rows_with(chart: dict, column: str) -> list[dict]:
     return [row for rows in chart["datasets"].values() for row in rows if column in row]
 
 
+def record_steps(monkeypatch) -> list[str]:
+    """Every text the pages' progress bars are given from now on, in order (live_runs.step_text,
+    in the module the page imported): AppTest keeps only the last state of each element."""
+    live_runs = sys.modules["live_runs"]  # imported by the page _app() opened
+    texts: list[str] = []
+    step_text = live_runs.step_text
+    monkeypatch.setattr(live_runs, "step_text",
+                        lambda i, n, what: texts.append(step_text(i, n, what)) or texts[-1])
+    return texts
+
+
+def assert_steps(at, texts: list[str], whats: list[str], done: str = "done") -> None:
+    """A press that ran len(whats) things: its bar said "Step i of n: <what>" for each, in order
+    (after "Step 1 of n: starting the ranks…"), and ends full on "Step n of n: done"."""
+    n = len(whats)
+    assert texts == ([f"Step 1 of {n}: starting the ranks…"]
+                     + [f"Step {i} of {n}: {w}" for i, w in enumerate(whats, 1)]
+                     + [f"Step {n} of {n}: {done}"]), texts
+    (bar,) = at.get("progress")
+    assert bar.proto.text == texts[-1] and bar.proto.value == 100
+
+
 def _assert_clean(at):
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]

@@ -4,15 +4,17 @@ s = 32, 4 heads: ring, zigzag and Ulysses) puts on the page what the ranks did, 
 against counts made by hand: which K/V block each rank holds at every ring step and whom it sends
 it to, the bytes of every hop, the tiles each rank computed (contiguous r + 1 of C, zigzag 2C + 1 of
 4C), the ring's and Ulysses' bytes per step, activations per layer (the ring's linear in s, none's
-not), and losses equal to the single-process reference. "Play" steps the animation to its last
-frame; switching the layout redraws without a run; a changed knob marks the result stale."""
+not), and losses equal to the single-process reference. The bar said "Step i of n" for each of
+the runs. "Play" draws the next frame, "Pause" holds it, the last frame stops it; switching the
+layout redraws without a run; a changed knob marks the result stale."""
 from __future__ import annotations
 
 import pytest
 import streamlit as st
 
 from parallel_mini import theory
-from test_app import _app, _assert_clean, _chart, _charts, _rows_with, _widget
+from test_app import (_app, _assert_clean, _chart, _charts, _rows_with, _widget, assert_steps,
+                      record_steps)
 
 PAGE = "app_pages/long_sequences.py"
 BATCH, D, VOCAB = 4, 64, 128  # the page's toy
@@ -65,12 +67,20 @@ def test_page_before_any_run_and_bad_settings():
     assert not at.get("vega_lite_chart")
 
 
-def test_live_ring_zigzag_ulysses_on_four_ranks():
+def test_live_ring_zigzag_ulysses_on_four_ranks(monkeypatch):
     at = _app(PAGE)
     c, s, a = 4, 32, 4
     blk = _block(c, s, a)
+    steps = record_steps(monkeypatch)
     at.button[0].click().run()
     _assert_clean(at)
+    # 3 runs with the reference, then 3 series x 3 lengths x 1 and 2 layers for the curve
+    assert_steps(at, steps, [f"{impl}: {c} ranks, s = {s}, and the single-process reference…"
+                             for impl in ("ring (contiguous chunks)", "zigzag (balanced ring)",
+                                          "Ulysses (all-to-all)")]
+                 + [f"activations: {name}, s = {q}, {layers} layer(s)…"
+                    for name in ("no context parallel (C = 1)", f"ring / zigzag, C = {c}",
+                                 f"Ulysses, C = {c}") for q in (s, 2 * s, 4 * s) for layers in (1, 2)])
     assert _titles(at)[0] == f"K/V blocks around the ring: ring on {c} ranks, s = {s} (live run)"
 
     # --- the animation: 2C frames, every hop as the ranks recorded it -------------------------
@@ -183,12 +193,21 @@ def test_live_ring_zigzag_ulysses_on_four_ranks():
         own = n["block"] == f"block {n['rank']}"
         assert n["rank_label"].endswith("3 tiles, 1 skipped" if own else "2 tiles, 2 skipped"), n
 
-    # --- Play: the animation ends on its last frame ------------------------------------------
-    _widget(at.button, "▶ Play").click().run()
+    # --- Play / Pause (app/player.py): a tick draws the next frame, Pause holds it ------------
+    def shown() -> int:
+        (frame,) = [p for p in _chart(at, "K/V blocks around the ring: zigzag")["spec"]["params"]
+                    if p["name"] == "frame"]
+        return frame["value"]
+
+    _widget(at.button, "▶ Play").click().run()  # AppTest runs the fragment once, not on a timer
     _assert_clean(at)
-    (frame,) = [p for p in _chart(at, "K/V blocks around the ring: zigzag")["spec"]["params"]
-                if p["name"] == "frame"]
-    assert frame["value"] == 2 * c - 1
+    assert shown() == 1 and [b.label for b in at.button] == ["Run live", "⏸ Pause"]
+    _widget(at.button, "⏸ Pause").click().run()
+    assert shown() == 1 and [b.label for b in at.button] == ["Run live", "▶ Play"]
+    at.session_state["cp_ring_player"]["frame"] = 2 * c - 2  # one tick before the end
+    _widget(at.button, "▶ Play").click().run()
+    _assert_clean(at)  # the last frame: it stops by itself
+    assert shown() == 2 * c - 1 and [b.label for b in at.button] == ["Run live", "▶ Play"]
 
     # a knob that changes the runs starts nothing: the page says the result is stale
     _set(at, "radio", "Context-parallel ranks", 2)

@@ -16,7 +16,8 @@ import streamlit as st
 from parallel_mini import theory
 from parallel_mini.config import RunConfig
 from parallel_mini.moe import capacity
-from test_app import _app, _assert_clean, _chart, _charts, _metric, _rows_with, _widget
+from test_app import (_app, _assert_clean, _chart, _charts, _metric, _rows_with, _widget,
+                      assert_steps, record_steps)
 
 PAGE = "app_pages/experts.py"
 E, K, F, P, SEQ, BATCH, STEPS, LAYERS, D = 8, 2, 1.25, 2, 32, 8, 4, 2, 64  # the page's defaults
@@ -48,7 +49,7 @@ def test_page_before_any_run():
     assert not at.get("vega_lite_chart")
 
 
-def test_live_run_routing_load_wire_memory_and_the_aux_pair():
+def test_live_run_routing_load_wire_memory_and_the_aux_pair(monkeypatch):
     at = _app(PAGE)
     at.button[0].click().run()
     _assert_clean(at)
@@ -119,8 +120,10 @@ def test_live_run_routing_load_wire_memory_and_the_aux_pair():
 
     # --- 3 the aux-loss pair, 8 steps ---------------------------------------------------------
     _widget(at.select_slider, "Steps per run").set_value(8).run()
+    steps = record_steps(monkeypatch)
     _widget(at.button, "Run weight 0 vs 0.05").click().run()
     _assert_clean(at)
+    assert_steps(at, steps, ["aux-loss weight 0: 8 steps…", "aux-loss weight 0.05: 8 steps…"])
     steps = _chart(at, "Load balance over the steps, layer 3")
     rows = _rows_with(steps, "max_over_mean")
     assert sorted({r["run"] for r in rows}) == ["aux-loss weight 0", "aux-loss weight 0.05"]

@@ -10,7 +10,8 @@ import pytest
 import streamlit as st
 
 from parallel_mini.launch import RankError
-from test_app import _app, _assert_clean, _chart, _charts, _rows_with, _widget
+from test_app import (_app, _assert_clean, _chart, _charts, _rows_with, _widget, assert_steps,
+                      record_steps)
 
 PAGE = "app_pages/memory.py"
 STAGES = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
@@ -128,13 +129,16 @@ def _live(at) -> dict[tuple[str, str, str], float]:
     return out
 
 
-def test_live_toy_run_measures_model_states_equal_to_theory_at_every_stage():
+def test_live_toy_run_measures_model_states_equal_to_theory_at_every_stage(monkeypatch):
     at = _page()
     _set(at, "select_slider", "GPUs", 2)
     _set(at, "radio", "Precision", "fp32")
     _set(at, "radio", "Optimizer", "adam")
+    steps = record_steps(monkeypatch)
     at.button[0].click().run()
     _assert_clean(at)
+    assert_steps(at, steps, [f"ZeRO-{z}: training on 2 rank(s)…" for z in range(4)],
+                 done="all four stages measured")
 
     p = TOY_PARAMS  # every unit (8192, 2048, 49984, 128, 8192) is even: no padding at N = 2
     expected = {"ZeRO-0": (4 * p, 4 * p, 8 * p), "ZeRO-1": (4 * p, 4 * p, 8 * p // 2),

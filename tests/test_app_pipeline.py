@@ -14,8 +14,9 @@ import os
 import pytest
 import streamlit as st
 
-from parallel_mini import theory
-from test_app import _app, _assert_clean, _chart, _charts, _rows_with, _widget
+from parallel_mini import theory, trace
+from test_app import (_app, _assert_clean, _chart, _charts, _rows_with, _widget, assert_steps,
+                      record_steps)
 
 PAGE = "app_pages/pipeline.py"
 ACT = 4 * 32 * 64  # one micro-batch's activation [1, 32, 64] in fp32, bytes
@@ -121,11 +122,14 @@ def test_bad_combination_shows_the_config_error_and_starts_nothing():
     assert not at.button[0].disabled
 
 
-def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference():
+def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference(monkeypatch):
     at = _app(PAGE)
+    steps = record_steps(monkeypatch)
     at.button[0].click().run()
     _assert_clean(at)
     p, m = 4, 8
+    assert_steps(at, steps, [f"{s}: {p} ranks, {m} micro-batches, {trace.PIPELINE_STEPS} steps, "
+                             "and the single-process reference…" for s in ("gpipe", "1f1b")])
     shared = len(os.sched_getaffinity(0)) < p if hasattr(os, "sched_getaffinity") else None
     for s in ("gpipe", "1f1b"):
         assert float(_widget(at.metric, f"max |run − reference| (losses, final params): {s}")

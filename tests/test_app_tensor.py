@@ -9,7 +9,8 @@ import pytest
 import streamlit as st
 
 from parallel_mini.launch import RankError
-from test_app import _app, _assert_clean, _chart, _charts, _rows_with, _widget
+from test_app import (_app, _assert_clean, _chart, _charts, _rows_with, _widget, assert_steps,
+                      record_steps)
 
 PAGE = "app_pages/tensor.py"
 # the default toy ("4 layers × d64 × 4 heads", vocab 128), micro-batch 4 x 32 tokens, fp32
@@ -117,11 +118,15 @@ def test_tensor_page_renders_with_the_at_scale_theory_only():
     assert bars["InfiniBand NDR"] > 6 * 70e9 * 4096 / 8 / 989e12 > bars["NVLink 4 (H100)"]
 
 
-def test_live_tp2_equals_reference_and_theory_and_sp_moves_the_same_bytes():
+def test_live_tp2_equals_reference_and_theory_and_sp_moves_the_same_bytes(monkeypatch):
     at = _app(PAGE)
     _set(at, "radio", "Tensor-parallel degree", 2)
+    steps = record_steps(monkeypatch)
     at.button[0].click().run()
     _assert_clean(at)
+    assert_steps(at, steps, [f"SP {sp}, {layers} layers: training on 2 rank(s)…"
+                             for sp in ("off", "on") for layers in (L, L + 1)]
+                 + ["reading every rank's weight shards…"])
 
     assert float(_widget(at.metric, "max |run − reference|").value) <= 1e-5
     expected = tp_bytes_by_hand(2, sp=False)

@@ -1,13 +1,15 @@
 """The Long sequences page in a real browser (Debian's chromium via playwright, server from
 test_browser): "Run live" draws the K/V ring from the run's sends; moving its frame slider redraws
-which block each rank holds; "Play" steps it to the last frame; the tile maps, the two message
-timelines and the activation curve are drawn with their axis titles. A full-page screenshot is left
+which block each rank holds; "Play" (app/player.py) steps it frame by frame and "Pause" holds the
+frame; the tile maps, the two message timelines and the activation curve are drawn with their axis
+titles. A full-page screenshot is left
 in /tmp/long_sequences_page.png for a look at the labels, legends and axis titles."""
 from __future__ import annotations
 
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
+                          wait_for_the_rerun)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/long_sequences_page.png"
@@ -17,6 +19,14 @@ def _discs(chart) -> list[str]:
     """The 'K/V b' labels on the ranks' discs, in drawing order (rank 0 first)."""
     return [t for t in chart.locator("svg text").all_text_contents() if t.startswith("K/V ")
             and len(t.split()) == 2]
+
+
+def _frame(chart) -> int:
+    """The frame the animation shows, read from its caption ('frame k of 2C-1 · ...')."""
+    for text in chart.locator("svg text").all_text_contents():
+        if text.startswith("frame ") and " of " in text:
+            return int(text.split()[1])
+    raise AssertionError(chart.locator("svg text").all_text_contents())
 
 
 def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F811
@@ -67,12 +77,17 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             expect(page.get_by_text("equal to the formula").first).to_be_visible()
             assert page.locator('[data-testid="stException"]').count() == 0
 
-            # Play: the server steps the chart through its frames, ending on the last
+            # Play: the server redraws the chart one frame at a time; Pause holds it
+            ring.scroll_into_view_if_needed()
             page.get_by_role("button", name="▶ Play").click()
-            ring = charts.filter(has=page.locator("svg text",
-                                                  has_text="K/V blocks around the ring"))
-            ring.locator("svg text", has_text="frame 3 of 7").wait_for(timeout=30_000)
-            ring.locator("svg text", has_text="frame 7 of 7").wait_for(timeout=30_000)
+            ring.locator("svg text", has_text="frame 2 of 7").wait_for(timeout=15_000)
+            page.get_by_role("button", name="⏸ Pause").click()
+            page.get_by_role("button", name="▶ Play").wait_for(timeout=10_000)
+            wait_for_the_rerun(page)  # a frame already on its way is drawn before the pause
+            held = _frame(ring)
+            assert 2 <= held < 7, held
+            page.wait_for_timeout(2_000)  # more than two frames at the default speed
+            assert _frame(ring) == held
             assert page.locator('[data-testid="stException"]').count() == 0
 
             # Streamlit scrolls inside its main block: a viewport as tall as the page shows it all

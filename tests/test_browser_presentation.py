@@ -2,13 +2,16 @@
 server from test_browser): one session turns the sidebar toggle on, then visits every topic page
 through the top navigation, before any run. On each page "Run live" and the page's controls are on
 the first screen; where the page draws a chart before any run (the theory), the chart is on the
-same screen too; every chart text is drawn at 16 px or more (computed style). A control changed on
+same screen too; every chart text is drawn at 16 px or more (computed style). One page is run live
+(Ring all-reduce at its defaults, 4 ranks): after the run its first result chart is on the first
+screen too, the run's status and progress bar in the sidebar under "Run live". A control changed on
 one page keeps its value after a visit to another page."""
 from __future__ import annotations
 
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
+                          wait_for_the_rerun)
 
 pytestmark = pytest.mark.browser
 
@@ -18,6 +21,7 @@ PAGES = {"ring": ("Ring all-reduce", False), "data_parallel": ("Data parallel", 
          "memory": ("Memory per GPU", True), "tensor": ("Tensor parallel", True),
          "pipeline": ("Pipeline bubbles", True), "long_sequences": ("Long sequences", False),
          "experts": ("Experts", False), "plan": ("Plan a run", True)}
+LIVE = "ring"  # the page run live (one run: a few seconds)
 CHART_TEXT_PX = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChart"] svg text')]
     .filter(t => t.textContent.trim()).map(t => parseFloat(getComputedStyle(t).fontSize))"""
 SIDEBAR_BOTTOM = """() => Math.max(...[...document.querySelectorAll(
@@ -69,6 +73,19 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
                     assert _on_first_screen(chart.bounding_box()), (path, chart.bounding_box())
                     sizes = page.evaluate(CHART_TEXT_PX)
                     assert sizes and min(sizes) >= 16, (path, sorted(sizes)[:5])
+                if path == LIVE:
+                    button.click()
+                    sidebar = page.locator('[data-testid="stSidebar"]')
+                    expect(sidebar.locator('[data-testid="stProgress"]')).to_contain_text(
+                        "Step 1 of 1: done", timeout=90_000)
+                    wait_for_the_rerun(page)
+                    chart = page.locator('[data-testid="stVegaLiteChart"]').first
+                    chart.locator("svg text").first.wait_for(timeout=30_000)
+                    assert _on_first_screen(chart.bounding_box()), (path, chart.bounding_box())
+                    expect(sidebar.get_by_text("done in")).to_be_visible()  # the status box
+                    assert page.locator('[data-testid="stMain"] [data-testid="stProgress"]'
+                                        ).count() == 0
+                    sidebar_bottoms[f"{path} after a run"] = page.evaluate(SIDEBAR_BOTTOM)
                 if path == "memory":  # a control to find again after the other pages
                     stage = page.locator('[data-testid="stSidebar"] [role="radiogroup"]').filter(
                         has_text="3").first

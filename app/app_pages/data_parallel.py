@@ -41,7 +41,8 @@ cfg = {"dp": dp, "dp_mode": mode, "bucket_mb": bucket_mb, "grad_accum": grad_acc
        "steps": steps, "batch": batch, "reference": True}
 if controls.run_button():
     run_live("dp", cfg, f"Training on {dp} rank(s) and the single-process reference…",
-             training_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp)
+             training_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp,
+             where=controls.run_area)
 
 report, current = last_result("dp", cfg)
 if report is None:
@@ -59,8 +60,12 @@ model_wire = rep.wire_bytes_per_step(0).get("dp", 0.0)  # the ring model of the 
 written_wire = rep.wire_bytes_per_step(0, kind="measured").get("dp")  # to sockets; None off Linux
 theory_wire = report["theory"]["wire_bytes_per_step"]["dp"]
 
-show_equality(report)
-pm.chart(viz.loss_curves(report))
+if pm.on():  # the chart first, on the first screen with the controls, then the numbers
+    pm.chart(viz.loss_curves(report))
+    show_equality(report)
+else:
+    show_equality(report)
+    pm.chart(viz.loss_curves(report))
 
 st.subheader("Bytes on the wire")
 st.latex(r"\text{bytes sent per rank per step} = \frac{2(N-1)}{N}\cdot 4\Psi"

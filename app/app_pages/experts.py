@@ -11,7 +11,8 @@ import json
 import streamlit as st
 
 import presentation as pm
-from live_runs import fmt_bytes, fmt_count, last_result, run_live, show_equality, training_run
+from live_runs import (StepBar, fmt_bytes, fmt_count, last_result, run_live, show_equality,
+                       training_run)
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.moe import capacity
@@ -67,14 +68,14 @@ def aux_experiment(key_json: str, attempt: int = 0) -> dict:
     """Two runs with the same data and seed: aux-loss weight 0 and the chosen weight."""
     k = json.loads(key_json)
     weights = [0.0, k["aux"]] if k["aux"] != 0 else [0.0]
-    bar = st.progress(0.0, text="starting the ranks…")
+    bar = StepBar(len(weights))
     runs = {}
-    for i, w in enumerate(weights):
-        bar.progress(i / len(weights), text=f"aux-loss weight {w:g}: {k['steps']} steps…")
+    for w in weights:
+        bar.step(f"aux-loss weight {w:g}: {k['steps']} steps…")
         cfg = aux_config(k["experts"], k["top_k"], k["factor"], k["ep"], w, k["steps"])
         runs[f"aux-loss weight {w:g}"] = _compact(training_run(json.dumps(cfg, sort_keys=True),
                                                                attempt))
-    bar.progress(1.0, text="done")
+    bar.done()
     return {"key": k, "runs": runs}
 
 
@@ -295,7 +296,8 @@ if controls.run_button(disabled=error is not None,
                        help=f"Trains the MoE toy on {dp_for(ep)} ranks and on one process "
                             f"(the reference)."):
     run_live("experts", key, f"Training E = {experts}, top-{top_k} on {dp_for(ep)} ranks…",
-             experts_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp_for(ep))
+             experts_run, json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=dp_for(ep),
+             where=controls.run_area)
 
 report, current = last_result("experts", key)
 if report is None:

@@ -5,12 +5,13 @@ skipped; the ring's sends beside Ulysses' all-to-alls, the bytes against
 `theory.cp_wire_bytes_per_step`; activation bytes per layer per rank against sequence length (the
 formula as lines, live runs as points); and the losses against the single-process reference."""
 import json
-import time
 
 import streamlit as st
 
 import presentation as pm
-from live_runs import TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, training_run
+from player import player
+from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
+                       training_run)
 from parallel_mini import theory, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel.context import hidden_fraction
@@ -20,7 +21,6 @@ IMPLS = {"ring": "ring (contiguous chunks)", "zigzag": "zigzag (balanced ring)",
          "ulysses": "Ulysses (all-to-all)"}
 LAYOUTS = {"contiguous (ring)": "ring", "zigzag": "zigzag"}
 MAX_SEQ = 256  # the activation curve's live points stop here (s x s scores without CP)
-PLAY_DELAY_S = 0.7  # per frame of "Play"
 
 
 def run_config(impl: str, c: int, seq: int, heads: int, layers: int = 1,
@@ -60,23 +60,20 @@ def context_experiment(key_json: str, attempt: int = 0) -> dict:
     c, seq, heads = k["cp"], k["seq"], k["heads"]
     act_jobs = [(name, cp, impl, s, layers) for name, (cp, impl) in series_of(c).items()
                 for s in activation_seqs(seq) for layers in (1, 2)]
-    total = len(IMPLS) + len(act_jobs)
-    bar = st.progress(0.0, text="starting the ranks…")
+    bar = StepBar(len(IMPLS) + len(act_jobs))
     runs = {}
-    for i, impl in enumerate(IMPLS):
-        bar.progress(i / total, text=f"{IMPLS[impl]}: {c} ranks, s = {seq}, and the "
-                                     f"single-process reference…")
+    for impl in IMPLS:
+        bar.step(f"{IMPLS[impl]}: {c} ranks, s = {seq}, and the single-process reference…")
         cfg = run_config(impl, c, seq, heads)
         runs[impl] = _compact(training_run(json.dumps(cfg, sort_keys=True), attempt))
     peaks: dict[str, dict[int, dict[int, int]]] = {}
-    for j, (name, cp, impl, s, layers) in enumerate(act_jobs):
-        bar.progress((len(IMPLS) + j) / total,
-                     text=f"activations: {name}, s = {s}, {layers} layer(s)…")
+    for name, cp, impl, s, layers in act_jobs:
+        bar.step(f"activations: {name}, s = {s}, {layers} layer(s)…")
         cfg = run_config(impl, cp, s, heads, layers, reference=False)
         rep = training_run(json.dumps(cfg, sort_keys=True), attempt)
         peaks.setdefault(name, {}).setdefault(s, {})[layers] = \
             rep["ranks"][0]["memory"]["activations_peak"]
-    bar.progress(1.0, text="done")
+    bar.done()
     points = [{"series": name, "seq": s, "bytes": by[2] - by[1]}
               for name, per in peaks.items() for s, by in per.items()]
     return {"key": k, "runs": runs, "activation_points": points}
@@ -96,21 +93,25 @@ def _per_rank(values) -> str:
 # ---------------------------------------------------------------------------------------------
 # the live sections
 # ---------------------------------------------------------------------------------------------
-def show_ring(result: dict):
-    """Section 1; returns the animation's slot and whether "Play" was pressed."""
+def show_ring(result: dict) -> None:
+    """Section 1: the layout to animate beside Play/Pause and the speed, the animation, its
+    bytes. In presentation mode the animation's controls join the page's in the sidebar and the
+    chart's own title stands for the section's: the chart (650 px tall) then fits the first
+    screen."""
     k, runs = result["key"], result["runs"]
     c = k["cp"]
-    st.subheader("1 · K/V blocks around the ring (measured)")
-    r1, r2 = st.columns([3, 2])
-    layout = r1.radio("Layout in the animation", list(LAYOUTS), horizontal=True,
-                      help="Both were run; switching starts nothing.")
-    play_clicked = r2.button("▶ Play", help="Steps the animation through its frames, forward "
-                             "then backward; the 'frame' slider under the chart moves through "
-                             "them too.")
+    if pm.on():
+        layout_at = player_at = st.sidebar.container(border=True)
+    else:
+        st.subheader("1 · K/V blocks around the ring (measured)")
+        layout_at, player_at = st.columns([2, 3])
+    layout = layout_at.radio("Layout in the animation", list(LAYOUTS), horizontal=True,
+                             help="Both were run; switching starts nothing.")
     rep = runs[LAYOUTS[layout]]
-    slot = st.empty()
-    with slot.container():
-        pm.chart(viz.ring_kv_animation(rep, frame=0))
+    player("cp_ring", 2 * c, lambda frame: pm.chart(viz.ring_kv_animation(rep, frame=frame)),
+           help="Steps through the frames, forward then backward, one per Speed interval; Pause "
+                "holds the frame. The 'frame' slider under the chart moves through them too.",
+           where=player_at)
     sent = viz.cp_sent_bytes(rep)
     predicted = theory.cp_wire_bytes_per_step(RunConfig.from_dict(rep["config"]))
     m1, m2, m3 = st.columns(3)
@@ -135,7 +136,6 @@ forward passes K and V on C − 1 = {c - 1} times, the backward passes K, V with
 """)
     st.latex(rf"\bigl(2(C-1) + 4(C-1) + 2\bigr)\cdot B = ({2 * (c - 1)} + {4 * (c - 1)} + 2)"
              rf"\cdot {blk:,} = {(6 * (c - 1) + 2) * blk:,}\ \text{{B per layer}}")
-    return slot, (rep if play_clicked else None)
 
 
 def show_tiles(result: dict) -> None:
@@ -242,17 +242,6 @@ def show_equality(result: dict) -> None:
                     f"{rep['reference_losses'][-1]:.6f} on one process with the whole sequence.")
 
 
-def play(animation_slot, rep: dict) -> None:
-    """Step the animation through every frame, server side (the chart's own slider still works);
-    called last, once the rest of the page is drawn."""
-    frames = 2 * rep["config"]["cp"]
-    for f in range(frames):
-        with animation_slot.container():
-            pm.chart(viz.ring_kv_animation(rep, frame=f))
-        if f < frames - 1:
-            time.sleep(PLAY_DELAY_S)
-
-
 # ---------------------------------------------------------------------------------------------
 # the page
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +286,8 @@ run_clicked = controls.run_button(disabled=bool(errors),
                                   f"runs.")
 if run_clicked and not errors:
     run_live("cp", key, f"Running ring, zigzag and Ulysses on {cp} ranks…", context_experiment,
-             json.dumps(key, sort_keys=True), fresh=fresh, ranks=cp, own_progress=True)
+             json.dumps(key, sort_keys=True), fresh=fresh, ranks=cp, own_progress=True,
+             where=controls.run_area)
 
 result, current = last_result("cp", key)
 if result is None:
@@ -308,10 +298,8 @@ else:
         k = result["key"]
         st.warning(f"The settings changed: press **Run live**. Below: the last run (C = {k['cp']}, "
                    f"s = {k['seq']}, {k['heads']} heads).")
-    slot, to_play = show_ring(result)
+    show_ring(result)
     show_tiles(result)
     show_wire(result)
     show_activations(result)
     show_equality(result)
-    if to_play is not None:
-        play(slot, to_play)

@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 import presentation as pm
-from live_runs import fmt_bytes, last_result, run_live, training_run
+from live_runs import StepBar, fmt_bytes, last_result, run_live, training_run
 from parallel_mini import theory, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.viz.units import format_bytes
@@ -299,23 +299,24 @@ def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
     """engine.run for ZeRO 0..3 (each cached per config by live_runs.training_run), a progress bar
     per stage; keeps what this page draws: config, theory, and each rank's memory."""
     cfgs = json.loads(configs_json)
-    bar = st.progress(0.0, text="starting the ranks…")
+    bar = StepBar(len(cfgs))
     out = []
-    for i, cfg in enumerate(cfgs):
+    for cfg in cfgs:
         ranks = cfg["dp"] * cfg["tp"] * cfg.get("pp", 1)
-        bar.progress(i / len(cfgs), text=f"ZeRO-{cfg['zero']}: training on {ranks} rank(s)…")
+        bar.step(f"ZeRO-{cfg['zero']}: training on {ranks} rank(s)…")
         rep = training_run(json.dumps(cfg, sort_keys=True), attempt)
         out.append({"config": rep["config"], "theory": rep["theory"],
                     "ranks": [{"rank": r["rank"], "coords": r["coords"], "memory": r["memory"]}
                               for r in rep["ranks"]]})
-    bar.progress(1.0, text="all four stages measured")
+    bar.done("all four stages measured")
     return out
 
 
 fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 if controls.run_button():
     run_live("memory", key, f"Training ZeRO-0, 1, 2 and 3 on {world} rank(s) ({layout})…",
-             four_stages, json.dumps(configs), fresh=fresh, ranks=world, own_progress=True)
+             four_stages, json.dumps(configs), fresh=fresh, ranks=world, own_progress=True,
+             where=controls.run_area)
 
 runs, current = last_result("memory", key)
 if runs is None:

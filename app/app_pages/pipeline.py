@@ -13,7 +13,8 @@ import pandas as pd
 import streamlit as st
 
 import presentation as pm
-from live_runs import TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, training_run
+from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
+                       training_run)
 from parallel_mini import theory, trace, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel import schedules as S
@@ -94,14 +95,13 @@ def pipeline_experiment(key_json: str, attempt: int = 0) -> dict:
     k = json.loads(key_json)
     runs = {}
     todo = list(dict.fromkeys(k["schedules"]))
-    bar = st.progress(0.0, text="starting the ranks…")
-    for i, schedule in enumerate(todo):
-        bar.progress(i / len(todo), text=f"{label_of(schedule, k['v'])}: {k['pp']} ranks, "
-                                         f"{k['m']} micro-batches, {STEPS} steps, and the "
-                                         f"single-process reference…")
+    bar = StepBar(len(todo))
+    for schedule in todo:
+        bar.step(f"{label_of(schedule, k['v'])}: {k['pp']} ranks, {k['m']} micro-batches, "
+                 f"{STEPS} steps, and the single-process reference…")
         cfg = run_config(k["pp"], k["m"], schedule, k["v"], k["layers"])
         runs[schedule] = training_run(json.dumps(cfg, sort_keys=True), attempt)
-    bar.progress(1.0, text="done")
+    bar.done()
     return {"key": k, "runs": runs}
 
 
@@ -391,7 +391,7 @@ run_clicked = controls.run_button(disabled=bool(errors),
 if run_clicked and not errors:
     run_live("pp", key, f"Running {' and '.join(label_of(s, v) for s in chosen)} on {pp} "
                         f"ranks…", pipeline_experiment, json.dumps(key, sort_keys=True),
-             fresh=fresh, ranks=pp, own_progress=True)
+             fresh=fresh, ranks=pp, own_progress=True, where=controls.run_area)
 
 
 result, current = last_result("pp", key)

@@ -177,7 +177,8 @@ def show_toy(rec, controls, fresh_key: str) -> None:
                            help=f"Trains the toy layout on {lay.world} local ranks and on one "
                                 f"process (the reference)."):
         run_live("plan", key, f"Training the toy as {lay.describe()}…", toy_run,
-                 json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=lay.world)
+                 json.dumps(cfg, sort_keys=True), fresh=fresh, ranks=lay.world,
+                 where=controls.run_area)
     result, current = last_result("plan", key)
     m1, m2, m3 = st.columns(3)
     m1.metric("Step time: theory (planner)", fmt_s(p["step_s"]),

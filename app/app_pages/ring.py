@@ -30,7 +30,7 @@ key = {"n": n, "numel": numel, "timed_mb": timed_mb}
 
 if controls.run_button():
     run_live("ring", key, f"Running a ring all-reduce on {n} ranks…", ring_experiment,
-             n, numel, timed_mb, fresh=fresh, ranks=n)
+             n, numel, timed_mb, fresh=fresh, ranks=n, where=controls.run_area)
 
 exp, current = last_result("ring", key)
 if exp is None:
@@ -44,20 +44,25 @@ n, x_bytes = exp["world_size"], exp["nbytes"]
 theory_bytes = theory.wire_bytes("all_reduce", x_bytes, n)
 sent = exp["sent_bytes_per_rank"]
 
-st.subheader("What the ranks did")
-m1, m2, m3, m4 = st.columns(4)
-m1.metric("Ring steps: measured", exp["steps_measured"],
-          help="Messages rank 0 sent in the probe run")
-m2.metric("Ring steps: theory 2(N−1)", theory.ring_steps(n))
-m3.metric("Bytes sent by each rank: measured",
-          f"{sent[0]:,} B" if len(set(sent)) == 1 else f"{min(sent):,}–{max(sent):,} B")
-m4.metric("Bytes sent: theory 2(N−1)/N·X", f"{fmt_count(theory_bytes)} B",
-          help=f"X = {exp['numel']} fp32 elements = {x_bytes} bytes")
-e1, e2 = st.columns(2)
-e1.metric("Exact on integers (vs gloo's all_reduce)", "yes" if exp["int_exact"] else "NO")
-e2.metric("float32: max |ring − gloo|", f"{exp['float_max_abs_err']:.2e}",
-          help="Different summation order: fp32 rounding, not an error")
 
+def what_the_ranks_did() -> None:
+    st.subheader("What the ranks did")
+    m1, m2, m3, m4 = st.columns(4)
+    m1.metric("Ring steps: measured", exp["steps_measured"],
+              help="Messages rank 0 sent in the probe run")
+    m2.metric("Ring steps: theory 2(N−1)", theory.ring_steps(n))
+    m3.metric("Bytes sent by each rank: measured",
+              f"{sent[0]:,} B" if len(set(sent)) == 1 else f"{min(sent):,}–{max(sent):,} B")
+    m4.metric("Bytes sent: theory 2(N−1)/N·X", f"{fmt_count(theory_bytes)} B",
+              help=f"X = {exp['numel']} fp32 elements = {x_bytes} bytes")
+    e1, e2 = st.columns(2)
+    e1.metric("Exact on integers (vs gloo's all_reduce)", "yes" if exp["int_exact"] else "NO")
+    e2.metric("float32: max |ring − gloo|", f"{exp['float_max_abs_err']:.2e}",
+              help="Different summation order: fp32 rounding, not an error")
+
+
+if not pm.on():  # presentation mode: the animation first, on the first screen with the controls
+    what_the_ranks_did()
 drawn_font = scaled_font if pm.on() else None  # presentation mode enlarges the text: room for it
 player("ring", len(exp["frames"]),
        lambda frame: pm.chart(viz.ring_animation(exp, frame=frame, drawn_font=drawn_font)),
@@ -65,6 +70,8 @@ player("ring", len(exp["frames"]),
 st.caption("**▶ Play** steps through the frames (Pause holds one; Speed sets the pace); the **step** "
            "slider under the chart moves through them too. Every frame is decoded from the messages "
            "of the live run: each message carries, in its values, which ranks' data it holds.")
+if pm.on():
+    what_the_ranks_did()
 
 with st.expander("Bytes sent per rank"):
     st.dataframe(pd.DataFrame({"rank": range(n), "bytes sent (measured)": sent,

@@ -10,8 +10,8 @@ import pandas as pd
 import streamlit as st
 
 import presentation as pm
-from live_runs import (TOLERANCE, fmt_bytes, fmt_count, last_result, run_live, show_equality,
-                        tp_mlp_shards, training_run)
+from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
+                        show_equality, tp_mlp_shards, training_run)
 from parallel_mini import theory, viz
 from parallel_mini.viz.units import format_bytes
 
@@ -42,22 +42,21 @@ def tensor_experiment(key_json: str, attempt: int = 0) -> dict:
     shape = MODELS[k["model"]]
     variants = [False, True] if k["tp"] > 1 else [False]
     jobs = [(sp, layers) for sp in variants for layers in (shape["layers"], shape["layers"] + 1)]
-    bar = st.progress(0.0, text="starting the ranks…")
+    bar = StepBar(len(jobs) + 1)  # the training runs, then the shard run
     runs: dict[str, dict] = {}
-    for i, (sp, layers) in enumerate(jobs):
+    for sp, layers in jobs:
         cfg = {**shape, "tp": k["tp"], "sp": sp, "dp": k["dp"], "seq": k["seq"],
                "batch": k["micro_batch"] * k["dp"], "steps": STEPS, "layers": layers,
                "reference": layers == shape["layers"]}
-        bar.progress(i / (len(jobs) + 1),
-                     text=f"SP {'on' if sp else 'off'}, {layers} layers: training on "
-                          f"{k['tp'] * k['dp']} rank(s)…")
+        bar.step(f"SP {'on' if sp else 'off'}, {layers} layers: training on "
+                 f"{k['tp'] * k['dp']} rank(s)…")
         runs[f"{'sp' if sp else 'nosp'}_L{layers}"] = _compact(
             training_run(json.dumps(cfg, sort_keys=True), attempt))
-    bar.progress(len(jobs) / (len(jobs) + 1), text="reading every rank's weight shards…")
+    bar.step("reading every rank's weight shards…")
     shard_cfg = {**shape, "tp": k["tp"], "dp": 1, "sp": False, "seq": k["seq"],
                  "batch": k["micro_batch"]}
     shards = tp_mlp_shards(json.dumps(shard_cfg, sort_keys=True), attempt)
-    bar.progress(1.0, text="done")
+    bar.done()
     return {"key": k, "runs": runs, "shards": shards}
 
 
@@ -107,7 +106,7 @@ what = "SP off and on" if tp > 1 else "no split (tp = 1)"
 if controls.run_button():
     run_live("tp", key, f"Training tp = {tp} × dp = {dp}, {what}, and reading the shards…",
              tensor_experiment, json.dumps(key, sort_keys=True), fresh=fresh, ranks=tp * dp,
-             own_progress=True)
+             own_progress=True, where=controls.run_area)
 
 result, current = last_result("tp", key)
 
