@@ -2144,7 +2144,13 @@ def _compare_route_runs(cfg, mine, library) -> None:
             raise AssertionError(f"at {case}: rank {r_mine['rank']} logged "
                                  f"{len(r_mine['moe']['log'])} MoE forwards with your route, "
                                  f"{len(r_lib['moe']['log'])} with the library's")
-        for a, b in zip(r_mine["moe"]["log"], r_lib["moe"]["log"]):
+    # the earliest forward first, over all ranks: a route wrong on one rank changes every rank's
+    # training after the step's gradient sync, and that later difference is not the news
+    for i in range(max(len(r["moe"]["log"]) for r in mine.ranks)):
+        for r_mine, r_lib in zip(mine.ranks, library.ranks):
+            if i >= len(r_mine["moe"]["log"]):  # (a pipeline stage logs its own layers only)
+                continue
+            a, b = r_mine["moe"]["log"][i], r_lib["moe"]["log"][i]
             if (a["kept"], a["dropped"]) != (b["kept"], b["dropped"]):
                 raise AssertionError(
                     f"at {case}: rank {r_mine['rank']}, step {a['step']}, layer {a['layer']}: "

@@ -914,3 +914,15 @@ def test_a_route_raising_on_one_rank_or_calling_a_collective_is_named():
                                              r"rank's tensors only"):
         check_route(_on_rank(0, route_all_reduces, route_right), capacity_right,
                     cases=(ROUTE_CASE_2,))
+
+
+@pytest.mark.slow  # 2 s; the comparison itself is tested by default (route_token_major_on_ranks_only)
+def test_a_route_keeping_other_counts_on_one_rank_is_named_at_that_rank():
+    """Rank 1 keeps every assignment: the ranks' all-to-alls still agree (each layer exchanges its
+    rows per expert before the rows), and the earliest difference is named, on rank 1, not the
+    later ones it causes on rank 0 through the gradient sync."""
+    from parallel_mini.grading import check_route
+    with pytest.raises(AssertionError, match=r"^at dp=2 x ep=2 .*: rank 1, step 0, layer 0: with "
+                                             r"your route the experts kept"):
+        check_route(_on_rank(1, route_drops_nothing, route_right), capacity_right,
+                    cases=(ROUTE_CASE_2,))
