@@ -10,7 +10,8 @@ functions' code swapped for a raiser that says so), so an answer that calls it i
 ranks of a check wait at most CHECK_PG_TIMEOUT seconds for each other: a _RankTrace records each
 rank's calls in the learner's code (or, where the learner's function runs inside the library's
 code, as lessons 06 and 07's merge and route do, in that code and whether the rank was in the
-learner's function), so a deadlock is reported as who waited in which call, not as gloo's text. `compare_prediction` prints a lesson's prediction cell against what the live cell got.
+learner's function), so a deadlock is reported as who waited in which call, not as gloo's text.
+`compare_prediction` prints a lesson's prediction cell against what the live cell got.
 """
 from __future__ import annotations
 

@@ -916,7 +916,7 @@ def test_a_route_raising_on_one_rank_or_calling_a_collective_is_named():
                     cases=(ROUTE_CASE_2,))
 
 
-@pytest.mark.slow  # 2 s; the comparison itself is tested by default (route_token_major_on_ranks_only)
+@pytest.mark.slow  # 1-2 s; the comparison is tested by default (route_token_major_on_ranks_only)
 def test_a_route_keeping_other_counts_on_one_rank_is_named_at_that_rank():
     """Rank 1 keeps every assignment: the ranks' all-to-alls still agree (each layer exchanges its
     rows per expert before the rows), and the earliest difference is named, on rank 1, not the
