@@ -6,6 +6,8 @@ titles. A full-page screenshot is left
 in /tmp/long_sequences_page.png for a look at the labels, legends and axis titles."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
@@ -23,10 +25,11 @@ def _discs(chart) -> list[str]:
 
 def _frame(chart) -> int:
     """The frame the animation shows, read from its caption ('frame k of 2C-1 · ...')."""
-    for text in chart.locator("svg text").all_text_contents():
+    texts = chart.locator("svg text").all_text_contents()
+    for text in texts:
         if text.startswith("frame ") and " of " in text:
             return int(text.split()[1])
-    raise AssertionError(chart.locator("svg text").all_text_contents())
+    raise AssertionError(texts)
 
 
 def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F811
@@ -77,10 +80,18 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             expect(page.get_by_text("equal to the formula").first).to_be_visible()
             assert page.locator('[data-testid="stException"]').count() == 0
 
-            # Play: the server redraws the chart one frame at a time; Pause holds it
+            # Play: the server redraws the chart one frame at a time; Pause holds it. The press
+            # reruns the whole page first (its eight charts: seconds on a loaded machine), and the
+            # frames tick after it: wait for that rerun before timing the frames (frame 2 may
+            # already be past by then)
             ring.scroll_into_view_if_needed()
             page.get_by_role("button", name="▶ Play").click()
-            ring.locator("svg text", has_text="frame 2 of 7").wait_for(timeout=15_000)
+            page.get_by_role("button", name="⏸ Pause").wait_for(timeout=30_000)
+            wait_for_the_rerun(page)
+            deadline = time.monotonic() + 15
+            while _frame(ring) < 2:
+                assert time.monotonic() < deadline, "Play did not reach frame 2 in 15 s"
+                page.wait_for_timeout(100)
             page.get_by_role("button", name="⏸ Pause").click()
             page.get_by_role("button", name="▶ Play").wait_for(timeout=10_000)
             wait_for_the_rerun(page)  # a frame already on its way is drawn before the pause
