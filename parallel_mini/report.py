@@ -1,8 +1,9 @@
 """RunReport: what a run measured, per rank and merged, beside theory's prediction. JSON-ready.
 
 Times in the report are seconds from the earliest event of the run (all local ranks share one
-monotonic clock). Comm records keep their own fields (op, group, count, payload_bytes, wire_bytes,
-step); `step == -1` marks one-time setup traffic (the start-up broadcast), outside every step.
+monotonic clock). Comm records keep their own fields (op, group, count, payload_bytes,
+wire_bytes_model, wire_bytes_measured, step); `step == -1` marks one-time setup traffic (the
+start-up broadcast), outside every step.
 """
 from __future__ import annotations
 

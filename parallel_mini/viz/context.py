@@ -111,8 +111,8 @@ def ring_kv_frames(report) -> list[dict]:
     """The ring's frames as the run recorded them, for one layer: frames 0..C-1 the forward's ring
     steps, C..2C-1 the backward's. Each: {frame, phase, ring_step, holds {cp rank: K/V block},
     tiles {cp rank: (computed, skipped)} (forward), messages [{src, dst, block, carries,
-    payload_bytes, wire_bytes, ms}]}. The forward is the first layer's (its first C-1 "kv" sends),
-    the backward the first one run (the last layer's: C-1 "kv+dkv" sends and one "dkv")."""
+    payload_bytes, wire_bytes_model, ms}]}. The forward is the first layer's (its first C-1 "kv"
+    sends), the backward the first one run (the last layer's: C-1 "kv+dkv" sends and one "dkv")."""
     rep = _as_dict(report)
     if _impl(rep) == "ulysses":
         raise ValueError("ring_kv_frames: a Ulysses run has no ring (use cp_comm_timeline)")
@@ -496,7 +496,7 @@ def cp_comm_timeline(report, title: str | None = None, subtitle: str | list[str]
         tooltip=["lane:N", "what:N", alt.Tooltip("block:Q", title="K/V block of rank"),
                  alt.Tooltip("peer:Q", title="to rank"),
                  alt.Tooltip("payload_bytes:Q", format=",", title="payload (bytes)"),
-                 alt.Tooltip("wire_bytes:Q", format=",", title="on the wire (bytes)"),
+                 alt.Tooltip("wire_bytes_model:Q", format=",", title="on the wire (bytes)"),
                  alt.Tooltip("ms:Q", format=".3f", title="duration (ms)")],
     ).properties(autosize=PAD, width=width, height=30 * len(lanes), title=alt.TitleParams(
         title or f"{impl}: the cp messages of one step (measured)",

@@ -378,8 +378,8 @@ def all_to_all_bytes(report, step: int | None = None, phase: str | None = None,
     step (default: the last): every phase or one (counts, dispatch, combine), forward and backward
     or one `direction`. Each record's in_splits rows x row bytes (payload / rows); the counts
     exchange (even splits) payload / P to each. The diagonal is a rank's own rows: they stay in
-    its memory. So the off-diagonal sum of row i is what rank i recorded as wire_bytes for that
-    step. Backward runs each exchange with the splits swapped: forward and backward together are
+    its memory. So the off-diagonal sum of row i is what rank i recorded as wire_bytes_model for
+    that step. Backward runs each exchange with the splits swapped: forward and backward together are
     a symmetric matrix, the forward dispatch alone shows who sends whom its tokens."""
     rep = _as_dict(report)
     if phase is not None and phase not in A2A_PHASES:

@@ -282,7 +282,7 @@ def primitives_table(rows: list[dict]) -> alt.LayerChart:
         y=alt.Y("row:N", title="collective · before/after the call", sort=order,
                 axis=alt.Axis(labelLimit=220)),
         tooltip=["op:N", "rank:O", "when:N", "tensor:N", "note:N",
-                 alt.Tooltip("wire_bytes:Q", title="wire bytes (this rank)")])
+                 alt.Tooltip("wire_bytes_model:Q", title="wire bytes (this rank)")])
     return alt.layer(
         base.mark_rect(stroke="white").encode(color=alt.Color(
             "when:N", title=None, scale=alt.Scale(domain=["before", "after"],
