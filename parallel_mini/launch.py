@@ -355,24 +355,47 @@ def _died(r, procs, outputs, oom_before) -> RankError:
                         f"{_why_it_died(code, oom_before)}", outputs)
 
 
-def _root_cause(first: RankError, procs, pending, outputs, oom_before,
+# gloo's words on a rank whose peer went away: a consequence of another rank's failure, not a cause
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _lost_peer(details) -> bool:
+    return any(words in str(details) for words in LOST_PEER)
+
+
+def _root_cause(first: RankError, procs, conns, pending, outputs, oom_before,
                 grace: float = 0.5) -> RankError:
-    """A rank that dies silently (a C++ abort) makes its peers fail too, with gloo's "Connection
-    reset by peer", often before the parent sees the death. Give the other ranks a moment; if one of
-    them died without reporting (a rank that reports exits 0), that death is the cause."""
+    """A rank that fails makes its peers fail too, with gloo's "Connection closed/reset by peer",
+    often before the parent reads the first failure: a rank that dies silently (a C++ abort), or
+    one whose report sits in its pipe behind a peer's that the parent happened to read first (two
+    ranks timing out in a deadlock at the same moment: the first to exit closes the other's
+    connection). Give the other ranks a moment; a death without a report (a rank that reports exits
+    0), or, when `first` only lost its peer, another rank's report of something else, is the cause."""
     others = [r for r in pending if r != first.rank]
     deadline = time.monotonic() + grace
     while others:
-        dead = [r for r in others if procs[r].exitcode not in (None, 0)]
+        dead = [r for r in others if procs[r].exitcode not in (None, 0) and not conns[r].poll()]
         if dead:
-            cause = _died(dead[0], procs, outputs, oom_before)
-            cause.details += f"\n\nThen rank {first.rank} failed:\n{first.details}"
-            cause.args = (f"rank {cause.rank} failed:\n{cause.details}",)
-            return cause
+            return _then(_died(dead[0], procs, outputs, oom_before), first)
+        if _lost_peer(first.details):
+            for r in [r for r in others if conns[r].poll()]:
+                try:
+                    status, value, outputs[r], _ = cloudpickle.loads(conns[r].recv_bytes())
+                except EOFError:
+                    return _then(_died(r, procs, outputs, oom_before), first)
+                others.remove(r)  # reported: its pipe is read, whatever it said
+                if status != "ok" and not _lost_peer(value):
+                    return _then(RankError(r, value, outputs), first)
         if time.monotonic() > deadline or all(not procs[r].is_alive() for r in others):
             break
         time.sleep(0.02)
     return first
+
+
+def _then(cause: RankError, first: RankError) -> RankError:
+    cause.details += f"\n\nThen rank {first.rank} failed:\n{first.details}"
+    cause.args = (f"rank {cause.rank} failed:\n{cause.details}",)
+    return cause
 
 
 IDLE_CPU_SHARE = 0.05  # below 5 % of one core over the last window: the rank is waiting, not working
@@ -448,7 +471,8 @@ def _collect(procs, conns, timeout, oom_before=None) -> list[RankResult]:
                 if status == "ok":
                     results[r] = RankResult(r, value, outputs[r], placement)
                     continue
-                raise _root_cause(RankError(r, value, outputs), procs, pending, outputs, oom_before)
+                raise _root_cause(RankError(r, value, outputs), procs, conns, pending, outputs,
+                                  oom_before)
             if procs[r].sentinel in ready and results[r] is None and not conns[r].poll():
                 raise _died(r, procs, outputs, oom_before)  # gone, though its pipe is not at EOF
     return results  # type: ignore[return-value]
