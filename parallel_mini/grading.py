@@ -352,19 +352,33 @@ def _library_ring_refused(x, comm, axis="dp"):
                          "write the two phases yourself, with comm.sendrecv")
 
 
-class _LibraryRingDisabled:
-    """While active, comm.ring_all_reduce raises (its code object swapped), by whatever name it
-    was imported under. Restored on exit."""
+class _CodeSwapped:
+    """While active, each library function of `swaps()` runs its refusal's code instead of its
+    own (the code object swapped), so an answer calling it, by whatever name it was imported
+    under, is refused; restored on exit. Each checker's subclass says which functions."""
+
+    def swaps(self) -> list:  # [(library function, refusal)]
+        raise NotImplementedError
 
     def __enter__(self):
-        from . import comm
-        self.fn, self.code = comm.ring_all_reduce, comm.ring_all_reduce.__code__
-        self.fn.__code__ = _library_ring_refused.__code__
+        self.saved = []
+        for fn, refusal in self.swaps():
+            self.saved.append((fn, fn.__code__))
+            fn.__code__ = refusal.__code__
         return self
 
     def __exit__(self, *exc):
-        self.fn.__code__ = self.code
+        for fn, code in reversed(self.saved):
+            fn.__code__ = code
         return False
+
+
+class _LibraryRingDisabled(_CodeSwapped):
+    """comm.ring_all_reduce raises while active."""
+
+    def swaps(self):
+        from . import comm
+        return [(comm.ring_all_reduce, _library_ring_refused)]
 
 
 def _ring_refusals() -> dict:
@@ -610,18 +624,12 @@ def _library_average_refused(params, comm, axis="dp"):
                          "runs: write the loop yourself, with comm.all_reduce")
 
 
-class _LibraryAverageDisabled:
-    """While active, the library's average_gradients raises (its code object swapped)."""
+class _LibraryAverageDisabled(_CodeSwapped):
+    """The library's average_gradients raises while active."""
 
-    def __enter__(self):
+    def swaps(self):
         from .parallel import data
-        self.fn, self.code = data.average_gradients, data.average_gradients.__code__
-        self.fn.__code__ = _library_average_refused.__code__
-        return self
-
-    def __exit__(self, *exc):
-        self.fn.__code__ = self.code
-        return False
+        return [(data.average_gradients, _library_average_refused)]
 
 
 def _checked_average(fn, params, comm) -> None:
@@ -739,24 +747,16 @@ def _library_buckets_refused(*args, **kwargs):
                          "yourself, with comm.all_reduce(..., async_op=True)")
 
 
-class _LibraryBucketsDisabled:
-    """While active, the library's bucketed DP raises (its functions' code objects swapped)."""
+class _LibraryBucketsDisabled(_CodeSwapped):
+    """The library's bucketed DP raises while active."""
 
-    def __enter__(self):
+    def swaps(self):
         from .parallel import data
         fns = [data.make_buckets, data.average_gradients, data.Bucket.__init__]
         fns += [getattr(data.DataParallel, name) for name in (
             "__init__", "_on_grad_ready", "_launch_ready_buckets", "finish_gradient_sync",
             "_wait_and_unpack", "_rebuild_buckets")]
-        self.saved = [(f, f.__code__) for f in fns]
-        for f, _ in self.saved:
-            f.__code__ = _library_buckets_refused.__code__
-        return self
-
-    def __exit__(self, *exc):
-        for f, code in self.saved:
-            f.__code__ = code
-        return False
+        return [(f, _library_buckets_refused) for f in fns]
 
 
 def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
@@ -940,22 +940,13 @@ def _library_zero_refused(*args, **kwargs):
                          "reduce-scatter, step and all-gather yourself, with comm")
 
 
-class _LibraryZeroDisabled:
-    """While active, ZeroDataParallel's constructor, gradient sync and step raise."""
+class _LibraryZeroDisabled(_CodeSwapped):
+    """ZeroDataParallel's constructor, gradient sync and step raise while active."""
 
-    def __enter__(self):
+    def swaps(self):
         from .parallel import zero
-        fns = [getattr(zero.ZeroDataParallel, n) for n in ("__init__", "finish_gradient_sync",
-                                                          "step")]
-        self.saved = [(f, f.__code__) for f in fns]
-        for f, _ in self.saved:
-            f.__code__ = _library_zero_refused.__code__
-        return self
-
-    def __exit__(self, *exc):
-        for f, code in self.saved:
-            f.__code__ = code
-        return False
+        return [(getattr(zero.ZeroDataParallel, n), _library_zero_refused)
+                for n in ("__init__", "finish_gradient_sync", "step")]
 
 
 def _zero1_rank(cfg_dict: dict, fn) -> dict:
@@ -1172,23 +1163,15 @@ def _library_tp_refused(*args, **kwargs):
                          "code runs: write the two matmuls and the one comm.all_reduce yourself")
 
 
-class _LibraryTensorParallelDisabled:
-    """While active, the library's tensor-parallel layers and their f/g functions raise."""
+class _LibraryTensorParallelDisabled(_CodeSwapped):
+    """The library's tensor-parallel layers and their f/g functions raise while active."""
 
-    def __enter__(self):
+    def swaps(self):
         from .parallel import tensor
         fns = [tensor.copy_to_tp, tensor.reduce_from_tp, tensor.apply_tensor_parallel,
                tensor._CopyToTP.forward, tensor._ReduceFromTP.forward,
                tensor.ColumnParallelLinear.forward, tensor.RowParallelLinear.forward]
-        self.saved = [(f, f.__code__) for f in fns]
-        for f, _ in self.saved:
-            f.__code__ = _library_tp_refused.__code__
-        return self
-
-    def __exit__(self, *exc):
-        for f, code in self.saved:
-            f.__code__ = code
-        return False
+        return [(f, _library_tp_refused) for f in fns]
 
 
 def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
@@ -1347,24 +1330,16 @@ def _library_schedule_refused(*args, **kwargs):
                          "write the warm-up, steady state and cool-down yourself")
 
 
-class _LibrarySchedulesDisabled:
+class _LibrarySchedulesDisabled(_CodeSwapped):
     """While active, every schedule builder in parallel/schedules.py raises (their code objects
     swapped), so an order that wraps the library's 1F1B, by whatever name, is refused."""
 
     NAMES = ("naive", "gpipe", "one_f_one_b", "interleaved", "zero_bubble_h1", "zero_bubble_v",
              "build_schedule", "for_config")
 
-    def __enter__(self):
+    def swaps(self):
         from .parallel import schedules
-        self.saved = [(f, f.__code__) for f in (getattr(schedules, n) for n in self.NAMES)]
-        for f, _ in self.saved:
-            f.__code__ = _library_schedule_refused.__code__
-        return self
-
-    def __exit__(self, *exc):
-        for f, code in self.saved:
-            f.__code__ = code
-        return False
+        return [(getattr(schedules, n), _library_schedule_refused) for n in self.NAMES]
 
 
 def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4, 8))) -> Grade:
@@ -1445,22 +1420,16 @@ def _library_merge_refused(out, lse, o_t, lse_t):
                          "operations (torch.logaddexp, torch.exp, ...)")
 
 
-class _LibraryMergeDisabled:
+class _LibraryMergeDisabled(_CodeSwapped):
     """While active, the library's `_merge` raises (its code object swapped), so an answer that
     calls it, by any name it was imported under, is refused. Restored on exit."""
 
-    def __enter__(self):
+    def swaps(self):
         from .parallel import context
-        self.fn = context._merge
-        while hasattr(self.fn, "__wrapped_library__"):  # on a rank: the checker's own wrapper
-            self.fn = self.fn.__wrapped_library__
-        self.code = self.fn.__code__
-        self.fn.__code__ = _library_merge_refused.__code__
-        return self
-
-    def __exit__(self, *exc):
-        self.fn.__code__ = self.code
-        return False
+        fn = context._merge
+        while hasattr(fn, "__wrapped_library__"):  # on a rank: the checker's own wrapper
+            fn = fn.__wrapped_library__
+        return [(fn, _library_merge_refused)]
 
 
 def _merge_rule(out, lse, o_t, lse_t):
@@ -1769,26 +1738,16 @@ def _library_dispatch_refused(*args, **kwargs):
                          "consumes a Routing, route has to make one")
 
 
-class _LibraryRoutingDisabled:
+class _LibraryRoutingDisabled(_CodeSwapped):
     """While active, moe.route, moe.capacity and moe.dispatch_order raise (their code objects
     swapped), so an answer calling any of them, by whatever name, is refused. Restored on exit."""
 
     RAISERS = (("route", _library_route_refused), ("capacity", _library_capacity_refused),
                ("dispatch_order", _library_dispatch_refused))
 
-    def __enter__(self):
+    def swaps(self):
         from . import moe
-        self.saved = []
-        for name, raiser in self.RAISERS:
-            fn = getattr(moe, name)
-            self.saved.append((fn, fn.__code__))
-            fn.__code__ = raiser.__code__
-        return self
-
-    def __exit__(self, *exc):
-        for fn, code in self.saved:
-            fn.__code__ = code
-        return False
+        return [(getattr(moe, name), raiser) for name, raiser in self.RAISERS]
 
 
 def _capacity_rule(tokens: int, experts: int, k: int, factor: float) -> int:
@@ -2295,27 +2254,21 @@ def _refusal(qualified: str, advice: str):
     return ns["refused"]
 
 
-class _LibraryFunctionsDisabled:
+class _LibraryFunctionsDisabled(_CodeSwapped):
     """While active, each (module, name) raises (its code object swapped for a refusal), so an
     answer calling it, by whatever name it was imported under, is refused. Restored on exit."""
 
     def __init__(self, targets, advice: str):
         self.targets, self.advice = targets, advice
 
-    def __enter__(self):
+    def swaps(self):
         import importlib
-        self.saved = []
+        out = []
         for module, name in self.targets:
             fn = getattr(importlib.import_module(f"parallel_mini.{module}"), name)
             fn = getattr(fn, "__wrapped__", fn)  # functools wrappers: the function inside
-            self.saved.append((fn, fn.__code__))
-            fn.__code__ = _refusal(f"{module}.{name}", self.advice).__code__
-        return self
-
-    def __exit__(self, *exc):
-        for fn, code in self.saved:
-            fn.__code__ = code
-        return False
+            out.append((fn, _refusal(f"{module}.{name}", self.advice)))
+        return out
 
 
 _PER_RANK_THEORY = (("theory", "run_theory"), ("theory", "_rank_theory"),
