@@ -49,6 +49,15 @@ class Waiter(threading.Thread):
         self.q.release(self.ranks)
 
 
+def _told(waiter: Waiter, position: int):
+    """Wait (at most 5 s) until the waiter has been told `position` by its latest callback: under
+    load a waiting thread may not run for a while, so no fixed sleep is long enough."""
+    deadline = time.monotonic() + 5
+    while not (waiter.positions and waiter.positions[-1] == position):
+        assert time.monotonic() < deadline, f"told {waiter.positions[-3:]}, expected {position}"
+        time.sleep(0.002)
+
+
 def _queued(q: RunQueue, n: int):
     deadline = time.monotonic() + 5
     while q.waiting() != n:
@@ -67,14 +76,12 @@ def test_first_come_first_served_with_positions_and_oversize():
     d = Waiter(q, 1, order)
     d.start(); _queued(q, 3)
     assert not q.try_acquire(1)                  # nobody jumps the queue
-    time.sleep(0.03)
-    assert b.positions[-1] == 1 and big.positions[-1] == 2 and d.positions[-1] == 3
+    _told(b, 1); _told(big, 2); _told(d, 3)
 
     q.release(2)
     assert b.granted.wait(5)
-    time.sleep(0.03)                             # a slot is free, but `big` is ahead of d
+    _told(big, 1); _told(d, 2)                   # a slot is free, but `big` is ahead of d
     assert not big.granted.is_set() and not d.granted.is_set()
-    assert big.positions[-1] == 1 and d.positions[-1] == 2
 
     b.done.set()
     assert big.granted.wait(5)
