@@ -90,6 +90,10 @@ def _ring_rank(n: int, numel: int, impl, repeats: int, timed_numel: int | None) 
     fcomm = _dp_comm(n)
     impl(ours, fcomm)
     out["sent_bytes"] = sum(rec["wire_bytes_model"] for rec in fcomm.records)  # fp32: 4 bytes/element
+    sends = [rec for rec in fcomm.records if rec["op"] == "send"]
+    written = [rec["wire_bytes_measured"] for rec in sends]  # None where /proc/self/io is unreadable
+    out["written_bytes"] = None if None in written else round(sum(written))
+    out["messages"] = len(sends)
     dist.all_reduce(ref)
     out["float_max_abs_err"] = (ours - ref).abs().max().item() if numel else 0.0
     # (3) timing: ring vs the backend, same bytes
@@ -149,7 +153,10 @@ def ring_experiment(n: int = 4, numel: int = 16, impl=None, repeats: int = 3,
         "frames": ring_frames([r["p2p_log"] for r in per_rank], n, numel),
         "int_exact": all(r["int_exact"] for r in per_rank),
         "float_max_abs_err": max(r["float_max_abs_err"] for r in per_rank),
-        "sent_bytes_per_rank": [r["sent_bytes"] for r in per_rank],
+        "sent_bytes_per_rank": [r["sent_bytes"] for r in per_rank],  # counted: the sends' payloads
+        # measured: what each rank's process wrote to its sockets during those sends (None: unreadable)
+        "written_bytes_per_rank": [r["written_bytes"] for r in per_rank],
+        "messages_per_rank": [r["messages"] for r in per_rank],
         "theory_bytes_per_rank": theory.wire_bytes("all_reduce", nbytes, n),
         "steps_measured": len(per_rank[0]["p2p_log"]),
         "steps_theory": theory.ring_steps(n),
