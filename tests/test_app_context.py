@@ -107,9 +107,12 @@ def test_live_ring_zigzag_ulysses_on_four_ranks(monkeypatch):
     # per layer: 2(C-1) + 4(C-1) + 2 blocks leave every rank
     ring_bytes = (6 * (c - 1) + 2) * blk
     assert ring_bytes == 163_840
-    assert _widget(at.metric, "Ring bytes each rank sends per step: measured").value == \
+    assert _widget(at.metric, "Ring bytes each rank sends per step: counted").value == \
         f"{ring_bytes:,} B"
     assert _widget(at.metric, "Ring bytes per step: theory").value == f"{ring_bytes:,} B"
+    written = _widget(at.metric, "Ring bytes rank 0 wrote to its sockets").value
+    if written != "not measurable here":  # payloads plus gloo's framing of 2(C-1)+1 messages
+        assert ring_bytes < int(written.split()[0].replace(",", "")) < ring_bytes + 7 * 1024
     assert 0 <= int(_widget(at.metric, "Forward hop time covered").value.rstrip("%")) <= 100
 
     # --- tile maps: contiguous r + 1 of C, zigzag 2C + 1 of 4C ---------------------------------
@@ -153,10 +156,14 @@ def test_live_ring_zigzag_ulysses_on_four_ranks(monkeypatch):
     uly_bytes = 8 * blk * (c - 1) // c
     for impl, want in (("ring (contiguous chunks)", ring_bytes),
                        ("zigzag (balanced ring)", ring_bytes), ("Ulysses (all-to-all)", uly_bytes)):
-        assert bars[impl, "measured"] == bars[impl, "theory"] == want, impl
+        assert bars[impl, "counted"] == bars[impl, "theory"] == want, impl
+        if (impl, "measured (written to sockets)") in bars:  # not on NCCL or off Linux
+            messages = 4 if impl.startswith("Ulysses") else 2 * (c - 1) + 1
+            assert want < bars[impl, "measured (written to sockets)"] < want + messages * 1024
+            assert any("gloo's framing" in cap.value for cap in at.caption)
     for impl in ("ring", "zigzag", "ulysses"):
-        assert _widget(at.metric, f"Ranks sending exactly the formula's bytes: {impl}").value == \
-            "4 of 4"
+        assert _widget(at.metric, f"Ranks whose counted bytes equal the formula: {impl}").value \
+            == "4 of 4"
 
     # --- activations per layer vs s: measured points on the formula's lines -------------------
     curve = _chart(at, "Activation bytes per layer per rank vs sequence length")
@@ -226,13 +233,13 @@ def test_live_two_ranks_two_heads_longer_sequence():
     at.button[0].click().run()
     _assert_clean(at)
     blk = _block(c, s, a)
-    assert _widget(at.metric, "Ring bytes each rank sends per step: measured").value == \
+    assert _widget(at.metric, "Ring bytes each rank sends per step: counted").value == \
         f"{(6 * (c - 1) + 2) * blk:,} B"
     assert _widget(at.metric, "Tiles computed per rank: contiguous (ring), measured").value == "1, 2"
     assert _widget(at.metric, "Tiles computed per rank: zigzag, measured").value == "5, 5"
     bars = {(r["impl"], r["source"]): r["bytes"]
             for r in _rows_with(_chart(at, "Bytes each rank sends per step"), "source")}
-    assert bars["Ulysses (all-to-all)", "measured"] == 8 * blk * (c - 1) // c
+    assert bars["Ulysses (all-to-all)", "counted"] == 8 * blk * (c - 1) // c
     anim = _chart(at, "K/V blocks around the ring: ring on 2 ranks")
     assert len(_rows_with(anim, "carries")) == c * (c - 1) + c * c
     points = {(p["series"], p["seq"]) for p in _rows_with(

@@ -14,7 +14,8 @@ that predicts it beside it.
     cp_comm_timeline(report)               the cp group's messages on a time axis, one lane per
                                            rank: the ring's sends or Ulysses' all-to-alls
     cp_bytes_chart(rows)                   bytes each rank sends per step per implementation:
-                                           measured vs theory.cp_wire_bytes_per_step
+                                           written to sockets (measured), counted from the
+                                           records, and theory.cp_wire_bytes_per_step
     cp_activation_curve(points, theory)    activation bytes per layer per rank vs sequence length:
                                            the formulas as lines, live runs as points
 
@@ -86,14 +87,19 @@ def _layout(report) -> str:
     return "zigzag" if _impl(report) == "zigzag" else "contiguous"
 
 
-def cp_sent_bytes(report) -> list[float]:
-    """Per cp rank, the bytes it put on the wire per training step for attention (ring sends or
-    Ulysses all-to-alls; the gradient all-reduce excluded), mean over the steps: measured."""
-    out = []
+def cp_sent_bytes(report, kind: str = "model") -> list[float | None]:
+    """Per cp rank, the bytes it sent per training step for attention (ring sends or Ulysses
+    all-to-alls; the gradient all-reduce excluded), mean over the steps. kind "model": counted from
+    its records (`wire_bytes_model`: a send's payload, an all-to-all's (C-1)/C of it); "measured":
+    what its process wrote to its sockets during them (`wire_bytes_measured`: that plus gloo's
+    framing of each message), None for a rank where it could not be read (NCCL, not Linux)."""
+    key = {"model": "wire_bytes_model", "measured": "wire_bytes_measured"}[kind]
+    out: list[float | None] = []
     for r in cp_ranks(report):
         recs = _cp_records(r)
         steps = {c["step"] for c in recs} or {0}
-        out.append(sum(c["wire_bytes_model"] for c in recs) / len(steps))
+        values = [c.get(key) for c in recs]
+        out.append(None if None in values else sum(values) / len(steps))
     return out
 
 
@@ -462,9 +468,11 @@ def cp_comm_frame(report) -> pd.DataFrame:
                 block = None
             rows.append({"rank": k, "lane": f"rank {k}", "kind": kind, "what": CP_COMM_KINDS[kind],
                          "block": block, "peer": x.get("peer"), "start": x["start"], "end": x["end"],
-                         "payload_bytes": x["payload_bytes"], "wire_bytes_model": x["wire_bytes_model"]})
+                         "payload_bytes": x["payload_bytes"], "wire_bytes_model": x["wire_bytes_model"],
+                         "wire_bytes_measured": x.get("wire_bytes_measured")})
     df = pd.DataFrame(rows, columns=["rank", "lane", "kind", "what", "block", "peer", "start",
-                                     "end", "payload_bytes", "wire_bytes_model"])
+                                     "end", "payload_bytes", "wire_bytes_model",
+                                     "wire_bytes_measured"])
     t0 = df["start"].min() if len(df) else 0.0
     df["x"], df["x2"] = 1e3 * (df["start"] - t0), 1e3 * (df["end"] - t0)
     df["ms"] = df["x2"] - df["x"]
@@ -496,7 +504,9 @@ def cp_comm_timeline(report, title: str | None = None, subtitle: str | list[str]
         tooltip=["lane:N", "what:N", alt.Tooltip("block:Q", title="K/V block of rank"),
                  alt.Tooltip("peer:Q", title="to rank"),
                  alt.Tooltip("payload_bytes:Q", format=",", title="payload (bytes)"),
-                 alt.Tooltip("wire_bytes_model:Q", format=",", title="on the wire (bytes)"),
+                 alt.Tooltip("wire_bytes_model:Q", format=",", title="sent, counted (bytes)"),
+                 alt.Tooltip("wire_bytes_measured:Q", format=",.0f",
+                             title="written to sockets, measured (bytes)"),
                  alt.Tooltip("ms:Q", format=".3f", title="duration (ms)")],
     ).properties(autosize=PAD, width=width, height=30 * len(lanes), title=alt.TitleParams(
         title or f"{impl}: the cp messages of one step (measured)",
@@ -504,16 +514,22 @@ def cp_comm_timeline(report, title: str | None = None, subtitle: str | list[str]
                              "forward and backward)", anchor="start"))
 
 
+CP_BYTE_SOURCES = {"measured (written to sockets)": "#4c78a8", "counted": "#9ecae9",
+                   "theory": "#bab0ac"}
+
+
 def cp_bytes_chart(rows: list[dict], title: str = "Bytes each rank sends per step for attention",
                    subtitle: str | list[str] = "") -> alt.LayerChart:
-    """Grouped bars per implementation: bytes one rank puts on the wire per training step for
-    attention, measured (the run's send / all-to-all records) beside theory
-    (theory.cp_wire_bytes_per_step). `rows`: {impl, source ("measured" | "theory"), bytes}."""
+    """Grouped bars per implementation: bytes one rank sends per training step for attention,
+    "measured (written to sockets)" (the records' `wire_bytes_measured`: payload and gloo's framing),
+    "counted" (the records' `wire_bytes_model`: what the code handed to send / all-to-all) and
+    "theory" (theory.cp_wire_bytes_per_step). `rows`: {impl, source (one of CP_BYTE_SOURCES),
+    bytes}; a source without rows (written bytes off Linux) is left out."""
     df = pd.DataFrame(rows, columns=["impl", "source", "bytes"])
     div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
     df["value"] = df["bytes"] / div
     impls = list(dict.fromkeys(df["impl"]))
-    sources = [s for s in ("measured", "theory") if s in set(df["source"])]
+    sources = [s for s in CP_BYTE_SOURCES if s in set(df["source"])]
     base = alt.Chart(df).encode(
         x=alt.X("impl:N", title=None, sort=impls, axis=alt.Axis(labelAngle=0, labelFontSize=12,
                                                                 labelLimit=240)),
@@ -522,7 +538,7 @@ def cp_bytes_chart(rows: list[dict], title: str = "Bytes each rank sends per ste
         tooltip=["impl:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
     return alt.layer(
         base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources, scale=alt.Scale(
-            domain=sources, range=["#4c78a8", "#bab0ac"][:len(sources)]),
+            domain=sources, range=[CP_BYTE_SOURCES[s] for s in sources]),
             legend=alt.Legend(orient="bottom"))),
         base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
     ).properties(autosize=PAD, width=max(220, 170 * len(impls)), height=240,
