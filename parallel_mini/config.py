@@ -241,10 +241,6 @@ class RunConfig:
         if (self.dp * self.cp) % P:
             raise ConfigError(f"--ep {P}: expert parallel is carved out of the data-parallel ranks "
                               f"(dp x cp = {self.dp * self.cp}); choose an ep that divides it")
-        if self.sp:
-            raise ConfigError("--experts with --sp: a routing group is one whole sequence, and "
-                              "sequence parallel splits sequences between tp ranks; not available "
-                              "yet (--cp splits them too, and works: its ranks route whole sequences)")
         if self.schedule.startswith("pipedream") and self.pp > 1:
             raise ConfigError(f"--experts with --schedule {self.schedule}: not available yet; use "
                               f"a synchronous schedule (1f1b, gpipe, ...)")

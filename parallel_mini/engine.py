@@ -151,7 +151,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     context = apply_context_parallel(model, comm, cfg.cp_impl, axis="cp")  # 4
     micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # losses divided by this
     experts = apply_expert_parallel(model, comm, mesh.axis_for("expert"), 1 / micro_steps)
-    experts.route_whole_sequences(context, cfg.seq)  # a routing group is a whole sequence
+    experts.route_whole_sequences(context, cfg.seq, "tp" if cfg.sp else None)  # whole sequences
     recompute = apply_checkpointing(model, cfg.checkpointing)  # 5
     runner = make_runner(cfg, model, comm, timeline, live, act)  # 6
     strategy = parallelize(model, comm, cfg, average_fn, experts)  # 7

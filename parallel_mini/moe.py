@@ -11,10 +11,10 @@ Read in this order, each a pure function the lesson runs by itself:
    every token's first choice in token order, then the second choices, ...; an assignment whose
    place in the queue is >= C is dropped: that expert does not see the token, and if all its
    choices were dropped the token passes the layer through the residual connection alone.
-   A routing group here is one whole sequence, whatever the layout: when context parallel splits
-   sequences between ranks, the `whole_sequences` seam (parallel/expert.py) lets every rank route
-   the whole sequence and keep its own tokens, so every parallel run drops exactly the tokens the
-   single-process reference drops.
+   A routing group here is one whole sequence, whatever the layout: when context parallel or
+   sequence parallel splits sequences between ranks, the `whole_sequences` seam
+   (parallel/expert.py) lets every rank route the whole sequence and keep its own tokens, so every
+   parallel run drops exactly the tokens the single-process reference drops.
 3. `dispatch_order`: the kept assignments sorted by expert, so that each expert's tokens are one
    contiguous run of rows (and, under expert parallel, each destination rank's rows too).
 4. the losses that keep the router honest, added to the training loss through `AuxLoss`:
@@ -182,7 +182,8 @@ class MoE(nn.Module):
     routing = staticmethod(route)  # (logits [g, t, E], k, capacity) -> Routing
     loss_scale = 1.0  # AuxLoss's gradient: 1 / micro-batches per step (set by the engine)
     # logits [b, s, E] of this rank's tokens -> (the whole sequences' [b, S, E], this rank's
-    # positions in them): None when the rank holds whole sequences (no context parallel)
+    # positions in them), and its `loss_parts` (below): None when the rank holds whole sequences
+    # (no context or sequence parallel)
     whole_sequences = None
 
     def __init__(self, d_model: int, experts: int, top_k: int, capacity_factor: float,
@@ -197,13 +198,18 @@ class MoE(nn.Module):
         b, s, h = x.shape
         logits = self.router(x)  # [b, s, E]: each whole sequence is one routing group
         whole, mine, parts = logits, None, 1
-        if self.whole_sequences is not None:  # context parallel: s = S/C tokens of each sequence
+        if self.whole_sequences is not None:  # cp and/or sp: s = S/(C T) tokens of each sequence
             whole, mine = self.whole_sequences(logits, self.layer)  # [b, S, E], [s]
-            parts = whole.shape[1] // s
+            parts = self.whole_sequences.loss_parts
         cap = capacity(whole.shape[1], self.n_experts, self.top_k, self.capacity_factor)
         r = self.routing(whole, self.top_k, cap)
-        # the losses of the whole sequences; only this rank's tokens carry gradient, and the
-        # gradients are averaged over the `parts` ranks holding a sequence: hence x parts below
+        # The losses of the whole sequences; only this rank's tokens carry gradient, so each rank
+        # holding a part of a sequence gets that part's share of the term's gradient, and the
+        # shares must add up to one whole. Over cp they do not: gradients are averaged over the
+        # C ranks of dp x cp (the main loss is a mean over each rank's own tokens), so the term
+        # is weighted x C (`loss_parts`). Over tp (sp) they do: a tp rank's shares reach the
+        # parameters as they are (its own tokens' activations feed the attention's gradients,
+        # router and expert gradients are summed over tp, nothing is averaged), so x 1.
         aux, z = load_balancing_loss(r), router_z_loss(whole)
         if mine is not None:
             r = r.at(mine)  # [b, s, k]: this rank's tokens

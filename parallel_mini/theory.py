@@ -117,16 +117,18 @@ def expert_params_held(cfg, blocks) -> int:
 
 def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
     """Expert parallel's all-to-all, per rank and step, if routing were uniform and nothing dropped:
-    per MoE layer and micro-step a rank holds t = (b/dp/m)*s/cp tokens, t*k rows of h elements,
-    (P-1)/P of which leave for other ranks in each of four all-to-alls (dispatch and combine,
-    forward and backward), plus the rows-per-expert counts (E int64) in forward. Full checkpointing
-    runs the forward's two (and the counts) again. Real routing is uneven and drops tokens: the run
-    reports what its splits sent beside this."""
+    per MoE layer and micro-step a rank holds t = (b/dp/m)*s/cp tokens (/tp with sequence
+    parallel), t*k rows of h elements, (P-1)/P of which leave for other ranks in each of four
+    all-to-alls (dispatch and combine, forward and backward), plus the rows-per-expert counts
+    (E int64) in forward. Full checkpointing runs the forward's two (and the counts) again. Real
+    routing is uneven and drops tokens: the run reports what its splits sent beside this."""
     P = getattr(cfg, "ep", 1)
     if P == 1:
         return 0.0
     steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
-    tokens = cfg.batch // (cfg.dp * steps) * cfg.seq // getattr(cfg, "cp", 1)  # this rank's
+    # this rank's tokens (sequence parallel: its tp rank's shard, which it alone dispatches)
+    tokens = cfg.batch // (cfg.dp * steps) * cfg.seq // getattr(cfg, "cp", 1) \
+        // (cfg.tp if getattr(cfg, "sp", False) else 1)
     rows = wire_bytes("all_to_all", tokens * cfg.top_k * cfg.d_model * BYTES_PER_PARAM[cfg.precision], P)
     counts = wire_bytes("all_to_all", cfg.experts * 8, P)
     again = cfg.checkpointing == "full"
@@ -205,18 +207,27 @@ def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, h
         moe = len(moe_blocks(cfg.layers, getattr(cfg, "experts", 0), getattr(cfg, "moe_every", 1)))
     per_micro = (4 * L - 2 * moe + embed + head) * wire_bytes("all_reduce", act, t) \
         + head * 3 * wire_bytes("all_reduce", micro * seq * 4, t)
-    if cfg.checkpointing == "full":
+    again = cfg.checkpointing == "full"
+    if again:
         # re-run up to the last saved tensor (the MLP's GELU output): without SP the attention
         # all-reduce; with SP the two all-gathers (before QKV and fc) and the attention
-        # reduce-scatter
-        per_micro += L * (3 * wire_bytes("all_gather", act, t) if cfg.sp
-                          else wire_bytes("all_reduce", act, t))
+        # reduce-scatter (a mixture-of-experts block has no fc all-gather: 2)
+        per_micro += (3 * L - moe if cfg.sp else L) * wire_bytes(
+            "all_gather" if cfg.sp else "all_reduce", act, t)
     if cfg.sp:
         # SP swaps each all-reduce for an all-gather + reduce-scatter: the same bytes. Added: the
-        # gradients of the parameters used on sequence shards (position embeddings, 2 LayerNorms
-        # and 2 row-parallel biases per block, the final LayerNorm), summed over tp per micro-step
-        sp_params = embed * cfg.seq * h + 6 * h * L + head * 2 * h
+        # gradients of the parameters used on sequence shards, summed over tp per micro-step: the
+        # position embeddings, the final LayerNorm, per dense block 2 LayerNorms and 2 row-parallel
+        # biases; per mixture-of-experts block 2 LayerNorms, the attention's bias, the router and
+        # the E/ep experts (each tp rank routes only its own tokens: parallel/expert.py)
+        E, ep = getattr(cfg, "experts", 0), getattr(cfg, "ep", 1)
+        sp_params = embed * cfg.seq * h + 6 * h * (L - moe) + head * 2 * h \
+            + moe * (5 * h + h * E + E // ep * mlp_params(h))
         per_micro += wire_bytes("all_reduce", sp_params * BYTES_PER_PARAM[cfg.precision], t)
+        # and each mixture-of-experts forward all-gathers the router logits of the sequence's
+        # other tp shards, [b, s/t, E] each (WholeSequences); full checkpointing runs it again
+        logits = micro * seq * E * BYTES_PER_PARAM[cfg.precision]
+        per_micro += moe * (1 + again) * wire_bytes("all_gather", logits, t)
     return steps * per_micro
 
 

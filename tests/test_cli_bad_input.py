@@ -47,7 +47,7 @@ BAD = [
     (["--experts", "4", "--top-k", "5"], "--top-k"), (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor"),
     (["--experts", "4", "--capacity-factor", "-0.5"], "--capacity-factor"),
     (["--dp", "2", "--ep", "4", "--experts", "8"], "--ep"), (["--experts", "-1"], "--experts"),
-    (["--experts", "4", "--moe-every", "9"], "--moe-every"), (["--experts", "4", "--tp", "2", "--sp"], "--experts"),
+    (["--experts", "4", "--moe-every", "9"], "--moe-every"),
     (["--experts", "4", "--aux-loss-weight", "-1"], "--aux-loss-weight"),
     # flags the layout would ignore
     (["--schedule", "interleaved", "--virtual-stages", "3", "--microbatches", "7"], "--pp"),

@@ -66,7 +66,6 @@ BAD = [
     (dict(experts=-1), "--experts"),
     (dict(experts=4, moe_every=0), "--moe-every"),
     (dict(experts=4, moe_every=5, layers=4), "--moe-every"),
-    (dict(experts=4, tp=2, sp=True), "--experts"),
     (dict(dp=2, ep=2, experts=4, zero=3), "--ep"),
     (dict(steps=10_001), "--steps"),
 ]

@@ -17,10 +17,11 @@ Bytes: each all-to-all moves a rank's rows for other ranks: with uniform routing
 (P-1)/P of its tokens*k rows of h elements, four times per layer and micro-batch (dispatch and
 combine, forward and backward): theory.ep_wire_bytes_per_step.
 
-With context parallel a rank holds S/C tokens of every sequence, but a routing group is a whole
-sequence (its capacity, its queues in token order). `WholeSequences`: the C ranks all-gather their
-router logits (b S E numbers, no gradient), each routes the whole sequences alike and keeps its own
-tokens' decisions; gradient flows only through its own tokens' logits.
+With context parallel a rank holds S/C tokens of every sequence, with sequence parallel a tp rank
+holds 1/T of those, but a routing group is a whole sequence (its capacity, its queues in token
+order). `WholeSequences`: the ranks holding parts of a sequence all-gather their router logits
+(b S E numbers, no gradient; over tp, then over cp), each routes the whole sequences alike and
+keeps its own tokens' decisions; gradient flows only through its own tokens' logits.
 
 Gradients. An expert's weight gradient on its rank sums the contributions of every token routed to
 it from the P ranks of its ep group, each rank's loss already a mean over its own tokens. The
@@ -40,6 +41,7 @@ import torch.nn as nn
 from ..comm import Comm
 from ..moe import MoE, Experts
 from .context import positions_of
+from .tensor import sum_gradients_over_tp
 
 
 class _AllToAll(torch.autograd.Function):
@@ -110,26 +112,39 @@ def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
 
 
 class WholeSequences:
-    """MoE.whole_sequences under context parallel: this rank's router logits [b, S/C, E] -> the whole
-    sequences' [b, S, E] (the other ranks' parts all-gathered over `axis`, detached) and this rank's
-    positions in them (zigzag or contiguous, as context.py lays the sequence out)."""
+    """MoE.whole_sequences when sequences are split between ranks: this rank's router logits
+    [b, n, E] -> the whole sequences' [b, S, E] (the other parts all-gathered, detached) and this
+    rank's positions in them. `levels`, innermost first, each (axis, positions of each of its
+    ranks' parts in the sequence one level up):
+    - sequence parallel (tp): tp rank t holds the t-th contiguous 1/T of what the level above
+      holds (tensor.py's LayerNorm/residual regions, [b, s/T, h]);
+    - context parallel (cp): cp rank c holds S/C positions, zigzag or contiguous (context.py).
+    Under cp x sp the two nest: [b, S/(C T), E] -> over tp [b, S/C, E] -> over cp [b, S, E]."""
 
-    def __init__(self, comm: Comm, axis: str, layout: str, seq: int):
-        C = comm.size(axis)
-        self.comm, self.axis = comm, axis
-        self.positions = [positions_of(layout, seq, C, r) for r in range(C)]  # C x [S/C]
-        self.mine = self.positions[comm.rank(axis)]
+    def __init__(self, comm: Comm, levels: list[tuple[str, list[torch.Tensor]]],
+                 loss_parts: int):
+        self.comm, self.levels = comm, levels
+        self.loss_parts = loss_parts  # ranks the term's gradient is averaged over (moe.MoE.forward)
+        self.mine = None  # this rank's positions in the whole sequence, outermost level last
+        for axis, positions in levels:
+            here = positions[comm.rank(axis)]
+            self.mine = here if self.mine is None else here[self.mine]
 
     def __call__(self, logits: torch.Tensor, layer: int):
-        b, n, E = logits.shape
-        parts = logits.new_empty(len(self.positions) * b, n, E)  # [C b, S/C, E] by cp rank
-        self.comm.all_gather(parts, logits.detach().contiguous(), self.axis,
-                             layer="moe_routing", block=layer)
-        whole = logits.new_empty(b, n * len(self.positions), E)  # [b, S, E]
-        for part, pos in zip(parts.split(b), self.positions):
-            whole[:, pos.to(logits.device)] = part
+        whole = logits.detach()
+        for axis, positions in self.levels:
+            whole = self._gather(whole, axis, positions, layer)
         mine = self.mine.to(logits.device)
         return whole.index_copy(1, mine, logits), mine  # my rows: the ones with gradient
+
+    def _gather(self, part: torch.Tensor, axis: str, positions, layer: int) -> torch.Tensor:
+        b, n, E = part.shape
+        parts = part.new_empty(len(positions) * b, n, E)  # [R b, n, E] by rank of `axis`
+        self.comm.all_gather(parts, part.contiguous(), axis, layer="moe_routing", block=layer)
+        out = part.new_empty(b, n * len(positions), E)  # [b, R n, E]
+        for p, pos in zip(parts.split(b), positions):
+            out[:, pos.to(part.device)] = p
+        return out
 
 
 class ExpertParallel:
@@ -139,12 +154,26 @@ class ExpertParallel:
         self.layers, self.comm, self.axis = layers, comm, axis
         self.sharded = axis is not None and comm.size(axis) > 1
 
-    def route_whole_sequences(self, context, seq: int) -> None:
-        """Context parallel (context.ContextParallel) splits sequences of `seq` tokens: route them
-        whole."""
+    def route_whole_sequences(self, context, seq: int, sp_axis: str | None = None) -> None:
+        """Context parallel (context.ContextParallel) and sequence parallel (over `sp_axis`, the
+        tp ranks) split sequences of `seq` tokens: route them whole. Under sp each tp rank
+        dispatches only its own tokens (the expert work is split over tp, not repeated), so its
+        router and expert gradients cover only those: the true gradient is their sum over tp, as
+        for the other parameters sp applies to sequence shards (tensor.py)."""
+        levels, comm = [], self.comm
+        T = comm.size(sp_axis) if sp_axis is not None else 1
+        if T > 1:
+            here = seq // context.c  # [b, S/C] of a cp rank, cut into T contiguous chunks
+            levels.append((sp_axis, list(torch.arange(here).chunk(T))))
+            for moe in self.layers:
+                sum_gradients_over_tp(list(moe.router.parameters()) + list(moe.experts.parameters()),
+                                      comm, sp_axis)
         if context.c > 1:
             layout = "zigzag" if context.impl == "zigzag" else "contiguous"
-            whole = WholeSequences(context.comm, context.axis, layout, seq)
+            levels.append((context.axis, [positions_of(layout, seq, context.c, r)
+                                          for r in range(context.c)]))
+        if levels:
+            whole = WholeSequences(comm, levels, loss_parts=context.c)
             for moe in self.layers:
                 moe.whole_sequences = whole
 

@@ -293,28 +293,39 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False, axis: str = 
         attn, mlp = block.attn, block.mlp
         attn.qkv = ColumnParallelLinear(attn.qkv, comm, axis, row_order=qkv_rows_by_rank(n), sp=sp)
         attn.proj = RowParallelLinear(attn.proj, comm, axis, sp=sp)  # attention infers a/tp heads
-        if isinstance(mlp, MLP):  # a mixture of experts stays whole on every tp rank: its input
-            mlp.fc = ColumnParallelLinear(mlp.fc, comm, axis, sp=sp)  # and output gradient are
-            mlp.proj = RowParallelLinear(mlp.proj, comm, axis, sp=sp)  # the same on all of them
+        # A mixture of experts stays whole on every tp rank. Without SP its input and output
+        # gradient are the same on all of them; with SP each routes its own sequence shard
+        # (parallel/expert.py, route_whole_sequences).
+        if isinstance(mlp, MLP):
+            mlp.fc = ColumnParallelLinear(mlp.fc, comm, axis, sp=sp)
+            mlp.proj = RowParallelLinear(mlp.proj, comm, axis, sp=sp)
     model.embed = ParallelEmbedding(model.embed, comm, axis, sp=sp)
     model.head = ParallelLMHead(model.head, comm, axis, sp=sp)
     for name, module in model.named_modules():  # each layer names itself in its comm records
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
             module.name = name
     if sp:
-        for p in sequence_parallel_params(model):
-            p.register_hook(lambda grad: _sum_over_tp(grad, comm, axis))
+        sum_gradients_over_tp(sequence_parallel_params(model), comm, axis)
     return model
 
 
 def sequence_parallel_params(model: GPT) -> list[nn.Parameter]:
     """Replicated parameters that SP applies to sequence shards: each rank's gradient covers only
-    its part of the sequence, the true gradient is the sum over tp."""
+    its part of the sequence, the true gradient is the sum over tp. (A mixture of experts' router
+    and experts are such parameters too, but expert parallel may replace the experts after this:
+    parallel/expert.py's route_whole_sequences hooks them once they are final.)"""
     params = list(model.embed.pos.parameters()) + list(model.head.norm.parameters())
     for block in model.blocks:
         params += list(block.ln1.parameters()) + list(block.ln2.parameters())
-        params += [block.attn.proj.bias, block.mlp.proj.bias]
+        params += [block.attn.proj.bias]
+        params += [block.mlp.proj.bias] if isinstance(block.mlp, MLP) else []
     return [p for p in params if p is not None]
+
+
+def sum_gradients_over_tp(params: list[nn.Parameter], comm: Comm, axis: str = "tp") -> None:
+    """Each backward, sum these parameters' gradients over the tp ranks (see _sum_over_tp)."""
+    for p in params:
+        p.register_hook(lambda grad: _sum_over_tp(grad, comm, axis))
 
 
 def _sum_over_tp(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:

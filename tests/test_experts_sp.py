@@ -1,0 +1,95 @@
+"""Mixture of experts with sequence parallel (--experts with --sp, issue #13 item 1).
+
+Under sp a tp rank holds a contiguous 1/tp of every sequence (of its cp rank's part under cp), and
+its MoE layers dispatch only those tokens: the ranks all-gather their router logits over tp (and
+cp), route the whole sequences alike and keep their own tokens' decisions (parallel/expert.py
+WholeSequences); router and expert gradients are summed over tp. Every run here equals the
+single-process reference (fp32, 1e-5), counts per axis exactly the bytes theory predicts (the
+logits' all-gather and the expert gradients' all-reduce over tp included), routes every token
+exactly once over all ranks (per expert, the reference's routed and kept counts) and dispatches
+over ep exactly the rows it kept.
+"""
+import pytest
+
+from parallel_mini.config import RunConfig
+from parallel_mini.engine import run
+from parallel_mini.model import build_model
+from parallel_mini.data import global_batch
+from parallel_mini.moe import MoE
+from parallel_mini.optim import make_optimizer
+
+from test_composition import check
+from test_experts import moe_config
+
+
+def _per_expert(logs) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
+    """(step, layer) -> (assignments routed per expert, kept per expert), summed over `logs`."""
+    out: dict = {}
+    for log in logs:
+        for e in log:
+            routed, kept = out.setdefault((e["step"], e["layer"]), ([0] * len(e["routed"]),
+                                                                   [0] * len(e["kept"])))
+            for i, (r, k) in enumerate(zip(e["routed"], e["kept"])):
+                routed[i] += r
+                kept[i] += k
+    return out
+
+
+def _reference_logs(cfg: RunConfig) -> list[list[dict]]:
+    """The MoE layers' logs of the single-process reference (trained as reference.py trains it)."""
+    model = build_model(cfg)
+    step = {"now": 0}
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.log, m.clock = [], (lambda: step["now"])
+    opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
+    for s in range(cfg.steps):
+        step["now"] = s
+        x, y = global_batch(cfg, s)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [m.log for m in layers]
+
+
+def check_moe_sp(report) -> None:
+    check(report)  # the reference, every axis's bytes (tp, cp, dp, ...) and states
+    cfg = RunConfig.from_dict(report.config)
+    # every rank routes its own tokens (tp ranks too): together, each token once
+    logs = [r["moe"]["log"] for r in report.ranks if "moe" in r]
+    assert _per_expert(logs) == _per_expert(_reference_logs(cfg))
+    for r in report.ranks:
+        gathers = [rec for rec in r["comm"] if rec.get("layer") == "moe_routing"]
+        assert {rec["group"] for rec in gathers} == {"tp"} | ({"cp"} if cfg.cp > 1 else set())
+        if cfg.ep > 1:  # the rows this rank dispatched are the assignments its routing kept
+            again = cfg.checkpointing == "full"
+            sent = sum(sum(rec["in_splits"]) for rec in r["comm"] if rec.get("layer") == "moe"
+                       and rec["step"] >= 0 and rec["phase"] == "dispatch" and "pass" not in rec)
+            assert sent == (1 + again) * sum(sum(e["kept"]) for e in r["moe"]["log"])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(tp=2, sp=True),
+    dict(dp=2, ep=2, tp=2, sp=True),
+], ids=repr)
+def test_experts_with_sp(kw):
+    check_moe_sp(run(moe_config(**kw)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [
+    dict(tp=4, sp=True, top_k=1, capacity_factor=1.0),
+    dict(tp=2, sp=True, checkpointing="full", grad_accum=2),
+    dict(dp=2, ep=2, tp=2, sp=True, checkpointing="full", zero=2),
+    dict(tp=2, sp=True, checkpointing="selective", moe_every=2),
+    dict(dp=2, tp=2, sp=True, zero=3),
+    dict(cp=2, tp=2, sp=True, cp_impl="ring"),
+    dict(cp=2, tp=2, sp=True, ep=2, cp_impl="zigzag"),
+    dict(dp=2, cp=2, tp=2, sp=True, ep=4, cp_impl="zigzag", zero=1),
+    dict(cp=2, tp=2, sp=True, cp_impl="ulysses"),
+    dict(tp=2, sp=True, pp=2, schedule="1f1b"),
+    dict(dp=2, tp=2, sp=True, pp=2, ep=2, schedule="1f1b"),
+    dict(cp=2, tp=2, sp=True, pp=2, ep=2, schedule="gpipe", cp_impl="zigzag"),
+], ids=repr)
+def test_experts_with_sp_matrix(kw):
+    check_moe_sp(run(moe_config(**kw)))
