@@ -2287,10 +2287,13 @@ STATES_CASES = (  # in this process, against theory; (what the case is about, Ru
     ("pp4 x dp2 ZeRO-1 (middle stages)", dict(dp=2, pp=4, layers=4, zero=1)),
     ("dp2 x pp2 ZeRO-2", dict(dp=2, pp=2, layers=2, zero=2)),
     ("dp2 x cp2 x tp2 ZeRO-1", dict(dp=2, cp=2, tp=2, layers=2, zero=1)),
+    ("dp2 x cp2 x tp2 x pp2 ZeRO-1", dict(dp=2, cp=2, tp=2, pp=2, layers=2, zero=1)),
     ("dp3 ZeRO-1 (padding)", dict(dp=3, layers=2, zero=1, batch=6)),
     ("dp3 x tp2 ZeRO-2 (padding)", dict(dp=3, tp=2, layers=2, zero=2, batch=6)),
 )
-STATES_LIVE = dict(dp=2, tp=2, pp=2, layers=2, zero=1, steps=1, batch=8, microbatches=2)
+# live: lesson 08's 4-D layout on 16 ranks, at its tiny sizes (16 processes train in seconds)
+STATES_LIVE = dict(dp=2, cp=2, tp=2, pp=2, zero=1, layers=2, d_model=32, heads=2, seq=16,
+                   vocab=64, batch=4, microbatches=2, steps=1)
 _STATES_STUB = ("states_per_rank still raises NotImplementedError: write it, then run this cell "
                 "again.")
 
@@ -2413,7 +2416,7 @@ def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE) -> Grade:
     First in this process, for each of `cases`, against theory.run_theory (the library's
     prediction), naming the usual mistakes (whole model on every rank, tensor parallel splitting
     LayerNorms too, equal stages, ranks on the wrong stage, ZeRO's padding, its shard group,
-    which states each stage shards). Then one live run (`live`, 8 ranks): every rank's measured
+    which states each stage shards). Then one live run (`live`, 16 ranks): every rank's measured
     params/grads/optimizer bytes must equal the learner's prediction, to the byte. Throughout,
     theory's per-rank model, the planner and engine.run are disabled while `fn` runs."""
     from .engine import run
