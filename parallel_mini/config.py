@@ -307,11 +307,6 @@ class RunConfig:
         if self.zero and self.schedule.startswith("pipedream"):
             raise ConfigError(f"--zero {self.zero} with --schedule {self.schedule}: PipeDream steps "
                               f"each stage's own optimizer after every micro-batch; use --zero 0")
-        if self.zero == 3 and self.schedule in ("zb", "zbv"):  # W runs outside autograd's hooks
-            raise ConfigError(f"--zero 3 with --schedule {self.schedule}: ZeRO-3 reduce-scatters "
-                              f"each layer's gradient from an autograd hook, and {self.schedule}'s W "
-                              f"ops compute weight gradients outside autograd; use --zero 1 or 2, "
-                              f"or --schedule 1f1b")
         if self.fp32_grad_accum:
             raise ConfigError(f"--fp32-grad-accum with --pp {self.pp}: fp32 gradient buffers inside "
                               f"pipeline stages are not available yet; use one of them at a time")

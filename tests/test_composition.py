@@ -126,7 +126,6 @@ def test_tp4_x_pp2():
 
 # -- refused, with a reason ---------------------------------------------------------------------
 REFUSED = [
-    (dict(pp=2, schedule="zb", zero=3, dp=2), "ZeRO-3 reduce-scatters"),
     (dict(pp=2, schedule="pipedream", dp=2), "gradient sync per micro-batch"),
     (dict(pp=2, schedule="pipedream", zero=1), "PipeDream steps"),
     (dict(pp=2, precision="bf16-mixed", fp32_grad_accum=True), "fp32"),

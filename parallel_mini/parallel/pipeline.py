@@ -76,11 +76,16 @@ def forward_chunk(model, chunk: int, n_chunks: int, x: torch.Tensor, targets=Non
 # ---------------------------------------------------------------------------------------------
 class WeightGradStore:
     """What W needs: for each (micro-batch, chunk), the inputs X and output gradients dY of its
-    Linear layers. B fills it; W empties it into the weights' .grad."""
+    Linear layers. B fills it; W empties it into the weights' .grad.
+
+    `observer`: a gradient strategy that must hear of gradients autograd does not compute (ZeRO-3
+    reduce-scatters a layer's gradient once it is complete, zero3.py): told by B that a weight's
+    gradient is left to W (`grad_deferred`), and by W when it is in .grad (`grad_accumulated`)."""
 
     def __init__(self):
         self.key = None  # the (micro-batch, chunk) whose B is running
         self.pending: dict[tuple, list] = {}
+        self.observer = None
 
     @contextmanager
     def collecting(self, key):
@@ -94,6 +99,10 @@ class WeightGradStore:
         """The parameters the op used (a row-parallel layer adds its bias after the all-reduce,
         outside the op: that bias's gradient is autograd's, not W's)."""
         self.pending.setdefault(self.key, []).append((weight, bias, x, grad_out))
+        if self.observer is not None:
+            for p in (weight, bias):
+                if p is not None:
+                    self.observer.grad_deferred(p)
 
     def linear(self, x, weight, bias, layer):
         """x W^T + b for a layer whose weight gradient this store computes later (in W)."""
@@ -103,16 +112,19 @@ class WeightGradStore:
     def compute(self, key) -> None:
         for weight, bias, x, grad_out in self.pending.pop(key):
             x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
-            _accumulate(weight, g2.t() @ x2)  # [out, in]
+            _accumulate(weight, g2.t() @ x2, self.observer)  # [out, in]
             if bias is not None:
-                _accumulate(bias, g2.sum(0))  # [out]
+                _accumulate(bias, g2.sum(0), self.observer)  # [out]
 
 
-def _accumulate(p: torch.Tensor, grad: torch.Tensor) -> None:
+def _accumulate(p: torch.Tensor, grad: torch.Tensor, observer=None) -> None:
+    """p.grad += grad. Reads no element of p: under ZeRO-3 p's unit is freed by now."""
     if p.grad is None:
         p.grad = grad
     else:
         p.grad += grad
+    if observer is not None:
+        observer.grad_accumulated(p)
 
 
 class _LinearInputGradOnly(torch.autograd.Function):
@@ -127,8 +139,9 @@ class _LinearInputGradOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: [..., out]
         x, weight = ctx.saved_tensors
+        grad_in = grad_out @ weight  # dX: [..., in], before put: after it ZeRO-3 may free weight
         ctx.store.put(ctx.weight, ctx.bias, x, grad_out)
-        return grad_out @ weight, None, None, None  # dX: [..., in]
+        return grad_in, None, None, None
 
 
 def split_weight_gradients(model, store: WeightGradStore) -> None:
@@ -225,6 +238,8 @@ class PipelineRunner:
     # -- the StepRunner interface ---------------------------------------------------------------
     def attach(self, strategy) -> None:
         self.strategy = strategy
+        if self.store is not None and hasattr(strategy, "grad_deferred"):  # ZeRO-3
+            self.store.observer = strategy  # must hear of the gradients W computes
 
     def train_step(self, step: int, batch) -> float:
         """The schedule's ops over m micro-batches of this rank's share [b/dp, s], then, after the

@@ -211,6 +211,8 @@ class Unit:
         self.call: UnitCall | None = None  # the forward call under way
         self.in_backward: set = set()  # calls whose backward has started and not ended
         self.sticky = False  # read with autograd off outside its forward: kept until the sync
+        self.later: set = set()  # parameters whose gradient a zero-bubble W computes, after B
+        self.accumulated: set = set()  # those W has accumulated since the unit's last reduce
         self.gathered = True
         self.free()
 
@@ -245,6 +247,7 @@ class GatherOnUse(TorchFunctionMode):
         units = self.zero3.units_read_outside(chain(args, kwargs.values()))
         for u in units:
             self.zero3.gather(u)
+            self.zero3.ran.add(u)
             # autograd off inside a training forward: a custom Function's forward, maybe saving
             # the weights for a backward no hook of ours precedes. Keep them until the sync.
             u.sticky = u.sticky or (self.training and not torch.is_grad_enabled())
@@ -296,6 +299,7 @@ class Zero3DataParallel:
         self.used = UsedParameters([p for u in self.units for p in u.params])
         self.unused: set = set()  # parameters no rank used this step: not stepped
         self._mode: GatherOnUse | None = None
+        self.ran: set = set()  # the units the root's current (or last) forward ran or read
         model.register_forward_pre_hook(self._before_root_forward)
         model.register_forward_hook(self._after_root_forward, always_call=True)
         for u in self.units:
@@ -345,6 +349,7 @@ class Zero3DataParallel:
         # gathered (a unit whose parameters did not all get a gradient): all units freed.
         for u in self.units:
             self._free(u)
+        self.ran = {self.root} if self.root is not None else set()
         if self.root is not None:
             self.gather(self.root)
         self._mode = GatherOnUse(self)
@@ -363,9 +368,10 @@ class Zero3DataParallel:
     def _check_every_parameter_reached(self, out) -> None:
         """DDP's rule, checked before backward issues a collective: without find_unused_parameters
         every trainable parameter must get a gradient (a rank whose unit waits for a gradient that
-        never comes would pair its collectives with the wrong ones of its peers)."""
+        never comes would pair its collectives with the wrong ones of its peers). Of the units this
+        forward ran: a pipeline rank holding several chunks (interleaved, zbv) runs one per forward."""
         reached = reachable_parameters(out)
-        missing = [p for p in self.used.params if p not in reached]
+        missing = [p for u in self.units if u in self.ran for p in u.params if p not in reached]
         if missing:
             names = [n for n, p in self.model.named_parameters() if any(p is m for m in missing)]
             raise RuntimeError(
@@ -374,6 +380,7 @@ class Zero3DataParallel:
 
     def _before_forward(self, unit: Unit, args, kwargs):
         unit.active = True  # first: the all-gather itself is an op GatherOnUse sees
+        self.ran.add(unit)
         self.gather(unit)
         unit.call = None
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
@@ -421,10 +428,38 @@ class Zero3DataParallel:
         if unit.in_backward or len(unit.ready) < len(unit.params):
             return
         unit.ready.clear()
-        if not self.find_unused:  # (with it, which units complete here differs between ranks)
+        # (find_unused: which units complete here differs between ranks; zero bubble: W reduces)
+        if not self.find_unused and not unit.later:
             self._reduce(unit)
         if not unit.sticky:
             self._free(unit)
+
+    # -- zero-bubble pipelines: weight gradients after backward (parallel/pipeline.py, W ops) ------
+    # B computes only the inputs' gradient dX = dY W (it needs the gathered weights) and queues
+    # X and dY; a later W computes dW = dY^T X into p.grad outside autograd, so no hook of ours sees
+    # it. W reads no weight: the unit is freed when B is done, as after a full backward, and W
+    # does not gather it again. Its reduce-scatter waits for W: then, per micro-batch as under
+    # 1F1B, the same 3 Psi, and the full weight gradient lives only inside W. What B left in p.grad
+    # (LayerNorm's, the embedding's) waits there and rides along; a B of the next micro-batch may
+    # add to it first, which changes nothing: a reduce-scatter of a sum is the sum of two.
+    # (torch.distributed.pipelining keeps an FSDP2 stage unsharded for W instead, and reduce-scatters
+    # once after the last micro-batch: full gradients and weights for the whole step.)
+    def grad_deferred(self, p: torch.nn.Parameter) -> None:
+        """B queued p's weight gradient for a W: for this backward it counts as arrived (the unit
+        may be freed), and from now on the unit is reduced by W (`grad_accumulated`), not by B."""
+        self._unit_of[p].later.add(p)
+        self._on_grad_ready(p)
+
+    def grad_accumulated(self, p: torch.nn.Parameter) -> None:
+        """W added its micro-batch's gradient to p.grad. Once it has for every parameter B left
+        to it, the unit holds that micro-batch's whole gradient: reduce-scatter it (the unit stays
+        freed: reducing reads p.grad, not p)."""
+        unit = self._unit_of[p]
+        unit.accumulated.add(p)
+        if len(unit.accumulated) == len(unit.later):
+            unit.accumulated.clear()
+            if not self.find_unused:
+                self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's gradient (zeros where none arrived), add it to my slice."""
@@ -457,7 +492,7 @@ class Zero3DataParallel:
         rank; then one 0/1 map says which parameters no rank used."""
         if not self.find_unused:
             for u in self.units:
-                if u.grad_shard is None or u.ready:
+                if u.grad_shard is None or u.ready or u.accumulated:
                     names = [n for n, p in self.model.named_parameters()
                              if p in self._unit_of and self._unit_of[p] is u and p.grad is None]
                     raise RuntimeError(f"ZeRO-3: unit {type(u.module).__name__} got no complete "
