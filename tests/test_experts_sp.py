@@ -6,8 +6,8 @@ cp), route the whole sequences alike and keep their own tokens' decisions (paral
 WholeSequences); router and expert gradients are summed over tp. Every run here equals the
 single-process reference (fp32, 1e-5), counts per axis exactly the bytes theory predicts (the
 logits' all-gather and the expert gradients' all-reduce over tp included), routes every token
-exactly once over all ranks (per expert, the reference's routed and kept counts) and dispatches
-over ep exactly the rows it kept.
+exactly once over all ranks (per expert, the reference's routed and kept counts; the load chart
+of viz/experts.py too) and dispatches over ep exactly the rows it kept.
 """
 import pytest
 
@@ -15,8 +15,9 @@ from parallel_mini.config import RunConfig
 from parallel_mini.engine import run
 from parallel_mini.model import build_model
 from parallel_mini.data import global_batch
-from parallel_mini.moe import MoE
+from parallel_mini.moe import MoE, capacity
 from parallel_mini.optim import make_optimizer
+from parallel_mini.viz import experts as vx
 
 from test_composition import check
 from test_experts import moe_config
@@ -52,12 +53,14 @@ def _reference_logs(cfg: RunConfig) -> list[list[dict]]:
     return [m.log for m in layers]
 
 
-def check_moe_sp(report) -> None:
+def check_moe_sp(report) -> dict:
+    """check(), plus the routing and the all-to-alls; returns the reference's _per_expert."""
     check(report)  # the reference, every axis's bytes (tp, cp, dp, ...) and states
     cfg = RunConfig.from_dict(report.config)
     # every rank routes its own tokens (tp ranks too): together, each token once
     logs = [r["moe"]["log"] for r in report.ranks if "moe" in r]
-    assert _per_expert(logs) == _per_expert(_reference_logs(cfg))
+    reference = _per_expert(_reference_logs(cfg))
+    assert _per_expert(logs) == reference
     for r in report.ranks:
         gathers = [rec for rec in r["comm"] if rec.get("layer") == "moe_routing"]
         assert {rec["group"] for rec in gathers} == {"tp"} | ({"cp"} if cfg.cp > 1 else set())
@@ -66,6 +69,7 @@ def check_moe_sp(report) -> None:
             sent = sum(sum(rec["in_splits"]) for rec in r["comm"] if rec.get("layer") == "moe"
                        and rec["step"] >= 0 and rec["phase"] == "dispatch" and "pass" not in rec)
             assert sent == (1 + again) * sum(sum(e["kept"]) for e in r["moe"]["log"])
+    return reference
 
 
 @pytest.mark.parametrize("kw", [
@@ -73,7 +77,16 @@ def check_moe_sp(report) -> None:
     dict(dp=2, ep=2, tp=2, sp=True),
 ], ids=repr)
 def test_experts_with_sp(kw):
-    check_moe_sp(run(moe_config(**kw)))
+    report = run(moe_config(**kw))
+    reference = check_moe_sp(report)
+    # the load chart counts each token once (every tp rank's shard) against the step's capacity
+    cfg, rep = report.config, report.to_dict()
+    for (step, layer), (routed, kept) in reference.items():
+        df, cap = vx.expert_load_frame(rep, layer, step)
+        assert df.groupby("status")["assignments"].sum().to_dict() == {
+            "kept": sum(kept), "dropped": sum(routed) - sum(kept)}
+        assert cap == capacity(cfg["seq"], cfg["experts"], cfg["top_k"],
+                               cfg["capacity_factor"]) * cfg["batch"]
 
 
 @pytest.mark.slow

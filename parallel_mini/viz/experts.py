@@ -25,7 +25,8 @@ What the report holds (parallel/expert.py, moe.py): per rank, `moe.log` one entr
 forward (routed and kept assignments per expert, dropped, capacity per sequence, aux and z losses;
 the first micro-batch of each step also every token's choices and whether each was kept), and the
 all-to-all records (layer "moe", phase counts / dispatch / combine, pass backward, in_splits).
-Tensor-parallel ranks route the same tokens: sums "over all ranks" count each token once (tp 0).
+Tensor-parallel ranks route the same tokens: sums "over all ranks" count each token once (tp 0);
+with sequence parallel each tp rank routes its own shard of the sequences (all ranks count).
 """
 from __future__ import annotations
 
@@ -97,9 +98,11 @@ def _step(report, step: int | None) -> int:
 
 def _data_ranks(rep: dict, rank: int | None) -> list[dict]:
     """The ranks whose tokens count: `rank` alone, or every rank with its own tokens (tensor-
-    parallel ranks route the same tokens: tp 0 only)."""
+    parallel ranks route the same tokens: tp 0 only; with sequence parallel, their own shards)."""
     if rank is not None:
         return [rep["ranks"][rank]]
+    if rep["config"].get("sp"):
+        return list(rep["ranks"])
     return [r for r in rep["ranks"] if r["coords"].get("tp", 0) == 0]
 
 
@@ -107,10 +110,11 @@ def _entries(rep: dict, ranks: list[dict], layer: int, step: int) -> list[dict]:
     return [e for r in ranks for e in _log(r) if e["layer"] == layer and e["step"] == step]
 
 
-def _sequences(rep: dict, entry: dict) -> int:
-    """Sequences (routing groups) in a log entry: its assignments / (k x tokens per sequence)."""
+def _sequences(rep: dict, entry: dict) -> float:
+    """Sequences (routing groups) in a log entry: its assignments / (k x tokens per sequence). A
+    rank holding parts of sequences (cp, sp) counts those fractions: summed over ranks, whole."""
     c = rep["config"]
-    return sum(entry["routed"]) // (c["top_k"] * c["seq"])
+    return sum(entry["routed"]) / (c["top_k"] * c["seq"])
 
 
 def _experts_per_rank(rep: dict) -> int:
@@ -215,7 +219,7 @@ def expert_load_frame(report, layer: int | None = None, step: int | None = None,
     for e in entries:
         routed = [a + b for a, b in zip(routed, e["routed"])]
         kept = [a + b for a, b in zip(kept, e["kept"])]
-    cap = sum(e["capacity"] * _sequences(rep, e) for e in entries)
+    cap = round(sum(e["capacity"] * _sequences(rep, e) for e in entries))
     rows = [{"expert": x, "status": "kept", "assignments": kept[x]} for x in range(E)]
     rows += [{"expert": x, "status": "dropped", "assignments": routed[x] - kept[x]}
              for x in range(E)]
