@@ -17,7 +17,10 @@ and weight-gradient (W) ops to run in which order. This file is the one runner f
 4. Zero-bubble schedules split B: every linear layer's weight gradient X^T dY (nn.Linear's and
    tensor parallel's column/row-parallel slices alike, through their `weight_grads` seam) is queued
    during B and computed by W (`WeightGradStore`, after Qi et al., 2024); all other gradients are
-   cheap and are computed in B.
+   cheap and are computed in B. Under ZeRO-3 the store tells the strategy which gradients W owes:
+   a layer's weights are gathered for B (dX = dY W) and freed after it, W reads only X and dY, and
+   the layer's gradient is reduce-scattered at the end of W (zero3.py, `grad_deferred`). So a W
+   op's time includes that collective, as B's includes it under 1F1B.
 Gradients accumulate over the micro-batches (each loss is divided by m), so after the flush every
 parameter's .grad equals the whole batch's: the optimizer step is the single-process one.
 """

@@ -440,8 +440,9 @@ class Zero3DataParallel:
     # it. W reads no weight: the unit is freed when B is done, as after a full backward, and W
     # does not gather it again. Its reduce-scatter waits for W: then, per micro-batch as under
     # 1F1B, the same 3 Psi, and the full weight gradient lives only inside W. What B left in p.grad
-    # (LayerNorm's, the embedding's) waits there and rides along; a B of the next micro-batch may
-    # add to it first, which changes nothing: a reduce-scatter of a sum is the sum of two.
+    # (the LayerNorms') waits there, full size, and rides along; a B of the next micro-batch may
+    # add to it first, which changes nothing: a reduce-scatter of a sum is the sum of two. (A unit
+    # with no Linear, the embeddings, is reduced by B as before.)
     # (torch.distributed.pipelining keeps an FSDP2 stage unsharded for W instead, and reduce-scatters
     # once after the last micro-batch: full gradients and weights for the whole step.)
     def grad_deferred(self, p: torch.nn.Parameter) -> None:
