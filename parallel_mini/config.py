@@ -244,10 +244,12 @@ class RunConfig:
         if self.schedule.startswith("pipedream") and self.pp > 1:
             raise ConfigError(f"--experts with --schedule {self.schedule}: not available yet; use "
                               f"a synchronous schedule (1f1b, gpipe, ...)")
-        if P > 1 and (self.zero == 3 or 0 < self.dp_shard < self.dp):
-            raise ConfigError(f"--ep {P} with {'--zero 3' if self.zero == 3 else 'HYBRID_SHARD'}: "
-                              f"experts sharded over ep with ZeRO-3 are not available yet; use "
-                              f"--zero 0, 1 or 2")
+        shard = self.dp_shard * self.cp  # HYBRID_SHARD's shard group (mesh.split_expert_replicas)
+        if P > 1 and 0 < self.dp_shard < self.dp and shard % P and P % shard:
+            raise ConfigError(f"--ep {P} with --dp-shard {self.dp_shard}: an ep group must lie "
+                              f"inside one shard group or span whole ones (experts sharded inside "
+                              f"it, replicated across); choose an ep that divides dp-shard x cp = "
+                              f"{shard} or is a multiple of it")
 
     def _validate_context(self) -> None:
         c, impl = self.cp, self.cp_impl

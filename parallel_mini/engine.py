@@ -41,6 +41,7 @@ from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import Mesh, build_mesh
 from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
+from .moe import Experts
 from .optim import PARAM_DTYPE, make_optimizer
 from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import DataParallel, accumulate_grads_in_fp32
@@ -93,27 +94,33 @@ class PlainDataParallel:
 def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | None = None
                 ) -> GradientStrategy:
     """The gradient strategy for `cfg` over the mesh's data-parallel axes (step 7 above). With
-    experts sharded over ep, two: the dense parameters over dp x cp, the experts over edp."""
+    experts sharded over ep, the experts' gradients go over their replicas, edp (HYBRID_SHARD:
+    sharded over edp_shard, all-reduced over edp_rep; mesh.py), the dense ones over dp x cp:
+    ZeRO-3 makes each layer's experts a unit of their own (FSDP2's nested fully_shard), the
+    other strategies are built twice, once per group of parameters (ExpertAndDense)."""
     mesh = comm.mesh
-    if experts is not None and experts.sharded:
-        dense, expert = split_parameters(model, experts.expert_parameter_names(model))
-        edp = mesh.axis_for("expert_dp")
-        return ExpertAndDense(parallelize(dense, comm, cfg, average_fn),
-                              _strategy(expert, comm, cfg, dict(axis=edp, shard_axis=edp,
-                                                                replicate_axis=None)))
     axes = dict(axis=mesh.axis_for("loss"), shard_axis=mesh.axis_for("shard"),
                 replicate_axis=mesh.axis_for("replicate"))
-    return _strategy(model, comm, cfg, axes, average_fn)
+    if experts is None or not experts.sharded:
+        return _strategy(model, comm, cfg, axes, average_fn)
+    expert_axes = dict(axis=mesh.axis_for("expert_dp"), shard_axis=mesh.axis_for("expert_shard"),
+                       replicate_axis=mesh.axis_for("expert_replicate"))
+    if cfg.zero == 3:  # (a pipeline stage holds only its own layers' experts)
+        apart = {m: expert_axes for m in model.modules() if isinstance(m, Experts)}
+        return _strategy(model, comm, cfg, axes, average_fn, apart)
+    dense, expert = split_parameters(model, experts.expert_parameter_names(model))
+    return ExpertAndDense(_strategy(dense, comm, cfg, axes, average_fn),
+                          _strategy(expert, comm, cfg, expert_axes))
 
 
-def _strategy(model, comm, cfg, axes: dict, average_fn=None) -> GradientStrategy:
+def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> GradientStrategy:
     if cfg.zero == 0:
         return PlainDataParallel(model, comm, cfg, axes["axis"], average_fn)
     dtype = PARAM_DTYPE[cfg.precision]
     if cfg.zero in (1, 2):
         return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,
                                 offload=cfg.offload, **axes)
-    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, **axes)
+    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, apart=apart, **axes)
 
 
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:

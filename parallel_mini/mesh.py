@@ -14,6 +14,7 @@ differ only in a set of grid coordinates:
     shard  = dp_shard x cp            ZeRO / FSDP shard their states over it
     ep     = a slice of dp x cp       expert parallel: experts sharded over ep ranks
     edp    = (dp x cp) / ep           an expert's replicas: its gradients are averaged over it
+    edp_shard, edp_rep                HYBRID_SHARD's two dimensions of edp, for the experts' ZeRO
 A combined axis whose ranks equal a simpler axis's is that axis (same process group, same name in
 the comm records): `Mesh.axis_for(role)` names the plainest one.
 
@@ -65,15 +66,36 @@ class Mesh:
 
     def axis_for(self, role: str) -> str | None:
         """The plainest axis name with the ranks of a role: "batch", "loss", "shard", "replicate"
-        (None when nothing is replicated), "expert", "expert_dp"."""
-        plain = {"batch": "dp", "loss": "dp_cp", "shard": "shard", "replicate": "dp_rep",
-                 "expert": "ep", "expert_dp": "edp"}[role]
-        if role == "replicate" and self.shape["dp_rep"] == 1:
-            return None
-        for simpler in ("dp", "dp_shard", "dp_rep", "cp"):  # same ranks, a name the reader knows
-            if simpler != plain and self.members.get(simpler) == self.members[plain]:
-                return simpler
-        return plain
+        (None when nothing is replicated), "expert", "expert_dp", "expert_shard",
+        "expert_replicate" (None when no expert is replicated)."""
+        return plainest(role, self.members)
+
+
+ROLES = {"batch": "dp", "loss": "dp_cp", "shard": "shard", "replicate": "dp_rep", "expert": "ep",
+         "expert_dp": "edp", "expert_shard": "edp_shard", "expert_replicate": "edp_rep"}
+
+
+def plainest(role: str, members: dict[str, list[int]]) -> str | None:
+    """The name of `role`'s axis for a rank whose groups are `members` (axis -> its ranks)."""
+    plain = ROLES[role]
+    if role in ("replicate", "expert_replicate") and len(members[plain]) == 1:
+        return None
+    if role in ("expert_shard", "expert_replicate"):
+        if members[plain] == members["edp"]:
+            return plainest("expert_dp", members)  # all of edp: the same group, the same name
+        if len(members[plain]) == 1:
+            return plain  # one rank: no grid axis's name (they would only match by being one)
+    for name in ("dp", "dp_shard", "dp_rep", "cp"):  # same ranks, a name the reader knows
+        if name != plain and members.get(name) == members[plain]:
+            return name
+    return plain
+
+
+def role_names(cfg) -> dict[str, str | None]:
+    """Every role's axis name, as Mesh.axis_for gives it on a rank of `cfg`'s mesh (the same on
+    every rank: the grid is regular), without a process group: theory labels its bytes with it."""
+    members = {axis: groups[0] for axis, groups in plan_groups(cfg).items()}  # rank 0's
+    return {role: plainest(role, members) for role in ROLES}
 
 
 def grid_shape(cfg) -> dict[str, int]:
@@ -120,6 +142,39 @@ def carve_experts(loss_lines: list[list[int]], ep: int) -> dict[str, list[list[i
     return {"ep": ep_groups, "edp": edp_groups}
 
 
+def split_expert_replicas(edp_groups: list[list[int]], shape: dict[str, int]
+                          ) -> dict[str, list[list[int]]]:
+    """HYBRID_SHARD's two dimensions for the experts' ZeRO: each edp group (an expert's replicas)
+    splits into edp_shard, its ranks in the same replica of the dense model (same dp_rep: they
+    shard the expert's states), and edp_rep, its ranks at the same place in every replica (same
+    dp_shard and cp: they all-reduce the reduced slices). Why this split (torchtitan's
+    dp_replicate x efsdp): sharding stays inside a shard group, as HYBRID_SHARD means (a node's
+    fast links), and only reduced slices cross replicas. Without hybrid sharding edp_shard is
+    edp. Their sizes multiply to edp's when an ep group lies inside one shard group or spans
+    whole ones (config.py refuses the rest)."""
+    shard, rep = [], []
+    for group in edp_groups:
+        by_replica: dict[int, list[int]] = {}
+        by_place: dict[tuple, list[int]] = {}
+        for r in group:
+            c = coords_of(r, shape)
+            by_replica.setdefault(c["dp_rep"], []).append(r)
+            by_place.setdefault((c["dp_shard"], c["cp"]), []).append(r)
+        shard += by_replica.values()
+        rep += by_place.values()
+    return {"edp_shard": shard, "edp_rep": rep}
+
+
+def plan_groups(cfg) -> dict[str, list[list[int]]]:
+    """Every axis's groups (global ranks), pure arithmetic on the grid: no process group."""
+    shape = grid_shape(cfg)
+    groups = {axis: lines((axis,), shape) for axis in GRID}
+    groups.update({axis: lines(parts, shape) for axis, parts in COMBINED.items()})
+    groups.update(carve_experts(groups["dp_cp"], getattr(cfg, "ep", 1)))
+    groups.update(split_expert_replicas(groups["edp"], shape))
+    return groups
+
+
 def _add_axis(mesh: Mesh, axis: str, groups: list[list[int]], made: dict) -> None:
     """Record `axis` and make its process groups (every rank, every group, in the same order).
     Rank sets that already have a group share it: combined axes often equal a grid axis."""
@@ -143,11 +198,6 @@ def build_mesh(cfg) -> Mesh:
                          f"(dp*tp*pp*cp) but {world} were launched")
     mesh = Mesh(dict(shape), rank)
     made: dict[tuple, object] = {}
-    for axis in GRID:
-        _add_axis(mesh, axis, lines((axis,), shape), made)
-    for axis, parts in COMBINED.items():
-        _add_axis(mesh, axis, lines(parts, shape), made)
-    ep = getattr(cfg, "ep", 1)
-    for axis, groups in carve_experts(lines(COMBINED["dp_cp"], shape), ep).items():
+    for axis, groups in plan_groups(cfg).items():  # grid axes, combined, expert axes: in order
         _add_axis(mesh, axis, groups, made)
     return mesh

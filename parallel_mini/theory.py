@@ -110,9 +110,16 @@ def moe_blocks(layers: int, experts: int, moe_every: int = 1) -> list[int]:
 
 def expert_params_held(cfg, blocks) -> int:
     """Expert parameters one rank holds for the given blocks: E/ep experts per MoE block."""
+    return sum(expert_unit_sizes(cfg, blocks))
+
+
+def expert_unit_sizes(cfg, blocks) -> list[int]:
+    """The E/ep experts of each MoE block among `blocks`, one entry per block: with expert parallel
+    each is a unit of its own under ZeRO-3 (and one group of parameters under the other
+    strategies), over the edp ranks (parallel/expert.py)."""
     E = getattr(cfg, "experts", 0)
     moe = set(moe_blocks(cfg.layers, E, getattr(cfg, "moe_every", 1)))
-    return sum(1 for i in blocks if i in moe) * (E // getattr(cfg, "ep", 1)) * mlp_params(cfg.d_model)
+    return [(E // getattr(cfg, "ep", 1)) * mlp_params(cfg.d_model) for i in blocks if i in moe]
 
 
 def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
@@ -137,16 +144,15 @@ def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
     return steps * n * ((4 + 2 * again) * rows + (1 + again) * counts)
 
 
-def expert_axes(cfg) -> tuple[str, str]:
-    """The comm records' names for the ep and edp ranks (mesh.axis_for("expert"/"expert_dp")), with
-    no hybrid sharding (what expert parallel allows today). The ep groups are blocks of ep
-    consecutive ranks of a dp x cp line (cp fastest): with cp > 1 they are the cp groups when
-    ep = cp, and the edp groups (same place in every block) are then the dp groups."""
-    if getattr(cfg, "cp", 1) == 1:
-        return ("dp" if cfg.ep == cfg.dp else "ep"), ("dp" if cfg.ep == 1 else "edp")
-    if cfg.ep == cfg.cp:
-        return "cp", "dp"
-    return "ep", "edp"
+def expert_axes(cfg) -> dict[str, str | None]:
+    """The comm records' names for the experts' data-parallel groups, keyed as the expert strategy
+    of one group (cp = 1) names them: "dp" the edp ranks, "dp_shard" and "dp_rep" HYBRID_SHARD's
+    edp_shard and edp_rep. Labels, not numbers: they come from the mesh's grid arithmetic
+    (mesh.role_names, no process group), as Mesh.axis_for names them in a run."""
+    from .mesh import role_names
+    names = role_names(cfg)
+    return {"dp": names["expert_dp"], "dp_shard": names["expert_shard"],
+            "dp_rep": names["expert_replicate"]}
 
 
 def dp_wire_bytes_per_step(grad_bytes: int, dp: int) -> int:
@@ -162,17 +168,19 @@ def padded(numel: int, n: int) -> int:
 
 
 def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1, experts: int = 0,
-                   moe_every: int = 1, ep: int = 1) -> list[int]:
+                   moe_every: int = 1, ep: int = 1, experts_apart: bool = False) -> list[int]:
     """Parameters per ZeRO-3 unit on one rank (each gathered as one flat buffer): the embedding
     (token and position tables), each block, the head (final LayerNorm and output layer). With
     tensor parallel t the vocabulary tables and the blocks' matrices (and column-parallel biases)
     hold 1/t; per block (12h^2 + 7h)/t + 6h: row-parallel biases and LayerNorms stay whole.
     A mixture-of-experts block: attention (4h^2 + 3h)/t + h, LayerNorms 4h, the router h*E and
-    E/ep experts, all whole on every tp rank."""
+    E/ep experts, all whole on every tp rank; `experts_apart` (expert parallel: the experts are
+    units of their own, expert_unit_sizes) leaves the experts out."""
     h = d_model
     moe = set(moe_blocks(layers, experts, moe_every))
     dense = (12 * h * h + 7 * h) // tp + 6 * h
-    sparse = (4 * h * h + 3 * h) // tp + 5 * h + h * experts + (experts // ep) * mlp_params(h)
+    sparse = (4 * h * h + 3 * h) // tp + 5 * h + h * experts \
+        + (0 if experts_apart else (experts // ep) * mlp_params(h))
     blocks = [sparse if i in moe else dense for i in range(layers)]
     return [vocab * h // tp + seq * h] + blocks + [2 * h + h * vocab // tp]
 
@@ -218,17 +226,36 @@ def tp_wire_bytes_per_step(cfg, blocks: int | None = None, embed: bool = True, h
         # SP swaps each all-reduce for an all-gather + reduce-scatter: the same bytes. Added: the
         # gradients of the parameters used on sequence shards, summed over tp per micro-step: the
         # position embeddings, the final LayerNorm, per dense block 2 LayerNorms and 2 row-parallel
-        # biases; per mixture-of-experts block 2 LayerNorms, the attention's bias, the router and
-        # the E/ep experts (each tp rank routes only its own tokens: parallel/expert.py)
-        E, ep = getattr(cfg, "experts", 0), getattr(cfg, "ep", 1)
-        sp_params = embed * cfg.seq * h + 6 * h * (L - moe) + head * 2 * h \
-            + moe * (5 * h + h * E + E // ep * mlp_params(h))
+        # biases, per mixture-of-experts block 2 LayerNorms and the attention's bias (its router
+        # and experts: moe_sp_wire_bytes_per_step)
+        sp_params = embed * cfg.seq * h + 6 * h * (L - moe) + 5 * h * moe + head * 2 * h
         per_micro += wire_bytes("all_reduce", sp_params * BYTES_PER_PARAM[cfg.precision], t)
-        # and each mixture-of-experts forward all-gathers the router logits of the sequence's
-        # other tp shards, [b, s/t, E] each (WholeSequences); full checkpointing runs it again
-        logits = micro * seq * E * BYTES_PER_PARAM[cfg.precision]
-        per_micro += moe * (1 + again) * wire_bytes("all_gather", logits, t)
     return steps * per_micro
+
+
+def moe_sp_wire_bytes_per_step(cfg, moe: int | None = None) -> float:
+    """This library's mixture of experts under sequence parallel, on the tp axis, per step: a tp
+    rank routes and dispatches only its own tokens (parallel/expert.py), so per MoE block (`moe`
+    of them; default: the whole model's) and micro-step
+    - forward all-gathers the router logits of the sequence's other tp shards, [b, s/t, E] each
+      (WholeSequences; full checkpointing runs it again);
+    - backward sums the router's (h E) and the E/ep experts' gradients over tp, as the other
+      parameters used on sequence shards (tensor.py's hook).
+    Kept apart from tp_wire_bytes_per_step, which the planner also applies to real models: their
+    MoE layers (Megatron's, expert tensor parallel 1) fold tp into the experts' data-parallel
+    group and reduce those gradients once per step instead."""
+    E, t = getattr(cfg, "experts", 0), cfg.tp
+    if not (E and getattr(cfg, "sp", False) and t > 1):
+        return 0.0
+    if moe is None:
+        moe = len(moe_blocks(cfg.layers, E, getattr(cfg, "moe_every", 1)))
+    steps = cfg.microbatches if getattr(cfg, "pp", 1) > 1 else cfg.grad_accum  # micro-steps
+    elem = BYTES_PER_PARAM[cfg.precision]
+    logits = cfg.batch // (cfg.dp * steps) * cfg.seq // getattr(cfg, "cp", 1) * E * elem
+    grads = (cfg.d_model * E + E // getattr(cfg, "ep", 1) * mlp_params(cfg.d_model)) * elem
+    per_block = (1 + (cfg.checkpointing == "full")) * wire_bytes("all_gather", logits, t) \
+        + wire_bytes("all_reduce", grads, t)
+    return steps * moe * per_block
 
 
 def shard_axis(cfg) -> str:
@@ -335,11 +362,14 @@ def run_theory(cfg, n_params: int) -> dict:
     ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
     if cfg.pp > 1:
         return _pipeline_theory(cfg)
-    units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp, **_moe(cfg))
-    out = _rank_theory(cfg, units, expert_params_held(cfg, range(cfg.layers)))
+    apart = getattr(cfg, "ep", 1) > 1  # expert parallel: the experts' states go over edp
+    units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp, **_moe(cfg),
+                           experts_apart=apart)
+    out = _rank_theory(cfg, units, expert_unit_sizes(cfg, range(cfg.layers)) if apart else [])
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
     if cfg.tp > 1:
-        out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg)
+        out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg) \
+            + moe_sp_wire_bytes_per_step(cfg)
     if cfg.cp > 1:  # on the cp group: attention's traffic (plus the gradients' when dp = 1)
         wire = out["wire_bytes_per_step"]
         wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg)
@@ -355,13 +385,13 @@ def _moe(cfg) -> dict:
             "ep": getattr(cfg, "ep", 1)}
 
 
-def _rank_theory(cfg, units: list[int], experts_held: int = 0) -> dict:
+def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
     """Model states and data-parallel traffic of one rank holding `units` (parameters per unit).
-    With expert parallel (ep > 1) `experts_held` of them are expert parameters: their states are
-    ZeRO'd over, and their gradients averaged over, the edp ranks ((dp x cp)/ep), the rest's over
-    dp x cp."""
-    if getattr(cfg, "ep", 1) > 1 and experts_held:
-        return _expert_rank_theory(cfg, units, experts_held)
+    With expert parallel (ep > 1) it also holds `expert_units` (each MoE layer's E/ep experts,
+    left out of `units`): their states are ZeRO'd over, and their gradients averaged over, the
+    edp ranks ((dp x cp)/ep), the rest's over dp x cp."""
+    if getattr(cfg, "ep", 1) > 1 and expert_units:
+        return _expert_rank_theory(cfg, units, list(expert_units))
     n_params = sum(units)  # what one rank holds: all of it, its tensor-parallel slices, its stage
     micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # forward+backward passes
     hybrid = 0 < cfg.dp_shard < cfg.dp  # HYBRID_SHARD: shard in groups, replicate across them
@@ -390,18 +420,25 @@ def _rank_theory(cfg, units: list[int], experts_held: int = 0) -> dict:
             "wire_bytes_per_step": wire}
 
 
-def _expert_rank_theory(cfg, units: list[int], experts_held: int) -> dict:
+def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
+    """The dense units over dp x cp, the experts' as one data-parallel group of edp ranks (cp 1).
+    HYBRID_SHARD (mesh.split_expert_replicas): an ep group inside a shard group of S = dp_shard x
+    cp ranks leaves S/ep of an expert's replicas in each shard group, which shard its states;
+    an ep group spanning whole shard groups leaves one (the experts are replicated, not sharded)."""
     from types import SimpleNamespace
-    dense = _rank_theory(SimpleNamespace(**{**vars(cfg), "ep": 1}), [sum(units) - experts_held])
+    dense = _rank_theory(SimpleNamespace(**{**vars(cfg), "ep": 1}), units)
     edp = cfg.dp * cfg.cp // cfg.ep
+    shard = cfg.dp_shard * cfg.cp
+    edp_shard = (shard // cfg.ep if shard % cfg.ep == 0 else 1) if 0 < cfg.dp_shard < cfg.dp else 0
     expert = _rank_theory(SimpleNamespace(**{**vars(cfg), "ep": 1, "dp": edp, "cp": 1,
-                                             "dp_shard": 0}), [experts_held])
-    ep_name, edp_name = expert_axes(cfg)
+                                             "dp_shard": edp_shard}), expert_units)
+    names = expert_axes(cfg)  # the expert group's "dp", "dp_shard", "dp_rep": edp's parts
     wire = dict(dense["wire_bytes_per_step"])
     for g, b in expert["wire_bytes_per_step"].items():
-        g = edp_name if g == "dp" else g
+        g = names.get(g) or g
         wire[g] = wire.get(g, 0) + b
-    return {"n_params_per_rank": sum(units), "expert_params_per_rank": experts_held,
+    experts_held = sum(expert_units)
+    return {"n_params_per_rank": sum(units) + experts_held, "expert_params_per_rank": experts_held,
             "padding_elements": dense["padding_elements"] + expert["padding_elements"],
             "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
                        for k in dense["memory"] | expert["memory"]},
@@ -426,22 +463,24 @@ def _pipeline_theory(cfg) -> dict:
     boundary = micro * seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]  # [b, s, h]
     stages = []
     for r in range(cfg.pp):
+        apart = getattr(cfg, "ep", 1) > 1  # expert parallel: the experts' states go over edp
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
-                                     cfg.tp, **_moe(cfg))
+                                     cfg.tp, **_moe(cfg), experts_apart=apart)
         per = cfg.layers // len(schedule.owner)
         mine = [i for c, o in enumerate(schedule.owner) if o == r for i in range(c * per, (c + 1) * per)]
-        stage = _rank_theory(cfg, units, expert_params_held(cfg, mine))
+        stage = _rank_theory(cfg, units, expert_unit_sizes(cfg, mine) if apart else [])
         if getattr(cfg, "ep", 1) > 1:
             stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
             schedule.owner, r, cfg.microbatches, boundary)
         if cfg.tp > 1:
             chunks = [c for c, o in enumerate(schedule.owner) if o == r]
+            moe_here = len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
+                                                      getattr(cfg, "moe_every", 1))))
             stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
                 cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner), embed=0 in chunks,
-                head=len(schedule.owner) - 1 in chunks,
-                moe=len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
-                                                   getattr(cfg, "moe_every", 1)))))
+                head=len(schedule.owner) - 1 in chunks, moe=moe_here) \
+                + moe_sp_wire_bytes_per_step(cfg, moe_here)
         if cfg.cp > 1:
             chunks = [c for c, o in enumerate(schedule.owner) if o == r]
             wire = stage["wire_bytes_per_step"]
@@ -622,11 +661,11 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
 
 def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner: list[int],
                          rank: int, tp: int = 1, experts: int = 0, moe_every: int = 1,
-                         ep: int = 1) -> list[int]:
+                         ep: int = 1, experts_apart: bool = False) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
     one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier."""
-    units = gpt_unit_sizes(vocab, seq, d_model, layers, tp, experts, moe_every, ep)
+    units = gpt_unit_sizes(vocab, seq, d_model, layers, tp, experts, moe_every, ep, experts_apart)
     embeddings, blocks, head = units[:1], units[1:1 + layers], units[1 + layers:]
     n_chunks, per = len(owner), layers // len(owner)
     mine = []

@@ -66,7 +66,7 @@ BAD = [
     (dict(experts=-1), "--experts"),
     (dict(experts=4, moe_every=0), "--moe-every"),
     (dict(experts=4, moe_every=5, layers=4), "--moe-every"),
-    (dict(dp=2, ep=2, experts=4, zero=3), "--ep"),
+    (dict(dp=12, dp_shard=4, ep=6, experts=6, zero=2, batch=12), "--ep"),  # ep across shard groups
     (dict(steps=10_001), "--steps"),
 ]
 

@@ -38,6 +38,13 @@ SIGSEGV (measured: `model.state_dict()`, or `w.norm()` between steps). So nothin
   whose backward the TorchFunctionMode cannot see) stays gathered until the step's gradients are
   synchronised.
 
+Units over other ranks (FSDP2's nested fully_shard, as torchtitan applies it to MoE experts): a
+module named in `apart` is a unit of its own, taken out of the unit that contains it, sharded,
+gathered and reduced over its own axes. Expert parallel needs it: a layer's experts differ between
+the ep ranks, so they cannot share a flat buffer with the block around them (sharded over all of
+dp x cp); their replicas are the edp ranks (parallel/expert.py). Each unit knows its own groups,
+and nothing else changes: the same hooks gather and free both, one optimizer steps every slice.
+
 Frozen parameters (requires_grad=False) are in no unit: replicated, never communicated (as DDP and
 FSDP2 treat them). Parameters that get no gradient in a step: see `find_unused_parameters` below.
 Not supported: a unit whose forward runs on some ranks and not on others (a top-level child called
@@ -62,9 +69,11 @@ from .zero import (FlatLayout, UsedParameters, piece_grads, piece_views, refuse_
                    step_with)
 
 
-def plan_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+def plan_units(model: torch.nn.Module, apart=()) -> list[tuple[torch.nn.Module,
+                                                             list[torch.nn.Parameter]]]:
     """[(module, its trainable parameters)]: the root unit first when it has any, then each
-    top-level child (a ModuleList: each member) that keeps a parameter of its own."""
+    top-level child (a ModuleList: each member) that keeps a parameter of its own, then each
+    module of `apart` (its parameters are its own unit's, not the child's around it)."""
     modules = []
     for child in model.children():
         modules += list(child) if isinstance(child, torch.nn.ModuleList) else [child]
@@ -72,6 +81,10 @@ def plan_units(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch
     for k, m in enumerate(modules):
         for p in m.parameters():  # a module lists a parameter once, however often it holds it
             holders.setdefault(p, []).append(k)
+    modules += list(apart)
+    for k, m in enumerate(apart, start=len(modules) - len(apart)):
+        for p in m.parameters():
+            holders[p] = [k]  # the innermost unit holds it
     on_root = {p for p in model.parameters(recurse=False)}
     members: list[list[torch.nn.Parameter]] = [[] for _ in modules]
     root = []
@@ -188,10 +201,16 @@ def reachable_parameters(outputs) -> set:
 
 
 class Unit:
-    """Some parameters as one sharded flat buffer."""
+    """Some parameters as one sharded flat buffer, over its own axes: `axis` (its data-parallel
+    ranks: the gradient is averaged over them), `shard_axis` (the ranks holding its slices) and
+    `replicate_axis` (HYBRID_SHARD: the ranks holding the same slice; None without)."""
 
-    def __init__(self, module, params, n, r, param_dtype, mixed, names):
+    def __init__(self, module, params, comm: Comm, axes: dict, param_dtype, mixed, names):
+        self.axis, self.shard_axis = axes["axis"], axes["shard_axis"]
+        self.replicate_axis = axes.get("replicate_axis")
+        n, r = comm.size(self.shard_axis), comm.rank(self.shard_axis)
         self.module, self.params, self.n, self.r = module, params, n, r
+        self.dp = comm.size(self.axis)  # what its gradient is averaged over
         self.classes = [type(p) for p in params]  # worn while gathered
         self.freed_classes = [freed_class(c) for c in self.classes]  # worn while freed
         self.layout = FlatLayout(self.params, n)
@@ -223,11 +242,11 @@ class Unit:
                 p.__class__ = cls  # from now on an op that would read it is refused
             self.gathered = False
 
-    def gather(self, comm: Comm, axis: str) -> None:
+    def gather(self, comm: Comm) -> None:
         if self.gathered:
             return
         self.storage.resize_(self.layout.padded * self.full.element_size())
-        comm.all_gather(self.full, self.shard, axis)  # n x [k] -> [padded]
+        comm.all_gather(self.full, self.shard, self.shard_axis)  # n x [k] -> [padded]
         for p, cls in zip(self.params, self.classes):
             p.__class__ = cls  # readable again
         self.gathered = True
@@ -266,7 +285,7 @@ class Zero3DataParallel:
     def __init__(self, model: torch.nn.Module, comm: Comm, optimizer: str = "adam",
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
                  shard_axis: str = "dp", replicate_axis: str | None = None,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, apart: dict | None = None):
         """`axis`: the data-parallel axis (batch split, gradient average). HYBRID_SHARD: shard over
         `shard_axis`, all-reduce the reduced slices over `replicate_axis` (see ZeroDataParallel).
         `find_unused_parameters` (DDP's): parameters may get no gradient on some ranks or on all.
@@ -275,22 +294,25 @@ class Zero3DataParallel:
         did not arrive; a parameter no rank used is not stepped. The price: full gradients live
         until then (ZeRO-2's gradient memory), and micro-steps accumulate them before reducing.
         Without it, a parameter that will get no gradient is an error as soon as the forward that
-        left it out ends."""
+        left it out ends.
+        `apart` {module: its axes, a dict of axis, shard_axis, replicate_axis}: modules that are
+        units of their own over other ranks (expert parallel's experts over edp; see above)."""
         refuse_unsupported(model, "ZeRO-3")
+        apart = apart or {}
+        if find_unused_parameters and apart:  # its 0/1 map would mix parameters of other ranks
+            raise ValueError("ZeRO-3: find_unused_parameters with units over other axes (apart) "
+                             "is not supported; use one of them")
         self.model, self.comm = model, comm
         self.axis, self.shard_axis, self.replicate_axis = axis, shard_axis, replicate_axis
         self.n, self.r = comm.size(shard_axis), comm.rank(shard_axis)
         self.dp = comm.size(axis)
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full layers alive at once, and the max
         self.mixed = param_dtype != torch.float32
-        if self.dp > 1:  # every rank starts from rank 0's weights, as in data parallel
-            step, comm.step = comm.step, -1
-            for p in model.parameters():
-                comm.broadcast(p.data, axis, src=0)
-            comm.step = step
-        plan = plan_units(model)
+        axes = dict(axis=axis, shard_axis=shard_axis, replicate_axis=replicate_axis)
+        self._start_alike(model, axes, apart)
+        plan = plan_units(model, list(apart))
         names = {p: name for name, p in model.named_parameters()}
-        self.units = [Unit(m, ps, self.n, self.r, param_dtype, self.mixed, names)
+        self.units = [Unit(m, ps, comm, apart.get(m, axes), param_dtype, self.mixed, names)
                       for m, ps in plan]
         self.root = self.units[0] if plan[0][0] is model else None
         self._unit_of = {p: u for u in self.units for p in u.params}
@@ -314,11 +336,22 @@ class Zero3DataParallel:
         views = [v for u in self.units for v in piece_views(u.master, u.pieces)]
         self.optimizer = make_optimizer(optimizer, views, lr)  # one, over every unit's pieces
 
+    def _start_alike(self, model, axes: dict, apart: dict) -> None:
+        """Every rank starts from its data-parallel group's first rank's weights, as in data
+        parallel: each parameter over its unit's axis (an expert's replicas: edp)."""
+        axis_of = {p: a["axis"] for m, a in apart.items() for p in m.parameters()}
+        step, self.comm.step = self.comm.step, -1  # one-time setup traffic
+        for p in model.parameters():
+            axis = axis_of.get(p, axes["axis"])
+            if self.comm.size(axis) > 1:
+                self.comm.broadcast(p.data, axis, src=0)
+        self.comm.step = step
+
     # -- gathering and freeing ------------------------------------------------------------------
     def gather(self, *units: Unit) -> None:
         for unit in units:
             if not unit.gathered:
-                unit.gather(self.comm, self.shard_axis)
+                unit.gather(self.comm)
                 self.gathered_bytes += unit.storage.nbytes()
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
@@ -471,10 +504,10 @@ class Zero3DataParallel:
                 view.copy_(q.grad)
             q.grad = None  # the full gradient is not kept: only my reduced slice is
         piece = torch.empty(unit.layout.shard_numel, dtype=dtype, device=device)  # [k]
-        self.comm.reduce_scatter(piece, flat_grad, self.shard_axis)  # [padded] -> [k], summed
-        if self.replicate_axis:  # HYBRID_SHARD: sum the same slice across replicas
-            self.comm.all_reduce(piece, self.replicate_axis)
-        piece /= self.dp
+        self.comm.reduce_scatter(piece, flat_grad, unit.shard_axis)  # [padded] -> [k], summed
+        if unit.replicate_axis:  # HYBRID_SHARD: sum the same slice across replicas
+            self.comm.all_reduce(piece, unit.replicate_axis)
+        piece /= unit.dp
         unit.grad_shard = piece if unit.grad_shard is None else unit.grad_shard.add_(piece)
 
     # -- the training-loop interface ------------------------------------------------------------
