@@ -25,7 +25,9 @@ The rule (each step is the answer to one question):
 
 `fact_answers` answers the questions from numbers (the model's states against the GPU's memory,
 its sequence length, its experts, the link's bandwidth) so the page can say what the facts
-suggest; the learner still answers. Pure Python: no torch, no Streamlit.
+suggest; the learner still answers. `toy_version` turns a recommendation into a layout of
+parallel_mini's own GPT on a few local ranks, the planner's prediction for it and the RunConfig
+that runs it (lesson 09 runs it live). Pure Python: no torch, no Streamlit.
 """
 from __future__ import annotations
 
@@ -187,3 +189,68 @@ def fact_answers(params: int, gpu_bytes: float, seq: int, experts: int,
     return {"fits": fits, "long": "yes" if seq >= LONG_SEQUENCE else "no",
             "moe": "yes" if experts else "no",
             "link": "slow" if inter_node_bytes_s < SLOW_LINK_BYTES_S else "fast"}
+
+
+# ---------------------------------------------------------------------------------------------
+# the toy version: a recommendation on parallel_mini's GPT, small enough to run here
+# ---------------------------------------------------------------------------------------------
+TOY_MODEL = {"layers": 4, "d_model": 64, "heads": 4, "seq": 32, "vocab": 128, "batch": 8}
+TOY_EXPERTS = {"experts": 4, "top_k": 2}  # the toy's MoE layers, when the guide calls for ep
+TOY_STEPS = 4  # steps 1 and 2 timed (planner.measured_step_s: not the first, not the metered last)
+TOY_STATES = ("params", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class ToyVersion:
+    """The toy layout closest to a recommendation: `place` among the toy's fitting layouts as the
+    planner ranks them on this machine's profile ("cpu": assumed rates, so the place depends on
+    the cores), the guide's choices it lacks (`departures`, none when it follows the guide), the
+    planner's `prediction` for it (theory) and the RunConfig that runs it."""
+    place: int
+    layout: object  # planner.Layout
+    departures: list
+    prediction: dict
+    config: object  # config.RunConfig
+
+    def memory_rows(self, ranks: list[dict]) -> list[dict]:
+        """{rank, source, category, bytes} for viz.plan.toy_memory: each rank's measured model
+        states and activation peak (a run report's `ranks`) beside the planner's prediction for
+        its pipeline stage."""
+        rows = []
+        for r in ranks:
+            want = self.prediction["memory_per_rank"][r["coords"]["pp"]]
+            for category, measured_key in [(k, k) for k in TOY_STATES] + [("activations",
+                                                                          "activations_peak")]:
+                rows.append({"rank": r["rank"], "source": "measured", "category": category,
+                             "bytes": r["memory"][measured_key]})
+                rows.append({"rank": r["rank"], "source": "theory", "category": category,
+                             "bytes": want[category]})
+        return rows
+
+    def states_equal(self, ranks: list[dict]) -> int:
+        """How many ranks measured params, grads and optimizer bytes equal to the prediction."""
+        return sum(all(r["memory"][k] == self.prediction["memory_per_rank"][r["coords"]["pp"]][k]
+                       for k in TOY_STATES) for r in ranks)
+
+
+def toy_version(rec: Recommendation, ranks: int, steps: int = TOY_STEPS,
+                model: dict | None = None, reference: bool = True) -> ToyVersion:
+    """The toy GPT (TOY_MODEL, with TOY_EXPERTS when the guide calls for expert parallel) on
+    `ranks` local ranks: every layout the planner finds runnable here, ranked on this machine's
+    profile, then the best-ranked of those closest to `rec` (guide.closest). Its RunConfig trains
+    `steps` steps, with the single-process reference unless `reference` is False."""
+    from . import planner
+    from .config import RunConfig
+
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks = {ranks!r}: give a whole number of local ranks, 1 or more")
+    shape = {**TOY_MODEL, **(model or {}), **(TOY_EXPERTS if rec.ep else {})}
+    spec = planner.toy_model(**shape)
+    ranked = planner.plan(spec, ranks, planner.hardware("cpu"), spec.global_batch, top=0)["all"]
+    found = closest(ranked, rec)
+    if found is None:
+        raise ValueError(f"no layout of the toy GPT fits on {ranks} local ranks; try 2, 4 or 8")
+    place, lay, prediction, departures = found
+    cfg = planner.run_config(spec, lay, spec.global_batch, steps=steps)
+    cfg = RunConfig(**{**cfg.to_dict(), "reference": reference})
+    return ToyVersion(place, lay, departures, prediction, cfg)
