@@ -30,6 +30,9 @@ average over edp; the extra 1/P (a hook on the expert weights) makes the whole 1
 dense weights get by averaging over all data-parallel ranks. So the strategy (plain data parallel
 or ZeRO-1/2) is built twice: once over the dense parameters and the dp x cp ranks, once over the
 expert parameters and the edp ranks (`ExpertAndDense`); ZeRO shards each over its own group.
+ZeRO-3, which gathers per module, needs no second strategy: each layer's experts are a unit of
+their own over edp (zero3.py, `apart`; FSDP2's nested fully_shard). With HYBRID_SHARD an expert's
+edp replicas split into edp_shard x edp_rep, as the dense ranks into shard x replicate (mesh.py).
 """
 from __future__ import annotations
 
