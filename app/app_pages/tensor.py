@@ -112,16 +112,20 @@ result, current = last_result("tp", key)
 
 
 def _tp_bytes_per_step(run: dict, rank: int = 0) -> dict[tuple[str, str], dict]:
-    """Rank `rank`'s tp-group records of the training steps, by (layer tag, op), per step."""
+    """Rank `rank`'s tp-group records of the training steps, by (layer tag, op), per step: calls,
+    bytes (counted, the ring model), written (measured, to sockets), payload and wall time."""
     steps = run["config"]["steps"]
     out: dict[tuple[str, str], dict] = {}
     for c in run["ranks"][rank]["comm"]:
         if c["group"] != "tp":
             continue
         a = out.setdefault((c.get("layer", "?"), c["op"]), {"calls": 0, "bytes": 0.0,
-                                                             "payload": 0, "wall_s": 0.0})
+                                                             "written": 0.0, "payload": 0,
+                                                             "wall_s": 0.0})
         a["calls"] += 1 / steps
-        a["bytes"] += c["wire_bytes_model"] / steps
+        a["bytes"] += c["wire_bytes_model"] / steps  # counted: the ring model of the call
+        w = c.get("wire_bytes_measured")  # measured: written to sockets; None where unreadable
+        a["written"] = None if w is None or a["written"] is None else a["written"] + w / steps
         a["payload"] += c["payload_bytes"] / steps
         a["wall_s"] += (c["end"] - c["start"]) / steps if "end" in c else 0.0
     return out
@@ -195,7 +199,7 @@ def show_correctness(run: dict) -> None:
 def show_comm(chosen: dict, variants: dict[str, dict]) -> None:
     c = chosen["config"]
     t = c["tp"]
-    st.subheader("2 · Communication per step: measured vs theory")
+    st.subheader("2 · Communication per step: counted, measured and theory")
     if t == 1:
         st.info("tp = 1: nothing is split, so there is no tensor-parallel traffic. Choose tp = 2 "
                 "or 4 and press **Run live**.")
@@ -214,18 +218,26 @@ def show_comm(chosen: dict, variants: dict[str, dict]) -> None:
 def show_tp_comm(chosen: dict, variants: dict[str, dict]) -> None:
     c = chosen["config"]
     t = c["tp"]
-    measured = sum(a["bytes"] for a in _tp_bytes_per_step(chosen).values())
+    counted = sum(a["bytes"] for a in _tp_bytes_per_step(chosen).values())
+    written = [a["written"] for a in _tp_bytes_per_step(chosen).values()]  # None: unreadable
     predicted = chosen["theory"]["wire_bytes_per_step"].get("tp", 0.0)
-    b1, b2, b3 = st.columns(3)
-    b1.metric("TP bytes per step, rank 0: counted (ring model of the ops run)", f"{fmt_count(measured)} B")
+    b0, b1, b2, b3 = st.columns(4)
+    b0.metric("TP bytes rank 0 wrote to its sockets per step: measured",
+              "not measurable here" if None in written
+              else f"{fmt_count(round(sum(written)))} B",
+              help="What rank 0's process wrote to its sockets during its tp collectives "
+                   "(/proc/self/io): gloo's algorithm for each, its headers included")
+    b1.metric("TP bytes per step, rank 0: counted (ring model of the ops run)", f"{fmt_count(counted)} B",
+              help="2(t−1)/t × the payload of each tp collective rank 0 ran, summed: a count of "
+                   "what the code asked for, not a socket measurement")
     b2.metric("TP bytes per step: theory", f"{fmt_count(predicted)} B",
-              delta=("equal" if measured == predicted
-                     else f"differ by {measured - predicted:+,.0f} B"),
-              delta_color="normal" if measured == predicted else "inverse", delta_arrow="off",
+              delta=("equal" if counted == predicted
+                     else f"differ by {counted - predicted:+,.0f} B"),
+              delta_color="normal" if counted == predicted else "inverse", delta_arrow="off",
               help="parallel_mini.theory.tp_wire_bytes_per_step")
     per_rank = [sum(a["bytes"] for a in _tp_bytes_per_step(chosen, i).values())
                 for i in range(len(chosen["ranks"]))]
-    b3.metric("Ranks sending exactly that", f"{sum(b == measured for b in per_rank)} of "
+    b3.metric("Ranks sending exactly that", f"{sum(b == counted for b in per_rank)} of "
                                             f"{len(per_rank)}")
     mb, s, hh = c["batch"] // c["dp"], c["seq"], c["d_model"]
     st.latex(rf"\underbrace{{(4L+2)}}_{{{4 * c['layers'] + 2}}}\cdot\frac{{2(t-1)}}{{t}}\cdot"
@@ -256,11 +268,18 @@ def show_tp_comm(chosen: dict, variants: dict[str, dict]) -> None:
             f"an all-gather). SP adds **{fmt_count(grads)} B** of gradients of the parameters "
             f"used on sequence shards (LayerNorms, row-parallel biases, position embeddings).")
     table = [{"run": label, "layer tag": lay, "op": op, "calls per step": a["calls"],
-              "payload per call (B)": a["payload"] / a["calls"], "wire bytes per step": a["bytes"]}
+              "payload per call (B)": a["payload"] / a["calls"],
+              "bytes per step, counted (ring model)": a["bytes"],
+              "written to sockets per step (measured)": a["written"]}
              for label, run in variants.items()
              for (lay, op), a in sorted(_tp_bytes_per_step(run).items())]
     with st.expander("Every tp collective of rank 0, per step"):
         st.dataframe(pd.DataFrame(table), hide_index=True)
+        st.caption("Counted: what a ring would send for each call. Measured: what the process "
+                   "wrote to its sockets during it, gloo's headers and its own algorithm included. "
+                   "Compare the two on SP's reduce-scatter: gloo computes the whole sum and keeps "
+                   "one slice (lesson 01), not the ring's half. On the smallest calls (the loss's "
+                   "few hundred bytes) the headers alone are a large share.")
 
 
 def show_memory(variants: dict[str, dict], extra: dict[str, dict]) -> None:
@@ -310,21 +329,21 @@ loss, which no per-layer formula counts.
 def show_links(chosen: dict) -> None:
     st.subheader("4 · Where could TP run? The step's traffic on real links")
     per = _tp_bytes_per_step(chosen)
-    measured = sum(x["bytes"] for x in per.values())
-    if not measured:
+    counted = sum(x["bytes"] for x in per.values())  # the ring model of the calls made
+    if not counted:
         st.info("tp = 1 sends nothing over tp; choose tp = 2 or 4 to time its traffic.")
         return
     wall = sum(x["wall_s"] for x in per.values())
     rows = [{"link": f"{link} ({theory.INTERCONNECTS[link] / 1e9:g} GB/s)",
-             "seconds": theory.transfer_time(measured, link), "source": "predicted"}
+             "seconds": theory.transfer_time(counted, link), "source": "predicted"}
             for link in LINKS]
     calls = round(sum(x["calls"] for x in per.values()))
     pm.chart(viz.tp_link_times(
-        rows, title=f"TP traffic of one step ({fmt_bytes(measured)} per rank), by link",
-        subtitle=["the measured bytes of rank 0 / each link's bandwidth (theory.transfer_time, "
+        rows, title=f"TP traffic of one step ({fmt_bytes(counted)} per rank), by link",
+        subtitle=["the counted bytes of rank 0 / each link's bandwidth (theory.transfer_time, "
                   "a lower bound: no latency)"]))
     l1, l2 = st.columns(2)
-    l1.metric("Bytes per step, rank 0 (measured)", f"{fmt_count(measured)} B",
+    l1.metric("Bytes per step, rank 0 (counted)", f"{fmt_count(counted)} B",
               help=f"{calls} tp collectives per step")
     l2.metric("Wall time of those collectives here (gloo on loopback, measured)",
               f"{wall * 1e3:.3g} ms")

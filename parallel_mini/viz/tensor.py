@@ -1,7 +1,7 @@
 """Tensor and sequence parallel (lesson 04, the Tensor parallel page):
 
     tp_weight_shards(shards)        the MLP's weights as each rank holds its shard
-    tp_comm_by_layer(rows, theory)  bytes per step by layer tag (f, g, SP, loss): measured vs theory
+    tp_comm_by_layer(rows, theory)  bytes per step by layer tag (f, g, SP, loss): counted vs theory
     tp_activation_bars(rows)        activation bytes per layer with and without SP
     tp_link_times(rows)             the step's tp traffic, timed on each interconnect
 """
@@ -123,10 +123,11 @@ def tp_comm_frame(rows: list[dict]) -> pd.DataFrame:
 
 def tp_comm_by_layer(rows: list[dict], theory_bytes: dict[str, float],
                      title: str = "Tensor-parallel bytes per step, by layer tag: "
-                                  "measured vs theory",
+                                  "counted vs theory",
                      subtitle: str | list[str] = "") -> alt.LayerChart:
-    """One stacked bar per run (e.g. SP off, SP on): the wire bytes one rank put on the tp group
-    per training step, split by what sent them (the comm records' layer tag and op). The black
+    """One stacked bar per run (e.g. SP off, SP on): the bytes one rank sent on the tp group per
+    training step, counted from its comm records (`wire_bytes_model`, the ring model of the calls it
+    made, not a socket measurement), split by what sent them (the records' layer tag and op). The black
     tick on each bar: `theory.tp_wire_bytes_per_step` of that run (`theory_bytes`: run -> bytes)."""
     df = tp_comm_frame(rows)
     runs = list(dict.fromkeys(df["run"]))
@@ -143,7 +144,7 @@ def tp_comm_by_layer(rows: list[dict], theory_bytes: dict[str, float],
     y = alt.Y("run:N", title=None, sort=runs, axis=alt.Axis(labelLimit=200, labelFontSize=12))
     top = 1.3 * top_bytes / div
     bars = alt.Chart(df).mark_bar(height=28).encode(
-        y=y, x=alt.X("value:Q", title=f"wire bytes per step, one rank ({unit})", stack="zero",
+        y=y, x=alt.X("value:Q", title=f"bytes sent per step, one rank, counted ({unit})", stack="zero",
                      scale=alt.Scale(domain=[0, top or 1])),
         color=alt.Color("kind:N", title="sent by", sort=kinds, scale=alt.Scale(
             domain=kinds, range=[palette.get(k, "#bab0ac") for k in kinds]),
@@ -153,7 +154,7 @@ def tp_comm_by_layer(rows: list[dict], theory_bytes: dict[str, float],
                  alt.Tooltip("bytes:Q", format=",.0f", title="bytes per step")],
     ).transform_calculate(kind_index=f"indexof({kinds}, datum.kind)")
     totals["value"] = totals["bytes"] / div
-    totals["label"] = totals["bytes"].map(lambda b: f"measured {b:,.0f} B")
+    totals["label"] = totals["bytes"].map(lambda b: f"counted {b:,.0f} B")
     total_text = alt.Chart(totals).mark_text(align="left", dx=6, fontSize=11).encode(
         y=y, x="value:Q", text="label:N")
     layers = [bars, total_text]
