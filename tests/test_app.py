@@ -178,8 +178,10 @@ def test_data_parallel_run_live_matches_reference_and_theory():
     assert final == pytest.approx(rows[steps - 1]["loss"], abs=1e-6)
 
     comm = _rows_with(_chart(at, "Bytes each rank sends"), "source")
-    assert {r["bytes"] for r in comm if r["source"] == "measured"} == {expected}
-    assert len([r for r in comm if r["source"] == "measured"]) == dp
+    assert {r["bytes"] for r in comm if r["source"] == "ring model"} == {expected}
+    assert len([r for r in comm if r["source"] == "ring model"]) == dp
+    sockets = [r["bytes"] for r in comm if r["source"] == "measured (written to sockets)"]
+    assert len(sockets) == dp and all(0.99 * expected <= b <= 1.1 * expected for b in sockets)
     mem = _rows_with(_chart(at, "Memory per rank"), "category")
     params = [r["bytes"] for r in mem if r["category"] == "params"]
     assert params == [4 * n_params] * (dp + 1)  # every rank measured, and theory

@@ -73,7 +73,7 @@ def test_step_times_cover_every_rank_and_timed_step(dp_runs):
 def test_comm_bytes_frame_names_the_ring_model_and_the_bytes_written(dp_runs):
     d = dp_runs["naive"].to_dict()
     old = comm_bytes_frame(d)
-    assert set(old["source"]) == {"measured", "theory"}          # the app's page, unchanged
+    assert set(old["source"]) == {"ring model", "theory"}        # a count, never "measured"
     new = comm_bytes_frame(d, written=True)
     by = {(r.rank, r.source): r.bytes for r in new.itertuples()}
     model = dp_runs["naive"].wire_bytes_per_step()["dp"]

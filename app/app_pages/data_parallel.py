@@ -82,7 +82,7 @@ b2.metric("Per step: theory", f"{fmt_count(theory_wire)} B",
 step_all_reduces = [r for r in report["ranks"][0]["comm"] if r["step"] >= 0 and r["op"] == "all_reduce"]
 b3.metric("All-reduce calls per step (rank 0)",
           f"{len(step_all_reduces) / report['config']['steps']:g}")
-pm.chart(viz.comm_bytes(report))
+pm.chart(viz.comm_bytes(report, written=written_wire is not None))  # sockets first, where read
 with st.expander("Every collective of rank 0, summed"):
     st.dataframe(pd.DataFrame(rep.comm_summary(0)), hide_index=True)
 

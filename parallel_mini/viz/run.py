@@ -1,8 +1,9 @@
 """One training run, drawn from its `RunReport.to_dict()` (lesson 02, the Data parallel page):
 
     loss_curves(report)    loss per step: live run vs the single-process reference
-    comm_bytes(report)     wire bytes per step per rank, from the comm records, vs theory; with
-                           written=True also the bytes written to sockets (measured)
+    comm_bytes(report)     bytes per step per rank: the ring model of the calls made (counted
+                           from the comm records) vs theory; with written=True also the bytes
+                           written to sockets (measured)
     memory_bars(report)    memory per rank by category: measured vs theory, with the live peak
     timeline(report)       Gantt of compute and comm per rank (wall clock)
     bucket_overlap(rows)   each bucket's all-reduce, launch to finish, relative to the end of backward
@@ -72,14 +73,13 @@ COMM_SOURCE_COLORS = ["#4c78a8", "#9ecae9", "#bab0ac"]
 def comm_bytes_frame(report: dict, written: bool = False) -> pd.DataFrame:
     """Bytes per training step, per rank and group, summed over the steps and divided by their count.
 
-    written=False (the app's Data parallel page): "measured", the ring model's count of the calls the
-    rank really made (records' `wire_bytes_model`), beside "theory", the formula for the config.
-    written=True (lesson 02): three sources, named for what they are: "measured (written to
+    written=False: "ring model", the ring model's count of the calls the rank really made (records'
+    `wire_bytes_model`: counted, not a socket measurement), beside "theory", the formula for the
+    config. written=True (lessons 02, 03, the app's Data parallel page): first "measured (written to
     sockets)", what the rank's process really wrote during its ops (records' `wire_bytes_measured`;
-    left out where it cannot be read), "ring model" (the records' `wire_bytes_model`) and "theory"."""
+    left out where it cannot be read), then "ring model" and "theory"."""
     steps = max(1, report["config"]["steps"])
     theory_b = report["theory"].get("wire_bytes_per_step", {})
-    model_label = COMM_SOURCES[1] if written else "measured"
     rows = []
     for r in report["ranks"]:
         model: dict[str, float] = {g: 0.0 for g in theory_b}
@@ -94,7 +94,8 @@ def comm_bytes_frame(report: dict, written: bool = False) -> pd.DataFrame:
             if written and sent.get(g) is not None:
                 rows.append({"rank": r["rank"], "group": g, "source": COMM_SOURCES[0],
                              "bytes": sent[g] / steps})
-            rows.append({"rank": r["rank"], "group": g, "source": model_label, "bytes": b / steps})
+            rows.append({"rank": r["rank"], "group": g, "source": COMM_SOURCES[1],
+                         "bytes": b / steps})
             if g in theory_b:
                 rows.append({"rank": r["rank"], "group": g, "source": "theory",
                              "bytes": float(theory_b[g])})
@@ -104,16 +105,16 @@ def comm_bytes_frame(report: dict, written: bool = False) -> pd.DataFrame:
 def comm_bytes(report: dict, written: bool = False) -> alt.LayerChart:
     """Grouped bars per rank (and process group): bytes this rank sent per training step, counted
     from its comm records beside theory's 2(N-1)/N * gradient bytes (data parallel). With
-    written=True, the bytes its process really wrote to its sockets come first, and the records'
-    count is named what it is, the ring model of the calls made (see comm_bytes_frame)."""
+    written=True, the bytes its process really wrote to its sockets come first. The records' count
+    is named what it is either way, the ring model of the calls made (see comm_bytes_frame)."""
     df = comm_bytes_frame(report, written)
     div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
     df["value"] = df["bytes"] / div
     multi = df["group"].nunique() > 1
     df["who"] = ("rank " + df["rank"].astype(str)
                  + (" · " + df["group"] if multi else ""))
-    sources = list(dict.fromkeys(s for s in (*COMM_SOURCES, "measured") if s in set(df["source"])))
-    palette = {**dict(zip(COMM_SOURCES, COMM_SOURCE_COLORS)), "measured": "#4c78a8"}
+    sources = [s for s in COMM_SOURCES if s in set(df["source"])]
+    palette = dict(zip(COMM_SOURCES, COMM_SOURCE_COLORS))
     base = alt.Chart(df).encode(
         x=alt.X("who:N", title="rank" + (" · group" if multi else ""),
                 axis=alt.Axis(labelAngle=0)),
@@ -127,8 +128,10 @@ def comm_bytes(report: dict, written: bool = False) -> alt.LayerChart:
                     "ring model: the calls it made, each counted as a ring sends it; "
                     "theory: the formula for the config"]
     else:
-        title = "Bytes each rank sends per step: measured vs theory"
-        subtitle = "theory: all-reduce of every gradient once per step, 2(N−1)/N · gradient bytes"
+        title = "Bytes each rank sends per step: ring model vs theory"
+        subtitle = ["ring model: the calls it made, each counted as a ring sends it (not a socket "
+                    "measurement)",
+                    "theory: all-reduce of every gradient once per step, 2(N−1)/N · gradient bytes"]
     return alt.layer(
         base.mark_bar().encode(color=alt.Color(
             "source:N", title=None, sort=sources,
