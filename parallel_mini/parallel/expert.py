@@ -168,9 +168,9 @@ class ExpertParallel:
         if T > 1:
             here = seq // context.c  # [b, S/C] of a cp rank, cut into T contiguous chunks
             levels.append((sp_axis, list(torch.arange(here).chunk(T))))
-            for moe in self.layers:
-                sum_gradients_over_tp(list(moe.router.parameters()) + list(moe.experts.parameters()),
-                                      comm, sp_axis)
+            for moe in self.layers:  # see moe.MoE.forward for why the aux term needs no x T
+                params = list(moe.router.parameters()) + list(moe.experts.parameters())
+                sum_gradients_over_tp(params, comm, sp_axis)
         if context.c > 1:
             layout = "zigzag" if context.impl == "zigzag" else "contiguous"
             levels.append((context.axis, [positions_of(layout, seq, context.c, r)
