@@ -50,7 +50,7 @@ def test_experts_page_runs_live_and_draws_the_routing(app_url):  # noqa: F811
             for title, axes in (("All-to-all bytes, step 3", ("source rank", "destination rank")),
                                 ("All-to-all bytes per rank per step",
                                  ("theory (uniform routing, no drops)",
-                                  "measured (this run's splits)")),
+                                  "counted (this run's splits)")),
                                 ("Model states per rank: measured vs theory",
                                  ("experts replicated (ep = 1)",))):
                 c = chart(title)

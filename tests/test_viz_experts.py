@@ -155,11 +155,12 @@ def test_charts_build_with_honest_titles(report, rep):
         spec = c.to_dict()
         titles.append(spec["title"]["text"])
         assert isinstance(c, (alt.LayerChart, alt.HConcatChart))
-    assert all("measured" in t for t in titles[:7])
-    assert titles[7] == "All-to-all bytes per rank per step: measured vs uniform routing"
+    assert all("measured" in t for t in titles[:5])
+    assert all("counted from the run's splits" in t for t in titles[5:7])  # not socket bytes
+    assert titles[7] == "All-to-all bytes per rank per step: written, counted, uniform routing"
     assert titles[8] == "Model states per rank: measured vs theory"
     uniform = vx.all_to_all_vs_uniform(rep).data
-    assert set(uniform["source"]) == {"measured (this run's splits)",
-                                      "theory (uniform routing, no drops)"}
+    assert set(uniform["source"]) - {"measured (written to sockets)"} == {
+        "counted (this run's splits)", "theory (uniform routing, no drops)"}
     assert (uniform.loc[uniform["source"].str.startswith("theory"), "bytes"]
             == rep["theory"]["ep_all_to_all_uniform"]).all()

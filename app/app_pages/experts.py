@@ -185,7 +185,8 @@ the same data and seed, weight 0 and the weight chosen above:
 def show_wire(rep: dict) -> None:
     c = rep["config"]
     P = c["ep"]
-    st.subheader("4 · The all-to-all, rank × rank (measured) beside the uniform-routing formula")
+    st.subheader("4 · The all-to-all, rank × rank (counted from the run's splits) beside the "
+                 "uniform-routing formula")
     if P == 1:
         st.info("ep = 1: every rank holds every expert and routes to its own copies; no token "
                 "crosses ranks (choose ep 2 or 4 above and run again).")
@@ -227,7 +228,9 @@ experts (**dispatch**), gets the outputs back (**combine**), and backward does b
 way: four all-to-alls of rows of h = {h} fp32, plus a small **counts** exchange (E int64) so that
 every rank knows how many rows to expect. Under uniform routing (P − 1)/P of the rows leave the
 rank. The run's splits are uneven (the router prefers some experts) and dropped tokens are never
-sent, so the measured bytes differ from the formula.
+sent, so the counted bytes differ from the formula. The first bar of each rank is what its
+process really wrote to its sockets during the all-to-alls: the rows and gloo's framing of each
+message.
 """)
 
 

@@ -12,8 +12,9 @@ live run's report (`engine.run(RunConfig(experts=E, top_k=k, ep=P, ...))`, a Run
                                                  a {name: report} dict draws several runs
     all_to_all_matrix(report, step, phase,       bytes rank i sent rank j in the expert-parallel
                       direction)                 all-to-alls of one step (own rows: not sent)
-    all_to_all_vs_uniform(report)                bytes each rank sent per step, measured beside
-                                                 theory.ep_wire_bytes_per_step (uniform routing)
+    all_to_all_vs_uniform(report)                bytes each rank sent per step, written to
+                                                 sockets (measured) and counted from its splits,
+                                                 beside theory.ep_wire_bytes_per_step (uniform)
     expert_memory(report)                        model states per rank, measured beside theory,
                                                  and theory with the experts replicated (ep = 1)
 
@@ -409,7 +410,7 @@ def all_to_all_bytes(report, step: int | None = None, phase: str | None = None,
 def all_to_all_matrix(report, step: int | None = None, phase: str | None = None,
                       direction: str | None = None, size: int | None = None) -> alt.LayerChart:
     """Rank x rank heatmap of the bytes the expert-parallel all-to-alls of one step sent (rows:
-    source rank, columns: destination rank), from the run's recorded splits (measured); the
+    source rank, columns: destination rank), counted from the run's recorded splits; the
     diagonal, a rank's rows for its own experts, is drawn hatched grey: it never leaves the
     rank. Uneven cells are the router's doing: a rank sends more to the ranks whose experts its
     tokens prefer."""
@@ -446,7 +447,7 @@ def all_to_all_matrix(report, step: int | None = None, phase: str | None = None,
     side = size or max(180, 70 * n)
     return alt.layer(sent, own, text).properties(
         autosize=PAD, width=side, height=side, title=alt.TitleParams(
-            f"All-to-all bytes, step {step} (measured from the run's splits)",
+            f"All-to-all bytes, step {step} (counted from the run's splits)",
             subtitle=[what + f"; cells in {unit}" if div > 1 else what,
                       "sent per rank: " + ", ".join(_fmt_b(b) for b in sent_rows)],
             anchor="start"))
@@ -460,18 +461,23 @@ def _uniform(rep: dict, rank: dict) -> float:
 
 
 def all_to_all_vs_uniform(report) -> alt.LayerChart:
-    """Per rank, the expert-parallel all-to-all bytes it sent per step: measured (its records'
-    wire bytes, mean over the steps) beside theory.ep_wire_bytes_per_step, what uniform routing
-    with no dropped token would send. Drops make the measured bar lower; uneven routing moves
-    bytes between ranks."""
+    """Per rank, the expert-parallel all-to-all bytes it sent per step, mean over the steps:
+    "measured (written to sockets)" (its records' `wire_bytes_measured`: the rows and gloo's
+    framing; left out where it cannot be read), "counted (this run's splits)" (`wire_bytes_model`:
+    the rows it sent to other ranks) and theory.ep_wire_bytes_per_step, what uniform routing with
+    no dropped token would send. Drops make the counted bar lower; uneven routing moves bytes
+    between ranks."""
     rep = _as_dict(report)
     steps = max(1, rep["config"]["steps"])
     rows = []
     for r in rep["ranks"]:
-        sent = sum(c["wire_bytes_model"] for c in r["comm"] if c.get("layer") == "moe"
-                   and c["step"] >= 0) / steps
-        rows += [{"rank": f"rank {r['rank']}", "source": "measured (this run's splits)",
-                  "bytes": sent},
+        moe = [c for c in r["comm"] if c.get("layer") == "moe" and c["step"] >= 0]
+        written = [c.get("wire_bytes_measured") for c in moe]
+        if None not in written:
+            rows.append({"rank": f"rank {r['rank']}", "source": "measured (written to sockets)",
+                         "bytes": sum(written) / steps})
+        rows += [{"rank": f"rank {r['rank']}", "source": "counted (this run's splits)",
+                  "bytes": sum(c["wire_bytes_model"] for c in moe) / steps},
                  {"rank": f"rank {r['rank']}", "source": "theory (uniform routing, no drops)",
                   "bytes": _uniform(rep, r)}]
     df = pd.DataFrame(rows)
@@ -485,13 +491,14 @@ def all_to_all_vs_uniform(report) -> alt.LayerChart:
         y=alt.Y("value:Q", title=f"all-to-all bytes sent per step ({unit})"),
         tooltip=["rank:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
     color = alt.Color("source:N", title=None, sort=sources, legend=alt.Legend(
-        orient="bottom", columns=1, labelLimit=400), scale=alt.Scale(domain=sources,
-                                                                  range=["#4c78a8", "#bab0ac"]))
+        orient="bottom", columns=1, labelLimit=400), scale=alt.Scale(domain=sources, range=(
+            ["#4c78a8", "#9ecae9", "#bab0ac"] if len(sources) == 3 else ["#9ecae9", "#bab0ac"])))
     return alt.layer(
         base.mark_bar().encode(color=color),
         base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
-    ).properties(autosize=PAD, width=max(220, 90 * len(ranks)), height=240, title=alt.TitleParams(
-        "All-to-all bytes per rank per step: measured vs uniform routing",
+    ).properties(autosize=PAD, width=max(220, 30 * len(sources) * len(ranks)), height=240,
+                 title=alt.TitleParams(
+        "All-to-all bytes per rank per step: written, counted, uniform routing",
         subtitle="theory.ep_wire_bytes_per_step: (P−1)/P of tokens·k rows, 4 all-to-alls per "
                  "layer and micro-batch, plus the counts", anchor="start"))
 
