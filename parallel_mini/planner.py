@@ -267,8 +267,10 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: in
     micro-batch 1, 2, 4 or 8 sequences; schedules 1f1b, interleaved (v = 2, 4), zb; checkpointing
     none/selective/full on the tiny GPT, selective/full on real models (their FlashAttention never
     keeps the [s, s] scores: that is selective recomputation). Sequence parallel is on with tp > 1
-    (it changes no states or bytes on the wire, only activations), except where the library refuses
-    it (the tiny GPT with experts). The tiny GPT on "cpu" keeps only layouts RunConfig accepts."""
+    (it changes no states or bytes on the wire, only activations), except on the tiny GPT with
+    experts: there the library's sp also sums the experts' gradients over tp every micro-step
+    (theory.moe_sp_wire_bytes_per_step), traffic these predictions leave out, so its toy layouts
+    keep plain tp. The tiny GPT on "cpu" keeps only layouts RunConfig accepts."""
     out = []
     max_tp = min(node, gpus)
     for tp in _powers_of_two_dividing(spec.heads, max_tp):
