@@ -162,7 +162,12 @@ class ExpertParallel:
         tp ranks) split sequences of `seq` tokens: route them whole. Under sp each tp rank
         dispatches only its own tokens (the expert work is split over tp, not repeated), so its
         router and expert gradients cover only those: the true gradient is their sum over tp, as
-        for the other parameters sp applies to sequence shards (tensor.py)."""
+        for the other parameters sp applies to sequence shards (tensor.py). Megatron-Core's
+        dispatchers also start from a tp rank's b s/tp tokens, but cap each rank's tokens on their
+        own (only the load-balancing loss sums its counts over the tp x cp group); routing whole
+        sequences keeps the reference's drops. ("MoE parallel folding", Liu et al., 2025, folds tp
+        into the experts' data-parallel ranks, which reduce their gradients once per step; here
+        the sum over tp runs every micro-step, apart from the average over edp.)"""
         levels, comm = [], self.comm
         T = comm.size(sp_axis) if sp_axis is not None else 1
         if T > 1:
