@@ -3,7 +3,7 @@
     pipeline_timeline(timed, title)   F/B/W ops per rank as a Gantt chart, idle gaps = the bubble;
                                       each op labelled with its micro-batch (colour, when crowded)
     pipeline_stage_bars(rows, ...)    grouped bars per stage (bytes held, bytes sent)
-    bubble_bars(rows)                 the bubble measured (own device, wall clock) vs the formula
+    bubble_bars(rows)                 the bubble measured (wall clock), replayed, and the formula
     in_flight_chart(report)           activation bytes each stage holds after every op
 
 `timed` records come from `schedules.simulate`, `trace.own_device_replay` or `trace.wall_view`.
@@ -223,18 +223,25 @@ def pipeline_stage_bars(rows: list[dict], value: str, title: str, subtitle, y_ti
                  height=240, title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
 
-def bubble_bars(rows: list[dict], title: str = "Pipeline bubble: measured vs formula",
+BUBBLE_SOURCES = {  # trace.LABELS: the wall clock is measured; the replay is a simulation
+    "measured (wall clock)": "#4c78a8",                               # fed with measured op times
+    "replayed (measured op times, own-device schedule)": "#9ecae9",
+    "formula": "#e45756"}
+
+
+def bubble_bars(rows: list[dict],
+                title: str = "Pipeline bubble: measured (wall clock), replayed and formula",
                 subtitle: str | list[str] = "") -> alt.LayerChart:
-    """Grouped bars per schedule: the bubble fraction measured in the own-device replay, on the
-    wall clock, and the formula's. `rows`: {schedule, source, bubble (0..1)}."""
+    """Grouped bars per schedule: the bubble fraction measured on the wall clock, replayed (each
+    rank's ops with their measured CPU times, as if each rank had its own device: a simulation,
+    not a measurement) and the formula's. `rows`: {schedule, source (trace.LABELS' values),
+    bubble (0..1)}."""
     df = pd.DataFrame(rows, columns=["schedule", "source", "bubble"])
     df["percent"] = 100 * df["bubble"]
     groups = list(dict.fromkeys(df["schedule"]))
-    order = [s for s in ("measured (own device)", "measured (wall clock)", "formula")
-             if s in set(df["source"])] + sorted(set(df["source"]) - {
-                 "measured (own device)", "measured (wall clock)", "formula"})
-    palette = {"measured (own device)": "#4c78a8", "measured (wall clock)": "#bab0ac",
-               "formula": "#e45756"}
+    order = [s for s in BUBBLE_SOURCES if s in set(df["source"])] + sorted(
+        set(df["source"]) - set(BUBBLE_SOURCES))
+    palette = BUBBLE_SOURCES
     base = alt.Chart(df).encode(
         x=alt.X("schedule:N", title=None, sort=groups, axis=alt.Axis(labelAngle=0, labelFontSize=12)),
         xOffset=alt.XOffset("source:N", sort=order),
