@@ -19,6 +19,9 @@ from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.mesh import coords_of, grid_shape, plan_groups, role_names
+from parallel_mini.model import build_model
+from parallel_mini.moe import Experts
+from parallel_mini.parallel.zero3 import plan_units
 
 from test_experts import check_moe, moe_config
 
@@ -63,6 +66,20 @@ def test_an_ep_group_across_part_of_a_shard_group_is_refused():
     RunConfig(dp=8, dp_shard=2, ep=4, experts=4, zero=3, batch=8).validate()  # spans whole ones
 
 
+def test_experts_apart_are_units_of_their_own():
+    """plan_units: each MoE layer's experts leave their block's unit and form one of their own;
+    every trainable parameter is in exactly one unit."""
+    model = build_model(RunConfig(experts=4, moe_every=2).validate(), seed=0)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    units = plan_units(model, experts)
+    assert [m for m, _ in units[-len(experts):]] == experts
+    mine = {p for m in experts for p in m.parameters()}
+    for m, ps in units[:-len(experts)]:
+        assert not mine & set(ps)
+    held = [p for _, ps in units for p in ps]
+    assert len(held) == len(set(held)) == len(list(model.parameters()))
+
+
 # -- runs -------------------------------------------------------------------------------------
 def test_zero3_experts_are_units_of_their_own_over_edp():
     """d_model 9: every unit needs padding (dense ones to a multiple of 4, the experts' to 2), so
@@ -101,6 +118,10 @@ def test_hybrid_shard_zero3_shards_experts_inside_replicates_across():
     dict(dp=4, dp_shard=2, ep=2, zero=3, tp=2),
     dict(dp=2, ep=2, zero=3, pp=2, schedule="1f1b"),
     dict(dp=2, ep=2, zero=3, pp=2, schedule="gpipe", moe_every=2),
+    dict(dp=2, ep=2, zero=3, pp=2, schedule="interleaved", layers=4),
+    dict(dp=2, ep=2, zero=3, pp=2, schedule="zb"),
+    dict(dp=2, ep=2, zero=3, pp=2, schedule="zbv", layers=4),
+    dict(dp=4, dp_shard=2, ep=2, zero=3, pp=2, schedule="zb"),
     dict(dp=4, dp_shard=2, ep=2, zero=3, pp=2, schedule="1f1b"),
     dict(dp=4, dp_shard=2, ep=2, zero=2, pp=2, schedule="1f1b"),
     dict(dp=2, ep=2, zero=3, tp=2, pp=2, schedule="1f1b"),
@@ -108,11 +129,23 @@ def test_hybrid_shard_zero3_shards_experts_inside_replicates_across():
     dict(dp=2, cp=2, ep=4, zero=3, cp_impl="zigzag"),
     dict(dp=4, dp_shard=2, cp=2, ep=2, zero=3),
     dict(dp=4, dp_shard=2, cp=2, ep=4, zero=1, cp_impl="ulysses"),
+    dict(dp=8, dp_shard=4, cp=2, ep=4, zero=3, batch=16),  # 16 ranks: ep inside a shard group
     # five axes on 16 ranks, ZeRO-3: dp2 x tp2 x pp2 x cp2, experts over ep 4 of the dp x cp ranks
     dict(dp=2, tp=2, pp=2, cp=2, ep=4, zero=3, schedule="1f1b", cp_impl="zigzag"),
 ], ids=repr)
 def test_matrix(kw):
     check_moe(run(moe_config(**kw)))
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_hybrid_zero3_experts_resumes_elsewhere(tmp_path):
+    """Each rank saves its slices of the expert units (boxes of the full experts); a run under
+    another layout reads them back and continues the reference."""
+    small = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8, experts=4)
+    ck = str(tmp_path / "ck")
+    run(RunConfig(steps=2, save=ck, dp=4, dp_shard=2, ep=2, zero=3, **small))
+    resumed = run(RunConfig(steps=4, resume=ck, reference=True, dp=2, ep=2, zero=1, **small))
+    assert resumed.max_abs_diff <= 1e-5, resumed.max_abs_diff_detail
 
 
 @pytest.mark.slow
