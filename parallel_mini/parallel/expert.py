@@ -128,7 +128,7 @@ class WholeSequences:
                  loss_parts: int):
         self.comm, self.levels = comm, levels
         self.loss_parts = loss_parts  # ranks the term's gradient is averaged over (moe.MoE.forward)
-        self.mine = None  # this rank's positions in the whole sequence, outermost level last
+        self.mine = None  # this rank's positions in the whole sequence, level by level outwards
         for axis, positions in levels:
             here = positions[comm.rank(axis)]
             self.mine = here if self.mine is None else here[self.mine]
