@@ -190,8 +190,8 @@ def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference(monkeypatch):
         assert written or not os.access("/proc/self/io", os.R_OK)
         for r in range(p) if written else ():  # payloads plus gloo's framing of m or 2m messages
             assert by_hand[r] < written[f"rank {r}"] < by_hand[r] + (by_hand[r] // ACT) * 1024
-        assert _widget(at.metric, f"Stages whose counted bytes equal the formula: {s}").value \
-            == "4 of 4"
+        assert _widget(at.metric, f"Stages sending exactly the formula's bytes (counted): {s}"
+                       ).value == "4 of 4"
 
     # back to the wall clock: the same numbers
     _set(at, "radio", "View", WALL)

@@ -134,7 +134,8 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
             chart = page.locator('[data-testid="stVegaLiteChart"]').first
             start_caption = chart.locator("svg text", has_text=f"step 0 of {steps}")
             start_caption.wait_for(timeout=90_000)
-            expect(page.get_by_text("Bytes sent by each rank: measured")).to_be_visible()
+            expect(page.get_by_text("Bytes sent by each rank: counted")).to_be_visible()
+            expect(page.get_by_text("Written to sockets by each rank: measured")).to_be_visible()
             slider = chart.locator('input[type="range"]')
             expect(slider).to_have_attribute("max", str(steps))
             cells = chart.locator('path[aria-roledescription="rect mark"]')

@@ -252,7 +252,7 @@ def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
              "theory.pipeline_p2p_bytes_per_step"],
             "bytes sent per step", palette=["#4c78a8", "#9ecae9", "#bab0ac"]
             if extra.get(lab) else ["#9ecae9", "#bab0ac"]), col, share=1 / len(cols))
-        col.metric(f"Stages whose counted bytes equal the formula: {lab}",
+        col.metric(f"Stages sending exactly the formula's bytes (counted): {lab}",
                    f"{sum(matched[lab])} of {len(matched[lab])}")
     if extra:
         st.caption("Written to sockets minus counted, per message: " + "; ".join(
