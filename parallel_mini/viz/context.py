@@ -176,7 +176,7 @@ def _frame_caption(fr: dict, c: int) -> str:
     lines = [head]
     for m in sorted(fr["messages"], key=lambda m: m["src"]):
         lines.append(f"rank {m['src']} → rank {m['dst']}: {_CARRIES[m['carries']]} of block "
-                     f"{m['block']}, {m['payload_bytes']:,} B, {m['ms']:.2f} ms (measured)")
+                     f"{m['block']}, {m['payload_bytes']:,} B payload, {m['ms']:.2f} ms measured")
     return "\n".join(lines)
 
 

@@ -183,7 +183,7 @@ def ring_step_times(exp: dict) -> alt.Chart:
         color=alt.Color("phase:N", title="phase", scale=alt.Scale(
             domain=list(PHASE_COLORS), range=list(PHASE_COLORS.values()))),
         tooltip=["step:O", "phase:N", alt.Tooltip("duration_ms:Q", format=".3f", title="ms"),
-                 alt.Tooltip("bytes:Q", title="bytes sent")],
+                 alt.Tooltip("bytes:Q", title="bytes sent (payload, counted)")],
     ).properties(autosize=PAD, width=480, height=max(80, 22 * len(df)), title=alt.TitleParams(
         f"Rank 0's {len(df)} ring steps (2(N−1) = {2 * (n - 1)}) on a "
         f"{exp['timed_bytes'] / 2 ** 20:.3g} MiB tensor", anchor="start"))
@@ -266,7 +266,7 @@ def primitives_frame(rows: list[dict], per_line: int | None = None) -> pd.DataFr
 
 def primitives_table(rows: list[dict]) -> alt.LayerChart:
     """Each collective as two rows (before, after) x one column per rank: the tensor every rank
-    held before the call and after it, from the live run; hover for the op's wire bytes."""
+    held before the call and after it, from the live run; hover for the op's ring-model bytes."""
     df = primitives_frame(rows, per_line=4)
     ops = list(dict.fromkeys(df["op"]))
     long = df.melt(id_vars=["op", "rank", "wire_bytes_model", "note"], value_vars=["before", "after"],
@@ -282,7 +282,7 @@ def primitives_table(rows: list[dict]) -> alt.LayerChart:
         y=alt.Y("row:N", title="collective · before/after the call", sort=order,
                 axis=alt.Axis(labelLimit=220)),
         tooltip=["op:N", "rank:O", "when:N", "tensor:N", "note:N",
-                 alt.Tooltip("wire_bytes_model:Q", title="wire bytes (this rank)")])
+                 alt.Tooltip("wire_bytes_model:Q", title="ring-model bytes (this rank, counted)")])
     return alt.layer(
         base.mark_rect(stroke="white").encode(color=alt.Color(
             "when:N", title=None, scale=alt.Scale(domain=["before", "after"],

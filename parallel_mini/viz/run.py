@@ -119,7 +119,7 @@ def comm_bytes(report: dict, written: bool = False) -> alt.LayerChart:
         x=alt.X("who:N", title="rank" + (" · group" if multi else ""),
                 axis=alt.Axis(labelAngle=0)),
         xOffset=alt.XOffset("source:N", sort=sources),
-        y=alt.Y("value:Q", title=f"{'bytes' if written else 'wire bytes'} per step ({unit})",
+        y=alt.Y("value:Q", title=f"{'bytes' if written else 'ring-model bytes'} per step ({unit})",
                 scale=alt.Scale(domainMin=0) if df["value"].max() > 0 else alt.Scale(domain=[0, 1])),
         tooltip=["who:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
     if written:
@@ -202,7 +202,8 @@ def timeline_frame(report: dict, steps=None) -> pd.DataFrame:
                 continue
             rows.append({"rank": rk, "lane": f"rank {rk} · compute", "kind": e["kind"],
                          "step": e.get("step"), "microbatch": e.get("microbatch"), "bucket": None,
-                         "async_op": None, "bytes": None, "start_ms": 1e3 * e["start"],
+                         "async_op": None, "bytes": None, "written": None,
+                         "start_ms": 1e3 * e["start"],
                          "end_ms": 1e3 * e["end"], "cpu_ms": 1e3 * e.get("cpu", 0.0),
                          "waited_until_ms": None})
         for c in r["comm"]:
@@ -211,6 +212,7 @@ def timeline_frame(report: dict, steps=None) -> pd.DataFrame:
             rows.append({"rank": rk, "lane": f"rank {rk} · comm", "kind": c["op"],
                          "step": c.get("step"), "microbatch": None, "bucket": c.get("bucket"),
                          "async_op": c.get("async_op"), "bytes": c.get("wire_bytes_model"),
+                         "written": c.get("wire_bytes_measured"),
                          "start_ms": 1e3 * c["start"], "end_ms": 1e3 * c["end"],
                          "cpu_ms": 1e3 * c.get("cpu", 0.0),
                          "waited_until_ms": 1e3 * c["waited_until"] if "waited_until" in c else None})
@@ -238,7 +240,8 @@ def timeline(report: dict, steps=None) -> alt.Chart | alt.LayerChart:
         y=alt.Y("lane:N", title=None, sort=lanes, axis=alt.Axis(labelLimit=200)),
         color=alt.Color("kind:N", title="op", scale=alt.Scale(domain=domain, range=colors)),
         tooltip=["lane:N", "kind:N", "step:Q", "microbatch:Q", "bucket:Q", "async_op:N",
-                 alt.Tooltip("bytes:Q", format=",.0f", title="wire bytes"),
+                 alt.Tooltip("bytes:Q", format=",.0f", title="bytes, ring model (counted)"),
+                 alt.Tooltip("written:Q", format=",.0f", title="written to sockets (measured)"),
                  alt.Tooltip("start_ms:Q", format=".2f"), alt.Tooltip("end_ms:Q", format=".2f"),
                  alt.Tooltip("duration_ms:Q", format=".2f", title="wall ms"),
                  alt.Tooltip("cpu_ms:Q", format=".2f", title="cpu ms"),
