@@ -27,8 +27,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
-
 GRID = ("pp", "dp_rep", "dp_shard", "cp", "tp")  # outermost first
 COMBINED = {"dp": ("dp_rep", "dp_shard"), "dp_cp": ("dp_rep", "dp_shard", "cp"),
             "shard": ("dp_shard", "cp")}
@@ -178,6 +176,7 @@ def plan_groups(cfg) -> dict[str, list[list[int]]]:
 def _add_axis(mesh: Mesh, axis: str, groups: list[list[int]], made: dict) -> None:
     """Record `axis` and make its process groups (every rank, every group, in the same order).
     Rank sets that already have a group share it: combined axes often equal a grid axis."""
+    import torch.distributed as dist  # (here: the grid arithmetic above is theory's too, torch-free)
     world = mesh.world_size
     for ranks in groups:
         key = tuple(ranks)
@@ -191,6 +190,7 @@ def _add_axis(mesh: Mesh, axis: str, groups: list[list[int]], made: dict) -> Non
 
 def build_mesh(cfg) -> Mesh:
     """Collective: every rank calls it with the same config. Uses the default process group."""
+    import torch.distributed as dist
     shape = grid_shape(cfg)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != cfg.world_size:
