@@ -21,7 +21,7 @@ from parallel_mini.engine import run
 from parallel_mini.mesh import coords_of, grid_shape, plan_groups, role_names
 from parallel_mini.model import build_model
 from parallel_mini.moe import Experts
-from parallel_mini.parallel.zero3 import plan_units
+from parallel_mini.parallel.zero3 import Zero3DataParallel, plan_units
 
 from test_experts import check_moe, moe_config
 
@@ -78,6 +78,16 @@ def test_experts_apart_are_units_of_their_own():
         assert not mine & set(ps)
     held = [p for _, ps in units for p in ps]
     assert len(held) == len(set(held)) == len(list(model.parameters()))
+
+
+def test_find_unused_parameters_with_units_over_other_axes_is_refused():
+    """Its one 0/1 map per step would mix the parameters of ranks holding other experts; refused
+    before any collective (no ranks needed to see it)."""
+    model = build_model(RunConfig(experts=4).validate(), seed=0)
+    apart = {m: dict(axis="edp", shard_axis="edp") for m in model.modules()
+             if isinstance(m, Experts)}
+    with pytest.raises(ValueError, match="find_unused_parameters"):
+        Zero3DataParallel(model, None, find_unused_parameters=True, apart=apart)
 
 
 # -- runs -------------------------------------------------------------------------------------
