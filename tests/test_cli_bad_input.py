@@ -41,7 +41,7 @@ BAD = [
     (["--offload"], "--offload"), (["--dp", "4", "--dp-shard", "3"], "--dp-shard"),
     (["--dp", "4", "--dp-shard", "2"], "--dp-shard"), (["--zero", "1", "--dp-mode", "naive"], "--dp-mode"),
     (["--fp32-grad-accum"], "--fp32-grad-accum"), (["--fsdp", "FULL_SHARD", "--zero", "1"], "--fsdp"),
-    (["--pp", "2", "--zero", "3", "--schedule", "zb"], "--zero"),
+    (["--pp", "2", "--zero", "1", "--schedule", "pipedream"], "--zero"),
     # experts
     (["--ep", "2"], "--ep"), (["--dp", "2", "--ep", "2", "--experts", "3"], "--experts"),
     (["--experts", "4", "--top-k", "5"], "--top-k"), (["--experts", "4", "--capacity-factor", "0"], "--capacity-factor"),
