@@ -24,11 +24,7 @@ CUSTOM = "custom GPT (layers, width, heads)"
 NETWORKS = {"the GPU's own (InfiniBand)": 0.0, "100 Gb Ethernet (12.5 GB/s per GPU)": 12.5e9,
             "25 Gb Ethernet (3.1 GB/s per GPU)": 3.125e9}
 SHOWN = 8  # ranked layouts drawn (each degree tuple at its best variant)
-TOY = {"layers": 4, "d_model": 64, "heads": 4, "seq": 32, "vocab": 128, "batch": 8}
-TOY_MOE = {"experts": 4, "top_k": 2}
-TOY_STEPS = 4  # steps 1 and 2 timed (planner.measured_step_s: not the first, not the metered last)
-TOY_RANKS = [2, 4]
-STATES = ("params", "grads", "optimizer")
+TOY_RANKS = [2, 4]  # local ranks the toy version runs on (guide.toy_version)
 
 
 def _own(value: int, what: str):
@@ -70,26 +66,12 @@ def guide_entry(spec, res: dict, rec, hw: planner.Hardware, node: int):
     return planner.layout_entry(lay, p, rank)
 
 
-def toy_spec(moe: bool) -> planner.ModelSpec:
-    return planner.toy_model(**{k: v for k, v in TOY.items() if k != "batch"},
-                             batch=TOY["batch"], **(TOY_MOE if moe else {}))
-
-
-@st.cache_data(max_entries=8, show_spinner="The planner ranks the toy's layouts on this machine…")
-def toy_plan(ranks: int, moe: bool) -> list[dict]:
-    """Every layout of the toy on `ranks` local ranks that RunConfig accepts, ranked (theory)."""
-    res = planner.plan(toy_spec(moe), ranks, planner.hardware("cpu"), TOY["batch"], top=0)
-    return [dataclasses.asdict(lay) for lay, _ in res["all"]]
-
-
-def toy_choice(ranks: int, moe: bool, rec):
-    """(rank among the toy's layouts, Layout, the guide's choices it lacks, prediction) of the
-    best-ranked toy layout closest to the guide's."""
-    rank, lay, _, departures = guide.closest(
-        [(planner.Layout(**d), None) for d in toy_plan(ranks, moe)], rec)
-    p = planner.predict(toy_spec(moe), lay, planner.hardware("cpu"), TOY["batch"],
-                        precision="fp32")
-    return rank, lay, departures, p
+@st.cache_data(max_entries=16,
+               show_spinner="The planner ranks the toy's layouts on this machine…")
+def toy_version(rec: guide.Recommendation, ranks: int) -> guide.ToyVersion:
+    """guide.toy_version, cached: the toy layout closest to the guide on `ranks` local ranks, the
+    planner's prediction for it (theory) and the RunConfig that runs it with the reference."""
+    return guide.toy_version(rec, ranks)
 
 
 def toy_run(cfg_json: str, attempt: int = 0) -> dict:
@@ -157,20 +139,19 @@ def show_toy(rec, controls, fresh_key: str) -> None:
     st.subheader("3 · The toy version, run live on this machine")
     t1, t2 = st.columns([1, 3])
     ranks = t1.radio("Local ranks", TOY_RANKS, horizontal=True, key=pm.kept("plan.toy_ranks", 2))
-    moe = rec.ep
-    spec = toy_spec(moe)
-    place, lay, departures, p = toy_choice(ranks, moe, rec)
-    cfg = {**planner.run_config(spec, lay, TOY["batch"], steps=TOY_STEPS).to_dict(),
-           "reference": True}
-    t2.caption(f"parallel_mini's GPT: {TOY['layers']} layers × d{TOY['d_model']}, {TOY['heads']} "
-               f"heads, s = {TOY['seq']}, batch {TOY['batch']}"
-               + (f", {TOY_MOE['experts']} experts top-{TOY_MOE['top_k']}" if moe else "")
-               + f", fp32 Adam, {TOY_STEPS} steps with the single-process reference.")
-    how = ("follows the guide" if not departures else
+    toy = toy_version(rec, ranks)
+    lay, c, p = toy.layout, toy.config, toy.prediction
+    cfg = c.to_dict()
+    t2.caption(f"parallel_mini's GPT: {c.layers} layers × d{c.d_model}, {c.heads} heads, "
+               f"s = {c.seq}, batch {c.batch}"
+               + (f", {c.experts} experts top-{c.top_k}" if c.experts else "")
+               + f", {c.precision} {c.optimizer.capitalize()}, {c.steps} steps"
+               + (" with the single-process reference." if c.reference else "."))
+    how = ("follows the guide" if not toy.departures else
            f"comes closest to the guide (no toy layout on {ranks} ranks follows it all; this one "
-           f"lacks: {', '.join(departures)})")
-    st.markdown(f"**Toy layout:** {lay.describe()}: the planner's #{place} of the toy's layouts "
-                f"on {ranks} ranks that {how}.")
+           f"lacks: {', '.join(toy.departures)})")
+    st.markdown(f"**Toy layout:** {lay.describe()}: the planner's #{toy.place} of the toy's "
+                f"layouts on {ranks} ranks that {how}.")
     key = {"cfg": cfg}
     fresh = st.checkbox("Fresh measurement (ignore the cache)", key=fresh_key)
     if controls.run_button("Run live (toy version)",
@@ -188,33 +169,21 @@ def show_toy(rec, controls, fresh_key: str) -> None:
                 "measured numbers beside the planner's.")
         return
     if not current:
-        c = result["config"]
+        last = result["config"]
         st.warning("The toy layout changed (the guide's answers or the ranks): press **Run "
-                   f"live (toy version)**. The last run (dp {c['dp']} × tp {c['tp']} × pp "
-                   f"{c['pp']} × cp {c['cp']}, ep {c['ep']}) is not drawn beside this layout's "
-                   f"prediction.")
+                   f"live (toy version)**. The last run (dp {last['dp']} × tp {last['tp']} × pp "
+                   f"{last['pp']} × cp {last['cp']}, ep {last['ep']}) is not drawn beside this "
+                   f"layout's prediction.")
         return
     m2.metric("Step time: measured (median of the timed steps)", fmt_s(result["measured_step_s"]),
               help="Wall clock from the first op to the last of a step, all ranks "
                    "(planner.measured_step_s). Ranks share this machine's cores.")
-    equal = sum(all(r["memory"][k] == p["memory_per_rank"][r["coords"]["pp"]][k] for k in STATES)
-                for r in result["ranks"])
-    m3.metric("Ranks whose states equal theory", f"{equal} of {len(result['ranks'])}",
+    m3.metric("Ranks whose states equal theory",
+              f"{toy.states_equal(result['ranks'])} of {len(result['ranks'])}",
               help="params, grads and optimizer bytes measured on each rank, against the "
                    "planner's prediction for its pipeline stage: equal to the byte")
-    rows = []
-    for r in result["ranks"]:
-        want = p["memory_per_rank"][r["coords"]["pp"]]
-        for k in STATES:
-            rows.append({"rank": r["rank"], "source": "measured", "category": k,
-                         "bytes": r["memory"][k]})
-            rows.append({"rank": r["rank"], "source": "theory", "category": k, "bytes": want[k]})
-        rows.append({"rank": r["rank"], "source": "measured", "category": "activations",
-                     "bytes": r["memory"]["activations_peak"]})
-        rows.append({"rank": r["rank"], "source": "theory", "category": "activations",
-                     "bytes": want["activations"]})
     from parallel_mini.viz import plan as vplan
-    pm.chart(vplan.toy_memory(rows, subtitle=[
+    pm.chart(vplan.toy_memory(toy.memory_rows(result["ranks"]), subtitle=[
         f"{lay.describe()} on {lay.world} local ranks: params, grads and optimizer states "
         f"measured by the run's meters, theory by the planner;",
         "activations: the measured peak of saved tensors beside the planner's count"]))
