@@ -158,6 +158,9 @@ def split_expert_replicas(edp_groups: list[list[int]], shape: dict[str, int]
             c = coords_of(r, shape)
             by_replica.setdefault(c["dp_rep"], []).append(r)
             by_place.setdefault((c["dp_shard"], c["cp"]), []).append(r)
+        if len(by_replica) * len(by_place) != len(group):  # (RunConfig.validate says it first)
+            raise ValueError(f"expert replicas {group} form no shard x replicate grid: ep must "
+                             f"divide dp_shard x cp or be a multiple of it")
         shard += by_replica.values()
         rep += by_place.values()
     return {"edp_shard": shard, "edp_rep": rep}
