@@ -18,9 +18,9 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from . import theory
-from .config import RunConfig
-from .launch import RankError, RunTimeout
+from .. import theory
+from ..config import RunConfig
+from ..launch import RankError, RunTimeout
 
 
 @dataclass
@@ -192,7 +192,7 @@ class _RankTrace:
         return traced
 
     def __enter__(self):
-        from .comm import Comm, _Handle
+        from ..comm import Comm, _Handle
         self.saved = []
         for owner, where, names in ((Comm, "comm", _COMM_OPS), (self.dist, "dist", _DIST_OPS),
                                     (_Handle, "handle", ("wait",))):
@@ -377,7 +377,7 @@ class _LibraryRingDisabled(_CodeSwapped):
     """comm.ring_all_reduce raises while active."""
 
     def swaps(self):
-        from . import comm
+        from .. import comm
         return [(comm.ring_all_reduce, _library_ring_refused)]
 
 
@@ -406,8 +406,8 @@ def _ring_check_rank(n: int, numel: int, fn) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .collectives import _dp_comm
-    from .comm import Comm, probe_input
+    from ..collectives import _dp_comm
+    from ..comm import Comm, probe_input
 
     comm, r = _dp_comm(n), dist.get_rank()
     x = probe_input(numel, r, n)  # [numel] int64
@@ -591,7 +591,7 @@ def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grad
     ring_all_reduce and the backend's collectives raise while the learner's code runs: an answer
     calling them is refused, saying so. A deadlock stops after CHECK_PG_TIMEOUT seconds of
     waiting with what every rank waited on."""
-    from .launch import run_ranks
+    from ..launch import run_ranks
 
     runs = []
     for n, numel in cases:
@@ -628,7 +628,7 @@ class _LibraryAverageDisabled(_CodeSwapped):
     """The library's average_gradients raises while active."""
 
     def swaps(self):
-        from .parallel import data
+        from ..parallel import data
         return [(data.average_gradients, _library_average_refused)]
 
 
@@ -699,9 +699,9 @@ def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     after CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
     import functools
 
-    from .engine import train_rank  # late: engine imports the launcher stack
-    from .launch import run_ranks
-    from .report import merge_rank_results
+    from ..engine import train_rank  # late: engine imports the launcher stack
+    from ..launch import run_ranks
+    from ..report import merge_rank_results
 
     report = None
     for n in world_sizes:
@@ -751,7 +751,7 @@ class _LibraryBucketsDisabled(_CodeSwapped):
     """The library's bucketed DP raises while active."""
 
     def swaps(self):
-        from .parallel import data
+        from ..parallel import data
         fns = [data.make_buckets, data.average_gradients, data.Bucket.__init__]
         fns += [getattr(data.DataParallel, name) for name in (
             "__init__", "_on_grad_ready", "_launch_ready_buckets", "finish_gradient_sync",
@@ -770,11 +770,11 @@ def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .comm import Comm
-    from .data import global_batch, shard
-    from .experiments import allreduce_overlap
-    from .mesh import build_mesh
-    from .model import build_model
+    from ..comm import Comm
+    from ..data import global_batch, shard
+    from ..experiments import allreduce_overlap
+    from ..mesh import build_mesh
+    from ..model import build_model
 
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
@@ -865,7 +865,7 @@ def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
     every rank and step launched before backward returned (the overlap bucketing exists for).
     The library's bucketed data parallel raises while the learner's code runs, and a deadlock
     stops after CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
-    from .launch import run_ranks
+    from ..launch import run_ranks
 
     runs = []
     for n in world_sizes:
@@ -910,7 +910,7 @@ def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
                         f"returned (the first {min(a['launch_ms'] for a in ars):+.2f} ms after "
                         f"it): launch each bucket's all-reduce from the gradient hook, as soon "
                         f"as its last gradient has arrived, not in finish_gradient_sync")
-        from .experiments import overlapped_share
+        from ..experiments import overlapped_share
         rows = [a for rk in per_rank for row in rk["steps"] for a in row["all_reduces"]]
         runs.append({"dp": n, "all_reduces_per_step": len(per_rank[0]["steps"][0]["all_reduces"]),
                      "launched_in_backward": sum(a["launch_ms"] < 0 for a in rows),
@@ -944,7 +944,7 @@ class _LibraryZeroDisabled(_CodeSwapped):
     """ZeroDataParallel's constructor, gradient sync and step raise while active."""
 
     def swaps(self):
-        from .parallel import zero
+        from ..parallel import zero
         return [(getattr(zero.ZeroDataParallel, n), _library_zero_refused)
                 for n in ("__init__", "finish_gradient_sync", "step")]
 
@@ -958,13 +958,13 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .comm import Comm, _all_gather
-    from .data import global_batch, shard
-    from .launch import rank_device
-    from .mesh import build_mesh
-    from .model import build_model
-    from .optim import Adam
-    from .parallel.zero import FlatLayout
+    from ..comm import Comm, _all_gather
+    from ..data import global_batch, shard
+    from ..launch import rank_device
+    from ..mesh import build_mesh
+    from ..model import build_model
+    from ..optim import Adam
+    from ..parallel.zero import FlatLayout
 
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)
@@ -1076,9 +1076,9 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     against the library's ZeroDataParallel(stage=1); bytes on the wire per step against
     2(N-1)/N x padded Psi (reduce-scatter + all-gather, what one all-reduce moves) and against the
     library's measured bytes."""
-    from .engine import run  # late: engine imports the launcher stack
-    from .launch import run_ranks
-    from .reference import max_abs_diff, train_reference
+    from ..engine import run  # late: engine imports the launcher stack
+    from ..launch import run_ranks
+    from ..reference import max_abs_diff, train_reference
 
     summary = []
     for n in world_sizes:
@@ -1167,7 +1167,7 @@ class _LibraryTensorParallelDisabled(_CodeSwapped):
     """The library's tensor-parallel layers and their f/g functions raise while active."""
 
     def swaps(self):
-        from .parallel import tensor
+        from ..parallel import tensor
         fns = [tensor.copy_to_tp, tensor.reduce_from_tp, tensor.apply_tensor_parallel,
                tensor._CopyToTP.forward, tensor._ReduceFromTP.forward,
                tensor.ColumnParallelLinear.forward, tensor.RowParallelLinear.forward]
@@ -1180,8 +1180,8 @@ def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
     `fn` once per input and returns each output and the comm records that call made."""
     import torch
 
-    from .comm import Comm
-    from .mesh import build_mesh
+    from ..comm import Comm
+    from ..mesh import build_mesh
 
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
@@ -1220,7 +1220,7 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     import torch
     import torch.nn.functional as F
 
-    from .launch import run_ranks
+    from ..launch import run_ranks
 
     h = PARALLEL_MLP_SHAPE["d_model"]
     fc_w, fc_b, proj_w, proj_b, xs = _parallel_mlp_weights(h)
@@ -1338,7 +1338,7 @@ class _LibrarySchedulesDisabled(_CodeSwapped):
              "build_schedule", "for_config")
 
     def swaps(self):
-        from .parallel import schedules
+        from ..parallel import schedules
         return [(getattr(schedules, n), _library_schedule_refused) for n in self.NAMES]
 
 
@@ -1352,8 +1352,8 @@ def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4,
     at each of `run_cases` and must equal the single-process reference. While `fn` runs, the
     library's schedule builders (one_f_one_b, build_schedule, ...) raise: an order that wraps the
     library's 1F1B is refused, saying so."""
-    from .engine import run
-    from .parallel.schedules import Op, from_ops, in_flight
+    from ..engine import run
+    from ..parallel.schedules import Op, from_ops, in_flight
 
     orders = {}
     for pp, m in cases:
@@ -1425,7 +1425,7 @@ class _LibraryMergeDisabled(_CodeSwapped):
     calls it, by any name it was imported under, is refused. Restored on exit."""
 
     def swaps(self):
-        from .parallel import context
+        from ..parallel import context
         fn = context._merge
         while hasattr(fn, "__wrapped_library__"):  # on a rank: the checker's own wrapper
             fn = fn.__wrapped_library__
@@ -1582,9 +1582,9 @@ def _merge_rank(cfg_dict: dict, layout: str, fn, shape: tuple) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from .comm import Comm
-    from .mesh import build_mesh
-    from .parallel import context
+    from ..comm import Comm
+    from ..mesh import build_mesh
+    from ..parallel import context
 
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
@@ -1652,7 +1652,7 @@ def check_merge(fn, cases=MERGE_CHECK_CASES, shape=MERGE_CHECK_SHAPE) -> Grade:
     refused, saying so. A merge that raises on one rank only is named with that rank; one that
     never returns on a rank stops the check after CHECK_PG_TIMEOUT seconds of waiting, saying
     which rank was still in it and what the others waited on."""
-    from .launch import run_ranks
+    from ..launch import run_ranks
 
     try:
         _merge_diagnosis(fn)
@@ -1746,7 +1746,7 @@ class _LibraryRoutingDisabled(_CodeSwapped):
                ("dispatch_order", _library_dispatch_refused))
 
     def swaps(self):
-        from . import moe
+        from .. import moe
         return [(getattr(moe, name), raiser) for name, raiser in self.RAISERS]
 
 
@@ -2053,7 +2053,7 @@ def _route_rank(cfg_dict: dict, fn, capacity_fn) -> dict:
     """One rank of the routing check: engine.train_rank with every MoE layer's `routing` seam
     set to the learner's function (the single-process reference, which rank 0 then trains for
     the comparison, keeps the library's route)."""
-    from . import engine
+    from .. import engine
 
     import torch.distributed as dist
 
@@ -2150,9 +2150,9 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
     that calls a collective is refused, and one that never returns on a rank stops the check
     after CHECK_PG_TIMEOUT seconds of waiting, saying which rank was still in it and what the
     others waited on (e.g. the MoE layer's all-to-all, with its rows per rank)."""
-    from .engine import run
-    from .launch import run_ranks
-    from .report import merge_rank_results
+    from ..engine import run
+    from ..launch import run_ranks
+    from ..report import merge_rank_results
 
     try:
         if capacity is not None:
@@ -2419,7 +2419,7 @@ def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE) -> Grade:
     which states each stage shards). Then one live run (`live`, 16 ranks): every rank's measured
     params/grads/optimizer bytes must equal the learner's prediction, to the byte. Throughout,
     theory's per-rank model, the planner and engine.run are disabled while `fn` runs."""
-    from .engine import run
+    from ..engine import run
 
     advice = ("count the parameters of each stage on one tensor-parallel rank yourself, then "
               "apply the 16 bytes (and ZeRO's division) to them")
@@ -2497,7 +2497,7 @@ def layout_config(layout: dict, model: dict | None = None, steps: int = 1) -> Ru
 def planned_states(layout: dict, model: dict | None = None) -> list[int]:
     """The planner's memory model: model-state bytes (params + grads + optimizer) of each
     pipeline rank of `layout` on the toy, fp32 with Adam (planner.predict; theory, no run)."""
-    from . import planner
+    from .. import planner
 
     m = {**LAYOUT_MODEL, **(model or {})}
     spec = planner.toy_model(**m)
@@ -2576,7 +2576,7 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
     something fits where None was returned). Then the answers for the `live` budgets run on
     real ranks: every rank's measured params + grads + optimizer bytes must be within the budget
     and equal the planner's prediction. The planner and engine.run are disabled while `fn` runs."""
-    from .engine import run
+    from ..engine import run
 
     m = {**LAYOUT_MODEL, **(model or {})}
     table = [(lay, planned_states(lay, m)) for lay in layout_candidates(ranks, m)]
