@@ -141,8 +141,13 @@ def test_ranked_layouts_the_guide_a_live_toy_run_and_bad_input():
     suggested = [c.value for c in at.caption]
     assert "The numbers suggest: slow: Ethernet, a few GB/s per GPU." in suggested
 
-    # the toy version of that layout, run live on 2 ranks: measured beside the planner
-    toy = next(m.value for m in at.markdown if m.value.startswith("**Toy layout:**"))
+    # the toy version of that layout is the library's (lesson 09's): guide.toy_version
+    answers = {k: _widget(at.radio, q).value for k, (q, _) in guide.QUESTIONS.items()}
+    toy = guide.toy_version(guide.recommend(answers), 2)
+    shown = next(m.value for m in at.markdown if m.value.startswith("**Toy layout:**"))
+    assert shown.startswith(f"**Toy layout:** {toy.layout.describe()}: the planner's "
+                            f"#{toy.place} of the toy's layouts on 2 ranks that ")
+    # run live on 2 ranks: measured beside the planner
     at.button[0].click().run()
     _assert_clean(at)
     assert _metric(at, "Step time: theory (planner)").endswith(" ms")
@@ -152,10 +157,7 @@ def test_ranked_layouts_the_guide_a_live_toy_run_and_bad_input():
     # the chart's numbers, checked against theory.run_theory for the run's own config
     chart = _chart(at, "Toy run: memory per rank, measured vs theory")
     rows = _rows_with(chart, "category")
-    described = toy.split("**Toy layout:** ")[1].split(":")[0]
-    ranked = planner.plan(planner.toy_model(), 2, planner.hardware("cpu"), 8, top=0)["all"]
-    (lay,) = [lay for lay, _ in ranked if lay.describe() == described]
-    cfg = planner.run_config(planner.toy_model(), lay, 8)
+    cfg = toy.config
     th = theory.run_theory(cfg, theory.gpt_param_count(128, 32, 64, 4))
     stages = th["stages"] if cfg.pp > 1 else [th]
     for rank in (0, 1):
@@ -190,11 +192,9 @@ def test_every_toy_layout_the_guide_can_pick_runs_with_states_equal_to_the_plann
     for answers in itertools.product(*(q[1] for q in guide.QUESTIONS.values())):
         rec = guide.recommend(dict(zip(guide.QUESTIONS, answers)))
         for ranks in (2, 4):
-            spec = planner.toy_model(**({"experts": 4, "top_k": 2} if rec.ep else {}))
-            ranked = planner.plan(spec, ranks, planner.hardware("cpu"), 8, top=0)["all"]
-            picks[rec.ep].add(guide.closest(ranked, rec)[1])
+            picks[rec.ep].add(guide.toy_version(rec, ranks).layout)
     for moe, layouts in picks.items():
-        model = {"layers": 4, "heads": 4, "batch": 8, **({"experts": 4, "top_k": 2} if moe else {})}
+        model = {**guide.TOY_MODEL, **(guide.TOY_EXPERTS if moe else {})}
         res = planner.validate_on_toy_runs(sorted(layouts, key=planner.Layout.describe), steps=3,
                                            model=model)
         assert res["failed"] == 0, [r for r in res["rows"] if "error" in r]
