@@ -6,7 +6,8 @@
                                               step time split into compute, bubble and each axis's
                                               exposed communication (theory)
     toy_memory(rows)                          per rank of a live toy run: measured memory beside
-                                              the planner's prediction, by category
+                                              the planner's prediction, by category (rows:
+                                              guide.ToyVersion.memory_rows)
 
 `entries` are planner.plan(...)["layouts"] items (their "theory" numbers are predictions). Nothing
 here runs ranks.
@@ -141,8 +142,9 @@ def ranked_layouts(entries: list[dict], capacity_bytes: float, usable_bytes: flo
 def toy_memory(rows: list[dict], title: str = "Toy run: memory per rank, measured vs theory",
                subtitle: str | list[str] = "") -> alt.LayerChart:
     """`rows`: {rank, source ("measured" | "theory"), category (params, grads, optimizer,
-    activations), bytes}. Per rank two stacked bars, measured beside the planner's prediction, in
-    binary units (the toy's scale)."""
+    activations), bytes}, as guide.ToyVersion.memory_rows pairs a run with the planner. Per rank
+    two stacked bars, measured beside the planner's prediction, in binary units (the toy's
+    scale)."""
     df = pd.DataFrame(rows, columns=["rank", "source", "category", "bytes"])
     df["rank"] = df["rank"].map(lambda r: f"rank {r}")
     ranks = list(dict.fromkeys(df["rank"]))
