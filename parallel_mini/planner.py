@@ -422,39 +422,44 @@ def chunk_blocks(spec: ModelSpec, n_chunks: int) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=4096)
 def _stages(spec: ModelSpec, tp: int, pp: int, schedule: str, v: int, ep: int) -> tuple:
-    """Per pipeline rank: (units: parameters per ZeRO-3 unit, routed-expert parameters held,
-    chunks: the blocks of each chunk it holds, holds_embedding, holds_head)."""
+    """Per pipeline rank: (units: parameters per ZeRO-3 unit, experts: the routed-expert
+    parameters inside each unit (0 outside MoE blocks), chunks: the blocks of each chunk it holds,
+    holds_embedding, holds_head)."""
     n_chunks = pp * v
     owner = chunk_owner(schedule if pp > 1 else "1f1b", pp, v)
     chunks = chunk_blocks(spec, n_chunks)
     out = []
     for r in range(pp):
         mine = [c for c in range(n_chunks) if owner[c] == r]
-        units, experts = [], 0
+        units, experts = [], []
         if 0 in mine:
             units.append(embedding_params(spec, tp))
+            experts.append(0)
         for c in mine:
             for i in chunks[c]:
                 p, e = block_params(spec, i, tp, ep)
                 units.append(p)
-                experts += e
+                experts.append(e)
         if n_chunks - 1 in mine:
             units.append(head_params(spec, tp, pp))
-        out.append((tuple(units), experts, tuple(tuple(chunks[c]) for c in mine), 0 in mine,
-                    n_chunks - 1 in mine))
+            experts.append(0)
+        out.append((tuple(units), tuple(experts), tuple(tuple(chunks[c]) for c in mine),
+                    0 in mine, n_chunks - 1 in mine))
     return tuple(out)
 
 
-def stage_states(units: tuple, experts_held: int, lay: Layout, precision: str,
+def stage_states(units: tuple, experts: tuple, lay: Layout, precision: str,
                  optimizer: str) -> tuple[dict, dict]:
     """Model-state bytes of one rank and its data-parallel bytes per step, by theory's formulas
     in theory.run_theory's way (_rank_theory): with ep > 1 the dense parameters are ZeRO'd and
-    averaged over dp x cp, the E/ep experts over (dp x cp)/ep; else all over dp x cp.
+    averaged over dp x cp, the E/ep experts over (dp x cp)/ep; else all over dp x cp. `experts`:
+    the routed-expert parameters inside each of `units`; with ep > 1 under ZeRO-3 each MoE
+    layer's experts are a unit of their own (padded on their own), the rest of the block another.
     Returns (memory {params, grads, optimizer}, wire {"dp": bytes, "edp": bytes})."""
-    n = sum(units)
     shard = lay.dp * lay.cp
-    if lay.ep > 1 and experts_held:
-        parts = [([n - experts_held], shard, "dp"), ([experts_held], shard // lay.ep, "edp")]
+    if lay.ep > 1 and any(experts):
+        parts = [([u - e for u, e in zip(units, experts)], shard, "dp"),
+                 ([e for e in experts if e], shard // lay.ep, "edp")]
     else:
         parts = [(list(units), shard, "dp")]
     memory, wire = {"params": 0, "grads": 0, "optimizer": 0}, {}
@@ -615,8 +620,8 @@ def _chunk_bytes(spec: ModelSpec, chunk: tuple, lay: Layout, elem: int) -> float
 
 
 @functools.lru_cache(maxsize=None)
-def _states(units: tuple, experts_held: int, lay: Layout, precision: str, optimizer: str):
-    return stage_states(units, experts_held, lay, precision, optimizer)
+def _states(units: tuple, experts: tuple, lay: Layout, precision: str, optimizer: str):
+    return stage_states(units, experts, lay, precision, optimizer)
 
 
 def _key(ns: SimpleNamespace) -> tuple:
@@ -680,8 +685,8 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     recompute_lay = dataclasses.replace(act_lay, checkpointing="selective")
     per_rank, wires, micro_flops = [], [], []
     tokens_micro = lay.micro_batch * spec.seq / lay.cp  # this rank's tokens per micro-batch
-    for r, (units, experts_held, chunks, has_embed, has_head) in enumerate(stages):
-        memory, wire = _states(units, experts_held, states_lay, precision, optimizer)
+    for r, (units, experts, chunks, has_embed, has_head) in enumerate(stages):
+        memory, wire = _states(units, experts, states_lay, precision, optimizer)
         memory, wire = dict(memory), dict(wire)
         blocks = tuple(i for c in chunks for i in c)
         acts = flight[r] * max(_chunk_bytes(spec, c, act_lay, elem) for c in chunks)

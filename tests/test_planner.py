@@ -193,6 +193,25 @@ def test_model_states_equal_theory_run_theory_for_every_ranked_layout():
     assert checked > 150
 
 
+def test_expert_units_are_padded_apart_under_zero3():
+    """Expert parallel with ZeRO-3: each MoE layer's experts are a unit of their own, padded on its
+    own over edp, the rest of each block another over dp (tests/test_experts_zero3.py runs it). At
+    h = 9 no unit divides the ranks, so counting the experts inside their block, or the dense part
+    as one unit, gives other bytes: the planner must count as theory.run_theory does."""
+    spec = planner.toy_model(layers=2, d_model=9, heads=3, seq=16, vocab=64, batch=8, experts=2,
+                             top_k=1)
+    n = theory.gpt_param_count(64, 16, 9, 2, 2)
+    for lay in (planner.Layout(4, 1, 1, 1, 2, 3, "-", 1, 1, 2, "none", False),
+                planner.Layout(2, 1, 2, 1, 2, 3, "1f1b", 1, 2, 2, "none", False)):
+        cfg = planner.run_config(spec, lay, 8)
+        th = theory.run_theory(cfg, n)
+        stages = th["stages"] if cfg.pp > 1 else [th]
+        p = planner.predict(spec, lay, planner.hardware("cpu"), 8, precision=cfg.precision)
+        for r, stage in enumerate(stages):
+            got = {k: p["memory_per_rank"][r][k] for k in ("params", "grads", "optimizer")}
+            assert got == stage["memory"], (lay.describe(), r)
+
+
 def test_activation_count_reduces_to_korthikanti():
     """With Korthikanti's assumptions (multi-head, GELU MLP of 4h, dropout, no flash attention)
     the generalised count is theory.activation_bytes_per_layer, at every tp, sp and mode."""
