@@ -1,6 +1,6 @@
-"""The graders of lessons 08 and 09 (parallel_mini/grading.py): model states per rank of a
-composed layout (check_states_per_rank) and a layout that fits a memory budget
-(check_layout_choice).
+"""The graders of lessons 08 and 09 (parallel_mini/grading/lesson08_09_layouts.py): model
+states per rank of a composed layout (check_states_per_rank) and a layout that fits a memory
+budget (check_layout_choice).
 
 Each checker must accept the right answer (with a live run whose measured bytes equal it), say
 "not attempted" to a stub, name each typical mistake, and refuse an answer that calls the library
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_mini import grading, planner, theory
+from parallel_mini import planner, theory
 from parallel_mini.config import RunConfig
 from parallel_mini.grading import (LAYOUT_MODEL, check_layout_choice, check_states_per_rank,
                                    layout_candidates, layout_config, planned_states)
+from parallel_mini.grading import lesson08_09_layouts as layouts
 
 STATES = ("params", "grads", "optimizer")
 
@@ -51,9 +52,9 @@ def right_states(cfg, shard_over_cp: bool = True) -> dict:
 def test_the_checkers_own_rule_is_theory():
     """The rule written out in the grader (theory is disabled while the learner's code runs)
     equals theory.run_theory on every case it grades."""
-    for name, fields in grading.STATES_CASES:
+    for name, fields in layouts.STATES_CASES:
         cfg = RunConfig(**fields).validate()
-        assert grading._states_rule(cfg) == grading._states_from_theory(cfg) == right_states(cfg), name
+        assert layouts._states_rule(cfg) == layouts._states_from_theory(cfg) == right_states(cfg), name
 
 
 def test_states_stub_is_not_attempted():
@@ -162,7 +163,7 @@ def test_planner_memory_model_is_theory_for_every_candidate():
 def test_budgets_exercise_every_branch():
     """Each budget separates something: dp4 at ZeRO 0, 1 or 2 only, dp2 by tp or by pp, dp1,
     nothing at all."""
-    picks = {b: choose_layout(b) for b in grading.LAYOUT_BUDGETS}
+    picks = {b: choose_layout(b) for b in layouts.LAYOUT_BUDGETS}
     assert [p and (p["dp"], p["zero"]) for p in picks.values()][:3] == [(4, 0), (4, 1), (4, 2)]
     assert picks[1_105_000] == {"dp": 2, "tp": 1, "pp": 2, "zero": 2}  # tp2 x dp2 does not fit
     assert picks[910_000] == {"dp": 1, "tp": 2, "pp": 2, "zero": 0}
