@@ -218,11 +218,11 @@ class MoE(nn.Module):
         y = self.experts(rows, counts) * gate.to(x.dtype)[:, None]  # [n, h], weighted
         out = torch.zeros_like(x.reshape(b * s, h)).index_add(0, token, y).view(b, s, h)
         if self.log is not None and not _recomputing():
-            self._record(r, counts, cap, aux, z, self.experts.last_forward_s)
+            self._record(r, counts, cap, aux, z, self.experts.last_forward_s, mine)
         term = parts * (self.aux_loss_weight * aux + self.z_loss_weight * z)
         return AuxLoss.apply(out, term, self.loss_scale)
 
-    def _record(self, r: Routing, counts, cap: int, aux, z, compute_s: float) -> None:
+    def _record(self, r: Routing, counts, cap: int, aux, z, compute_s: float, mine=None) -> None:
         routed = F.one_hot(r.expert, self.n_experts).sum((0, 1, 2))  # [E] before dropping
         step = self.clock() if self.clock is not None else None
         first_of_step = not self.log or self.log[-1]["step"] != step
@@ -231,9 +231,11 @@ class MoE(nn.Module):
             "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
             "capacity": cap,
             "aux": aux.item(), "z": z.item(), "compute_s": compute_s,
-            # the first micro-batch of each step: every token's choices and whether kept
+            # the first micro-batch of each step: every token's choices and whether kept, and
+            # where this rank's tokens sit in their sequences (None: whole sequences, in order)
             **({"choices": r.expert.flatten(0, 1).tolist(),
-                "kept_mask": r.keep.flatten(0, 1).tolist()} if first_of_step else {})})
+                "kept_mask": r.keep.flatten(0, 1).tolist(),
+                "positions": None if mine is None else mine.tolist()} if first_of_step else {})})
 
 
 def init_experts(m: Experts) -> None:

@@ -217,6 +217,15 @@ def test_ep_with_context_parallel_routes_whole_sequences():
     check_moe(report)
     gathers = [rec for rec in report.ranks[0]["comm"] if rec.get("layer") == "moe_routing"]
     assert gathers and all(rec["op"] == "all_gather" for rec in gathers)
+    # the routing chart places each rank's tokens at their positions in the whole sequence
+    from parallel_mini.parallel.context import positions_of
+    from parallel_mini.viz.experts import routing_frame
+    seq = report.config["seq"]
+    for r, rank in enumerate(report.ranks):
+        frame = routing_frame(report, rank=r)
+        want = positions_of("zigzag", seq, 2, rank["coords"]["cp"]).tolist()
+        for _, tokens in frame[frame.choice == 1].groupby("sequence"):
+            assert tokens.position.tolist() == want
 
 
 @pytest.mark.slow

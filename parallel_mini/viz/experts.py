@@ -134,15 +134,19 @@ def routing_frame(report, rank: int = 0, layer: int | None = None,
                   step: int | None = None) -> pd.DataFrame:
     """One row per (token, choice) of `rank`'s first micro-batch of `step` in `layer`: token index
     (sequences x positions, flattened), sequence, position, expert, choice (1 = most probable),
-    kept (False: over the expert's capacity, dropped)."""
+    kept (False: over the expert's capacity, dropped). Under context or sequence parallel a rank
+    holds part of each sequence: `position` is the token's place in the whole sequence, as the
+    run logged it."""
     rep = _as_dict(report)
     layer, step = _layer(rep, layer), _step(rep, step)
     first = [e for e in _entries(rep, [rep["ranks"][rank]], layer, step) if "choices" in e]
     if not first:
         raise ValueError(f"rank {rank} did not run layer {layer} in step {step} (with pipeline "
                          "parallel a rank holds only its stage's layers)")
-    e, seq = first[0], rep["config"]["seq"]
-    rows = [{"token": t, "sequence": t // seq, "position": t % seq, "expert": x,
+    e = first[0]
+    where = e.get("positions") or list(range(rep["config"]["seq"]))  # this rank's positions
+    n = len(where)
+    rows = [{"token": t, "sequence": t // n, "position": where[t % n], "expert": x,
              "choice": j + 1, "kept": bool(keep)}
             for t, (xs, keeps) in enumerate(zip(e["choices"], e["kept_mask"]))
             for j, (x, keep) in enumerate(zip(xs, keeps))]
