@@ -407,9 +407,10 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
     else:
         wire[shard_axis(cfg)] = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, shard, units,
                                                micro_steps)
-        if hybrid:
-            wire["dp_rep"] = hybrid_replica_wire_bytes(cfg.zero, n_params, cfg.precision, shard,
-                                                       cfg.dp // cfg.dp_shard, units, micro_steps)
+        if hybrid:  # the replicas' name as the mesh gives it ("dp" when dp_shard = 1)
+            from .mesh import role_names
+            wire[role_names(cfg)["replicate"]] = hybrid_replica_wire_bytes(
+                cfg.zero, n_params, cfg.precision, shard, cfg.dp // cfg.dp_shard, units, micro_steps)
         padding = (padded(n_params, shard) - n_params if cfg.zero < 3
                    else sum(padded(u, shard) - u for u in units))
         if cfg.offload:  # gradient slice to the host, updated parameter slice back, every step

@@ -116,6 +116,16 @@ def test_hybrid_shard_2d(zero):
         assert {k: m[k] for k in ("params", "grads", "optimizer")} == report.theory["memory"]
 
 
+def test_hybrid_with_one_rank_per_shard_group_names_the_replicas_as_the_run_does():
+    """--dp-shard 1: every shard group is one rank, the replicas are all of dp; the mesh names that
+    group "dp", and theory labels the replicas' bytes with the mesh's name (it said "dp_rep":
+    theory 873,984 B beside 0 counted, the run's bytes being under "dp")."""
+    report = run(RunConfig(dp=2, dp_shard=1, zero=1, steps=1))
+    assert set(report.theory["wire_bytes_per_step"]) == {"dp_shard", "dp"}
+    for r in range(2):
+        assert report.wire_bytes_per_step(r) == report.theory["wire_bytes_per_step"]
+
+
 def test_fsdp_names_map_to_zero_stages():
     assert RunConfig(dp=2, fsdp="FULL_SHARD").validate().zero == 3
     assert RunConfig(dp=2, fsdp="SHARD_GRAD_OP").validate().zero == 2
