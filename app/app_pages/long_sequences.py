@@ -210,7 +210,7 @@ def show_wire(result: dict) -> None:
     cols = st.columns(3)
     for col, impl in zip(cols, IMPLS):
         got, n = matched[impl]
-        col.metric(f"Ranks sending exactly the formula's bytes (counted): {impl}", f"{got} of {n}")
+        col.metric(f"Ranks whose counted bytes = formula: {impl}", f"{got} of {n}")
     extra = {name: _framing(runs[i]) for i, name in (("ring", "ring"), ("ulysses", "Ulysses"))}
     if all(extra.values()):
         st.caption("Written to sockets minus counted, per call on rank 0: " + ", ".join(

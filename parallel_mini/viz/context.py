@@ -539,7 +539,7 @@ def cp_bytes_chart(rows: list[dict], title: str = "Bytes each rank sends per ste
     return alt.layer(
         base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources, scale=alt.Scale(
             domain=sources, range=[CP_BYTE_SOURCES[s] for s in sources]),
-            legend=alt.Legend(orient="bottom"))),
+            legend=alt.Legend(orient="bottom", labelLimit=300))),
         base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
     ).properties(autosize=PAD, width=max(220, 170 * len(impls)), height=240,
                  title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))

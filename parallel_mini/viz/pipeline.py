@@ -216,10 +216,11 @@ def pipeline_stage_bars(rows: list[dict], value: str, title: str, subtitle, y_ti
         base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
                                                scale=alt.Scale(domain=sources,
                                                                range=palette[:len(sources)]),
-                                               legend=alt.Legend(orient="bottom"))),
+                                               legend=alt.Legend(orient="bottom",
+                                                                 labelLimit=300))),
         base.mark_text(dy=-5, fontSize=10).encode(
             text=alt.Text(f"{label}:N") if label else alt.Text("y:Q", format=".3g")),
-    ).properties(autosize=PAD, width=max(240, 48 * df["stage"].nunique() * len(sources)),
+    ).properties(autosize=PAD, width=max(240, 96 * df["stage"].nunique()),  # half a page column
                  height=240, title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
 
