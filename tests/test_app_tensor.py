@@ -133,7 +133,7 @@ def test_live_tp2_equals_reference_and_theory_and_sp_moves_the_same_bytes(monkey
     assert expected == 591_360
     assert _count(at, "TP bytes per step, rank 0: counted (ring model of the ops run)") == expected
     assert _count(at, "TP bytes per step: theory") == expected
-    written = _widget(at.metric, "TP bytes rank 0 wrote to its sockets per step: measured").value
+    written = _widget(at.metric, "TP bytes per step, rank 0: measured (written to sockets)").value
     if written != "not measurable here":  # SP off, t = 2: all-reduces, the ring's bytes + headers
         assert expected < int(written.split()[0].replace(",", "")) < 1.1 * expected
     assert _widget(at.metric, "Ranks sending exactly that").value == "2 of 2"

@@ -221,8 +221,8 @@ def show_tp_comm(chosen: dict, variants: dict[str, dict]) -> None:
     counted = sum(a["bytes"] for a in _tp_bytes_per_step(chosen).values())
     written = [a["written"] for a in _tp_bytes_per_step(chosen).values()]  # None: unreadable
     predicted = chosen["theory"]["wire_bytes_per_step"].get("tp", 0.0)
-    b0, b1, b2, b3 = st.columns(4)
-    b0.metric("TP bytes rank 0 wrote to its sockets per step: measured",
+    (b0, b1), (b2, b3) = st.columns(2), st.columns(2)  # two by two: the labels fit
+    b0.metric("TP bytes per step, rank 0: measured (written to sockets)",
               "not measurable here" if None in written
               else f"{fmt_count(round(sum(written)))} B",
               help="What rank 0's process wrote to its sockets during its tp collectives "
