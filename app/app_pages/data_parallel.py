@@ -70,7 +70,7 @@ else:
 st.subheader("Bytes on the wire")
 st.latex(r"\text{bytes sent per rank per step} = \frac{2(N-1)}{N}\cdot 4\Psi"
          rf"\qquad N = {n},\ \Psi = {n_params:,}\ \text{{parameters}}")
-b0, b1, b2, b3 = st.columns(4)
+(b0, b1), (b2, b3) = st.columns(2), st.columns(2)  # two by two: the labels fit
 b0.metric("Rank 0 per step: measured (written to sockets)",
           "not measurable here" if written_wire is None else f"{fmt_count(round(written_wire))} B",
           help="What rank 0's process wrote to its sockets during the all-reduces (/proc/self/io): "
