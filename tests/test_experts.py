@@ -91,14 +91,14 @@ def test_parameter_count_formula(experts, moe_every, layers):
 
 
 # -- runs -----------------------------------------------------------------------------------------
-def reference_drops(cfg: RunConfig) -> dict[tuple[int, int], int]:
-    """Dropped assignments per (step, layer) of the single-process reference (as
-    reference.train_reference trains it, with the MoE layers' logs on)."""
+def reference_logs(cfg: RunConfig) -> list[list[dict]]:
+    """The MoE layers' routing logs of the single-process reference, one list per layer (trained
+    as reference.train_reference trains it, with the layers' logs on)."""
     model = build_model(cfg)
     step = {"now": 0}
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.log, m.clock = [], (lambda: step["now"])
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.log, m.clock = [], (lambda: step["now"])
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
     for s in range(cfg.steps):
         step["now"] = s
@@ -106,7 +106,12 @@ def reference_drops(cfg: RunConfig) -> dict[tuple[int, int], int]:
         model(x, y).backward()
         opt.step()
         opt.zero_grad()
-    return _drops([m.log for m in model.modules() if isinstance(m, MoE)])
+    return [m.log for m in layers]
+
+
+def reference_drops(cfg: RunConfig) -> dict[tuple[int, int], int]:
+    """Dropped assignments per (step, layer) of the single-process reference."""
+    return _drops(reference_logs(cfg))
 
 
 def _drops(logs) -> dict[tuple[int, int], int]:
@@ -242,13 +247,20 @@ def test_ep_with_cp_matrix(kw):
     check_moe(run(moe_config(**kw)))
 
 
-def test_cli_done_means_prints_the_diff_and_reports_all_to_alls():
-    out = subprocess.run([sys.executable, "-m", "parallel_mini", "run", "--dp", "4", "--ep", "4",
-                          "--experts", "8", "--top-k", "2", "--reference", "--json", "-"],
-                         capture_output=True, text=True, timeout=120)
+def cli_reference_run(*flags: str, timeout: float) -> dict:
+    """`python -m parallel_mini run FLAGS --reference --json -` in a subprocess: it exits 0 (its
+    stderr shown otherwise) and equals the single-process reference; returns the JSON report."""
+    out = subprocess.run([sys.executable, "-m", "parallel_mini", "run", *flags, "--reference",
+                          "--json", "-"], capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["max_abs_diff"] <= 1e-5
+    return report
+
+
+def test_cli_done_means_prints_the_diff_and_reports_all_to_alls():
+    report = cli_reference_run("--dp", "4", "--ep", "4", "--experts", "8", "--top-k", "2",
+                               timeout=120)
     assert all(any(rec["op"] == "all_to_all" and rec.get("layer") == "moe" for rec in r["comm"])
                for r in report["ranks"])
     assert len(report["measured"]["ep_all_to_all_per_step"]) == 4

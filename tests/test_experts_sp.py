@@ -13,14 +13,11 @@ import pytest
 
 from parallel_mini.config import RunConfig
 from parallel_mini.engine import run
-from parallel_mini.model import build_model
-from parallel_mini.data import global_batch
-from parallel_mini.moe import MoE, capacity
-from parallel_mini.optim import make_optimizer
+from parallel_mini.moe import capacity
 from parallel_mini.viz import experts as vx
 
 from test_composition import check
-from test_experts import moe_config
+from test_experts import moe_config, reference_logs
 
 
 def _per_expert(logs) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
@@ -36,30 +33,13 @@ def _per_expert(logs) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
     return out
 
 
-def _reference_logs(cfg: RunConfig) -> list[list[dict]]:
-    """The MoE layers' logs of the single-process reference (trained as reference.py trains it)."""
-    model = build_model(cfg)
-    step = {"now": 0}
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for m in layers:
-        m.log, m.clock = [], (lambda: step["now"])
-    opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
-    for s in range(cfg.steps):
-        step["now"] = s
-        x, y = global_batch(cfg, s)
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return [m.log for m in layers]
-
-
 def check_moe_sp(report) -> dict:
     """check(), plus the routing and the all-to-alls; returns the reference's _per_expert."""
     check(report)  # the reference, every axis's bytes (tp, cp, dp, ...) and states
     cfg = RunConfig.from_dict(report.config)
     # every rank routes its own tokens (tp ranks too): together, each token once
     logs = [r["moe"]["log"] for r in report.ranks if "moe" in r]
-    reference = _per_expert(_reference_logs(cfg))
+    reference = _per_expert(reference_logs(cfg))
     assert _per_expert(logs) == reference
     for r in report.ranks:
         gathers = [rec for rec in r["comm"] if rec.get("layer") == "moe_routing"]

@@ -8,9 +8,6 @@ its states) x edp_rep (across replicas: they all-reduce the reduced slices), mes
 equals the single-process reference (fp32, 1e-5), drops the tokens the reference drops, and holds,
 rank by rank, the model states theory predicts to the byte, with the bytes per axis (check_moe).
 """
-import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +20,7 @@ from parallel_mini.model import build_model
 from parallel_mini.moe import Experts
 from parallel_mini.parallel.zero3 import Zero3DataParallel, plan_units
 
-from test_experts import check_moe, moe_config
+from test_experts import check_moe, cli_reference_run, moe_config
 
 
 def _mesh(**kw):
@@ -160,12 +157,8 @@ def test_checkpoint_saved_under_hybrid_zero3_experts_resumes_elsewhere(tmp_path)
 
 @pytest.mark.slow
 def test_cli_ep_with_zero3():
-    out = subprocess.run([sys.executable, "-m", "parallel_mini", "run", "--dp", "4", "--ep", "2",
-                          "--experts", "4", "--zero", "3", "--reference", "--json", "-"],
-                         capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert report["max_abs_diff"] <= 1e-5
+    report = cli_reference_run("--dp", "4", "--ep", "2", "--experts", "4", "--zero", "3",
+                               timeout=180)
     for r in report["ranks"]:
         assert {k: r["memory"][k] for k in ("params", "grads", "optimizer")} == \
             {k: report["theory"]["memory"][k] for k in ("params", "grads", "optimizer")}
