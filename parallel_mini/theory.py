@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from .mesh import role_names  # axis names, grid arithmetic only (mesh.py imports no torch here)
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8}
 
 
@@ -108,11 +110,6 @@ def moe_blocks(layers: int, experts: int, moe_every: int = 1) -> list[int]:
     return [i for i in range(layers) if experts and (i + 1) % moe_every == 0]
 
 
-def expert_params_held(cfg, blocks) -> int:
-    """Expert parameters one rank holds for the given blocks: E/ep experts per MoE block."""
-    return sum(expert_unit_sizes(cfg, blocks))
-
-
 def expert_unit_sizes(cfg, blocks) -> list[int]:
     """The E/ep experts of each MoE block among `blocks`, one entry per block: with expert parallel
     each is a unit of its own under ZeRO-3 (and one group of parameters under the other
@@ -149,7 +146,6 @@ def expert_axes(cfg) -> dict[str, str | None]:
     of one group (cp = 1) names them: "dp" the edp ranks, "dp_shard" and "dp_rep" HYBRID_SHARD's
     edp_shard and edp_rep. Labels, not numbers: they come from the mesh's grid arithmetic
     (mesh.role_names, no process group), as Mesh.axis_for names them in a run."""
-    from .mesh import role_names
     names = role_names(cfg)
     return {"dp": names["expert_dp"], "dp_shard": names["expert_shard"],
             "dp_rep": names["expert_replicate"]}
@@ -256,21 +252,6 @@ def moe_sp_wire_bytes_per_step(cfg, moe: int | None = None) -> float:
     per_block = (1 + (cfg.checkpointing == "full")) * wire_bytes("all_gather", logits, t) \
         + wire_bytes("all_reduce", grads, t)
     return steps * moe * per_block
-
-
-def shard_axis(cfg) -> str:
-    """The comm records' name for ZeRO's shard ranks, dp_shard x cp (mesh.axis_for("shard"))."""
-    cp = getattr(cfg, "cp", 1)
-    shard = cfg.dp_shard if 0 < cfg.dp_shard < cfg.dp else cfg.dp
-    if cp == 1:
-        return "dp" if shard == cfg.dp else "dp_shard"
-    return "cp" if shard == 1 else "shard"
-
-
-def loss_axis(cfg) -> str:
-    """The comm records' name for the dp x cp ranks the loss is averaged over (mesh.axis_for)."""
-    cp = getattr(cfg, "cp", 1)
-    return "dp" if cp == 1 else ("cp" if cfg.dp == 1 else "dp_cp")
 
 
 def cp_wire_bytes_per_step(cfg, blocks: int | None = None, moe: int | None = None) -> float:
@@ -400,16 +381,16 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
                                cfg.offload, cfg.fp32_grad_accum)
     wire: dict[str, float] = {}
+    names = role_names(cfg)  # the comm records' names of the loss, shard and replica groups
     if cfg.zero == 0:
         grad_bytes = 4 if cfg.fp32_grad_accum else BYTES_PER_PARAM[cfg.precision]  # reduced dtype
-        wire[loss_axis(cfg)] = dp_wire_bytes_per_step(grad_bytes * n_params, cfg.dp * cfg.cp)
+        wire[names["loss"]] = dp_wire_bytes_per_step(grad_bytes * n_params, cfg.dp * cfg.cp)
         padding = 0
     else:
-        wire[shard_axis(cfg)] = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, shard, units,
-                                               micro_steps)
-        if hybrid:  # the replicas' name as the mesh gives it ("dp" when dp_shard = 1)
-            from .mesh import role_names
-            wire[role_names(cfg)["replicate"]] = hybrid_replica_wire_bytes(
+        wire[names["shard"]] = zero_wire_bytes_per_step(cfg.zero, n_params, cfg.precision, shard,
+                                                        units, micro_steps)
+        if hybrid:  # ("dp" when dp_shard = 1: every replica group is all of dp)
+            wire[names["replicate"]] = hybrid_replica_wire_bytes(
                 cfg.zero, n_params, cfg.precision, shard, cfg.dp // cfg.dp_shard, units, micro_steps)
         padding = (padded(n_params, shard) - n_params if cfg.zero < 3
                    else sum(padded(u, shard) - u for u in units))
@@ -463,8 +444,8 @@ def _pipeline_theory(cfg) -> dict:
     seq = cfg.seq // (cfg.cp * (cfg.tp if cfg.sp else 1))  # CP, SP: stages pass [b, s/(cp tp), h]
     boundary = micro * seq * cfg.d_model * BYTES_PER_PARAM[cfg.precision]  # [b, s, h]
     stages = []
+    apart = getattr(cfg, "ep", 1) > 1  # expert parallel: the experts' states go over edp
     for r in range(cfg.pp):
-        apart = getattr(cfg, "ep", 1) > 1  # expert parallel: the experts' states go over edp
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
                                      cfg.tp, **_moe(cfg), experts_apart=apart)
         per = cfg.layers // len(schedule.owner)
