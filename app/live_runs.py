@@ -25,10 +25,11 @@ from contextlib import contextmanager
 
 import streamlit as st
 
-from parallel_mini import collectives, engine, experiments
+from parallel_mini import engine
+from parallel_mini.course import collectives, experiments
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.launch import RankError
-from parallel_mini.viz.units import bytes_unit, rate_unit
+from parallel_mini.course.viz.units import bytes_unit, rate_unit
 from run_queue import server_queue
 
 

@@ -4,7 +4,7 @@ when you leave a page and come back, and the one call that draws a chart.
 Presentation mode (a sidebar toggle, on every page): the navigation moves to the top bar, each
 page's controls and its "Run live" button move to the sidebar, the page's introduction folds into
 an expander, and every chart is drawn with text of at least 16 px and as wide as the page
-(`parallel_mini.viz.style.presentation`): controls and their result on one 1440 × 900 screen.
+(`parallel_mini.course.viz.style.presentation`): controls and their result on one 1440 × 900 screen.
 
 Kept values: Streamlit forgets a widget's value when a page that does not draw it runs (a page
 change). `kept(key, default)` names a page's widget; the entry script calls `keep_widget_values()`
@@ -120,7 +120,7 @@ def chart(chart, where=st, share: float = 1.0) -> None:
     if on():
         # imported here: the entry script imports this module on every page, Home included, and
         # altair costs seconds on a cold server
-        from parallel_mini.viz.style import presentation
+        from parallel_mini.course.viz.style import presentation
 
         width = st.session_state.get(_CHART_PX, PAGE_CHART_PX)
         where.vega_lite_chart(presentation(chart, width_px=round(width * share)),

@@ -1,7 +1,7 @@
 """parallel_mini classroom app: `make app` (streamlit run app/streamlit_app.py).
 
 Every page runs real ranks (gloo on CPU) when "Run live" is pressed, and draws what they measured
-beside the formula from `parallel_mini.theory`. The charts come from `parallel_mini.viz`, the same
+beside the formula from `parallel_mini.theory`. The charts come from `parallel_mini.course.viz`, the same
 functions the lessons use.
 """
 import sys

@@ -66,7 +66,7 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
     run.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every op "
                      "and transfer (open in ui.perfetto.dev or chrome://tracing)")
-    from .planner import add_parser as add_plan_parser  # `plan`: ranked layouts, theory only
+    from .course.planner import add_parser as add_plan_parser  # `plan`: ranked layouts, theory only
     add_plan_parser(sub)
     return ap
 
@@ -249,7 +249,7 @@ def _stop_signals_end_the_run():
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "plan":  # theory only: no RunConfig, no ranks
-        from .planner import cli
+        from .course.planner import cli
         return cli(args)
     given = set(vars(_parser(explicit=True).parse_args(argv)))
     fields = {f.name for f in dataclasses.fields(RunConfig)}

@@ -1,5 +1,5 @@
 """The "Plan a run" page (AppTest) and what it is built on: the decision guide's rule
-(parallel_mini.guide, pure Python) and the ranked-layout chart's frames (parallel_mini.viz.plan).
+(parallel_mini.course.guide, pure Python) and the ranked-layout chart's frames (parallel_mini.course.viz.plan).
 
 One AppTest session (one page load, one live run: the cheapest way through the page). Before any
 run the page draws the planner's ranked layouts for Llama 3 70B on 64 H100s: each bar's memory
@@ -20,8 +20,9 @@ import itertools
 import pytest
 import streamlit as st
 
-from parallel_mini import guide, planner, theory
-from parallel_mini.viz import plan as vplan
+from parallel_mini import theory
+from parallel_mini.course import guide, planner
+from parallel_mini.course.viz import plan as vplan
 from test_app import _app, _assert_clean, _chart, _charts, _metric, _rows_with, _widget
 
 PAGE = "app_pages/plan.py"

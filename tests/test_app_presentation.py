@@ -9,7 +9,7 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from parallel_mini.viz.style import presentation, scaled_font
+from parallel_mini.course.viz.style import presentation, scaled_font
 from test_app import _app, _assert_clean, _chart, _charts, _widget
 
 MEMORY = "app_pages/memory.py"

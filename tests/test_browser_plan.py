@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_mini import guide, planner
+from parallel_mini.course import guide, planner
 from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
 
 pytestmark = pytest.mark.browser

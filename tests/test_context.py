@@ -133,7 +133,7 @@ def _ours_vs_torch_ring(impl):
     from parallel_mini.comm import Comm
     from parallel_mini.mesh import build_mesh
     from parallel_mini.parallel.context import RingAttentionCore
-    from parallel_mini.peers import torch_ring_attention
+    from parallel_mini.course.peers import torch_ring_attention
     c, r = dist.get_world_size(), dist.get_rank()
     comm = Comm(build_mesh(SimpleNamespace(dp=1, tp=1, pp=1, cp=c, ep=1, dp_shard=0, world_size=c)))
     g = torch.Generator().manual_seed(1)

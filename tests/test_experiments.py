@@ -1,6 +1,6 @@
-"""The live experiments the app's pages call (parallel_mini/experiments.py), checked directly."""
+"""The live experiments the app's pages call (parallel_mini/course/experiments.py), checked directly."""
 from parallel_mini.config import RunConfig
-from parallel_mini.experiments import tp_mlp_shards
+from parallel_mini.course.experiments import tp_mlp_shards
 
 
 def test_tp_mlp_shards_are_each_ranks_slices_and_the_all_reduce_restores_the_mlp():

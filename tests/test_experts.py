@@ -224,7 +224,7 @@ def test_ep_with_context_parallel_routes_whole_sequences():
     assert gathers and all(rec["op"] == "all_gather" for rec in gathers)
     # the routing chart places each rank's tokens at their positions in the whole sequence
     from parallel_mini.parallel.context import positions_of
-    from parallel_mini.viz.experts import routing_frame
+    from parallel_mini.course.viz.experts import routing_frame
     seq = report.config["seq"]
     for r, rank in enumerate(report.ranks):
         frame = routing_frame(report, rank=r)

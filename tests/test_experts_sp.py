@@ -14,7 +14,7 @@ import pytest
 from parallel_mini.config import RunConfig
 from parallel_mini.engine import run
 from parallel_mini.moe import capacity
-from parallel_mini.viz import experts as vx
+from parallel_mini.course.viz import experts as vx
 
 from test_composition import check
 from test_experts import moe_config, reference_logs

@@ -8,7 +8,7 @@ import torch
 
 import torch.nn.functional as F
 
-from parallel_mini.grading import (check_average_gradients, check_parallel_mlp,
+from parallel_mini.course.grading import (check_average_gradients, check_parallel_mlp,
                                    check_ring_all_reduce, check_zero1_step)
 from parallel_mini.parallel.data import average_gradients
 
@@ -150,7 +150,7 @@ def f1b_bad_token(rank, pp, m):
 
 
 def test_one_f_one_b_stub_is_not_attempted():
-    from parallel_mini.grading import check_one_f_one_b
+    from parallel_mini.course.grading import check_one_f_one_b
     assert check_one_f_one_b(f1b_stub).status == "not attempted"
 
 
@@ -162,7 +162,7 @@ def test_one_f_one_b_stub_is_not_attempted():
 ])
 def test_one_f_one_b_refuses_wrong_orders_without_ranks(wrong, message, monkeypatch):
     import parallel_mini.engine
-    from parallel_mini.grading import check_one_f_one_b
+    from parallel_mini.course.grading import check_one_f_one_b
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("a structural refusal must not start any rank")
@@ -173,7 +173,7 @@ def test_one_f_one_b_refuses_wrong_orders_without_ranks(wrong, message, monkeypa
 
 
 def test_one_f_one_b_correct_order_runs_on_ranks_and_equals_the_reference():
-    from parallel_mini.grading import check_one_f_one_b
+    from parallel_mini.course.grading import check_one_f_one_b
     grade = check_one_f_one_b(f1b_right, run_cases=((2, 4),))
     assert grade.status == "correct", grade
     report = grade.details["reports"][(2, 4)]
@@ -189,7 +189,7 @@ def f1b_naive(rank, pp, m):
 
 def test_one_f_one_b_refuses_the_naive_order(monkeypatch):
     import parallel_mini.engine
-    from parallel_mini.grading import check_one_f_one_b
+    from parallel_mini.course.grading import check_one_f_one_b
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("structural checks passed: the grader went on to run the order")
@@ -278,14 +278,14 @@ def merge_wrong_on_ranks_only(out, lse, out_t, lse_t):
 
 
 def test_merge_stub_is_not_attempted():
-    from parallel_mini.grading import check_merge
+    from parallel_mini.course.grading import check_merge
     grade = check_merge(merge_stub)
     assert grade.status == "not attempted" and "NotImplementedError" in grade.message
 
 
 @pytest.mark.parametrize("right", [merge_right, merge_right_with_max])
 def test_merge_right_answers_equal_sdpa_on_real_ranks(right):
-    from parallel_mini.grading import MERGE_CHECK_CASES, check_merge
+    from parallel_mini.course.grading import MERGE_CHECK_CASES, check_merge
     grade = check_merge(right)
     assert grade.status == "correct", grade
     runs = {(r["cp"], r["layout"]): r for r in grade.details["runs"]}
@@ -308,7 +308,7 @@ def test_merge_right_answers_equal_sdpa_on_real_ranks(right):
 ])
 def test_merge_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
     import parallel_mini.launch
-    from parallel_mini.grading import check_merge
+    from parallel_mini.course.grading import check_merge
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("a single-merge refusal must not start any rank")
@@ -324,13 +324,13 @@ def test_merge_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch
                                 r"from torch SDPA"),
 ])
 def test_merge_refused_on_real_ranks(wrong, message):
-    from parallel_mini.grading import check_merge
+    from parallel_mini.course.grading import check_merge
     with pytest.raises(AssertionError, match=message):
         check_merge(wrong)
 
 
 def test_library_merge_works_again_after_a_refusal():
-    from parallel_mini.grading import check_merge
+    from parallel_mini.course.grading import check_merge
     from parallel_mini.parallel import context
     with pytest.raises(AssertionError):
         check_merge(merge_calls_library)
@@ -477,7 +477,7 @@ def route_token_major_on_ranks_only(logits, k, cap):
 
 
 def test_route_stub_is_not_attempted():
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
     for grade in (check_route(route_stub), check_route(route_stub, capacity_right),
                   check_route(route_right, capacity_stub)):
         assert grade.status == "not attempted" and "NotImplementedError" in grade.message
@@ -486,7 +486,7 @@ def test_route_stub_is_not_attempted():
 
 @pytest.mark.parametrize("right", [route_right, route_right_vectorised])
 def test_route_right_answers_train_as_the_library_on_real_ranks(right):
-    from parallel_mini.grading import ROUTE_RUN_CASES, check_route
+    from parallel_mini.course.grading import ROUTE_RUN_CASES, check_route
     grade = check_route(right, capacity_right)
     assert grade.status == "correct", grade
     runs = grade.details["runs"]
@@ -519,7 +519,7 @@ def test_route_right_answers_train_as_the_library_on_real_ranks(right):
 def test_route_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
     import parallel_mini.engine
     import parallel_mini.launch
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("an in-process refusal must not start any rank")
@@ -537,7 +537,7 @@ def test_route_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch
 ])
 def test_capacity_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
     import parallel_mini.launch
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
 
     monkeypatch.setattr(parallel_mini.launch, "run_ranks", None)
     with pytest.raises(AssertionError, match=message):
@@ -551,13 +551,13 @@ def test_capacity_wrong_answers_are_named_without_ranks(wrong, message, monkeypa
                                       r"route the experts kept"),
 ])
 def test_route_refused_on_real_ranks(wrong, message):
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
     with pytest.raises(AssertionError, match=message):
         check_route(wrong, capacity_right)
 
 
 def test_library_routing_works_again_after_a_refusal():
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
     with pytest.raises(AssertionError):
         check_route(route_calls_library)
     r = moe.route(torch.zeros(1, 4, 3), 2, 2)
@@ -669,7 +669,7 @@ def f1b_wraps_the_library(rank, pp, m):
 
 def test_one_f_one_b_refuses_a_wrapper_around_the_library(monkeypatch):
     import parallel_mini.engine
-    from parallel_mini.grading import check_one_f_one_b
+    from parallel_mini.course.grading import check_one_f_one_b
     from parallel_mini.parallel import schedules
 
     monkeypatch.setattr(parallel_mini.engine, "run", lambda *a, **k: pytest.fail("ran ranks"))
@@ -749,7 +749,7 @@ class BucketedLibrary:
 
 
 def test_bucketed_checker_measures_overlap_and_accepts_the_answer():
-    from parallel_mini.grading import check_bucketed_grad_sync
+    from parallel_mini.course.grading import check_bucketed_grad_sync
     grade = check_bucketed_grad_sync(BucketedRight, world_sizes=(2,), steps=1)
     assert grade.status == "correct", grade
     run = grade.details["runs"][0]
@@ -762,13 +762,13 @@ def test_bucketed_checker_measures_overlap_and_accepts_the_answer():
     (BucketedLibrary, r"called the library's own bucketed data parallel .* disables"),
 ])
 def test_bucketed_checker_names_the_mistake(wrong, message):
-    from parallel_mini.grading import check_bucketed_grad_sync
+    from parallel_mini.course.grading import check_bucketed_grad_sync
     with pytest.raises(AssertionError, match=message):
         check_bucketed_grad_sync(wrong, world_sizes=(2,), steps=1)
 
 
 def test_compare_prediction_says_right_off_or_only_the_value():
-    from parallel_mini.grading import compare_prediction
+    from parallel_mini.course.grading import compare_prediction
     assert compare_prediction(None, 24, "bytes", "counted", "2(N-1)/N x S").startswith(
         "bytes: counted 24 (2(N-1)/N x S). Write your prediction")
     assert compare_prediction(24, 24.0, "bytes").endswith("You predicted 24: right.")
@@ -824,7 +824,7 @@ def test_zero1_checker_refuses_the_library():
 # lessons 06, 07: the learner's function inside the library's code on real ranks; one rank that
 # diverges (raises, or never returns) stops the check within 10 s with who was where (issue 15)
 # ---------------------------------------------------------------------------------------------
-from parallel_mini.grading import ROUTE_RUN_CASES  # noqa: E402
+from parallel_mini.course.grading import ROUTE_RUN_CASES  # noqa: E402
 
 ROUTE_CASE_2 = ROUTE_RUN_CASES[0]  # dp = ep = 2: the smallest run
 
@@ -859,7 +859,7 @@ def _raises(*args):
 
 
 def test_a_merge_raising_on_one_rank_is_named_with_that_rank(started_ranks):
-    from parallel_mini.grading import check_merge
+    from parallel_mini.course.grading import check_merge
     t0 = time.perf_counter()
     with pytest.raises(AssertionError, match=r"^at C=2 \(contiguous\), rank 1: your merge raised "
                                              r"ValueError: only here$"):
@@ -869,7 +869,7 @@ def test_a_merge_raising_on_one_rank_is_named_with_that_rank(started_ranks):
 
 @pytest.mark.slow  # the same trace as the route's hang below (tested by default)
 def test_a_merge_that_never_returns_on_one_rank_stops_within_10_s(started_ranks):
-    from parallel_mini.grading import check_merge
+    from parallel_mini.course.grading import check_merge
     t0 = time.perf_counter()
     with pytest.raises(AssertionError) as err:
         check_merge(_on_rank(1, _never_returns, merge_right), cases=((2, "contiguous"),))
@@ -882,7 +882,7 @@ def test_a_merge_that_never_returns_on_one_rank_stops_within_10_s(started_ranks)
 
 
 def test_a_route_that_never_returns_on_one_rank_stops_within_10_s_saying_where(started_ranks):
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
     t0 = time.perf_counter()
     with pytest.raises(AssertionError) as err:
         check_route(_on_rank(1, _never_returns, route_right), capacity_right,
@@ -901,7 +901,7 @@ def test_a_route_that_never_returns_on_one_rank_stops_within_10_s_saying_where(s
 @pytest.mark.slow  # the same wrapper as the merge's (tested by default)
 def test_a_route_raising_on_one_rank_or_calling_a_collective_is_named():
     import torch.distributed as dist
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
 
     def route_all_reduces(logits, k, cap):
         dist.all_reduce(logits)
@@ -921,7 +921,7 @@ def test_a_route_keeping_other_counts_on_one_rank_is_named_at_that_rank():
     """Rank 1 keeps every assignment: the ranks' all-to-alls still agree (each layer exchanges its
     rows per expert before the rows), and the earliest difference is named, on rank 1, not the
     later ones it causes on rank 0 through the gradient sync."""
-    from parallel_mini.grading import check_route
+    from parallel_mini.course.grading import check_route
     with pytest.raises(AssertionError, match=r"^at dp=2 x ep=2 .*: rank 1, step 0, layer 0: with "
                                              r"your route the experts kept"):
         check_route(_on_rank(1, route_drops_nothing, route_right), capacity_right,

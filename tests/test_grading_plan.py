@@ -1,4 +1,4 @@
-"""The graders of lessons 08 and 09 (parallel_mini/grading/lesson08_09_layouts.py): model
+"""The graders of lessons 08 and 09 (parallel_mini/course/grading/lesson08_09_layouts.py): model
 states per rank of a composed layout (check_states_per_rank) and a layout that fits a memory
 budget (check_layout_choice).
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_mini import planner, theory
+from parallel_mini import theory
+from parallel_mini.course import planner
 from parallel_mini.config import RunConfig
-from parallel_mini.grading import (LAYOUT_MODEL, check_layout_choice, check_states_per_rank,
+from parallel_mini.course.grading import (LAYOUT_MODEL, check_layout_choice, check_states_per_rank,
                                    layout_candidates, layout_config, planned_states)
-from parallel_mini.grading import lesson08_09_layouts as layouts
+from parallel_mini.course.grading import lesson08_09_layouts as layouts
 
 STATES = ("params", "grads", "optimizer")
 

@@ -1,4 +1,4 @@
-"""The decision guide's toy version (parallel_mini.guide.toy_version): a recommendation turned into
+"""The decision guide's toy version (parallel_mini.course.guide.toy_version): a recommendation turned into
 a layout of parallel_mini's GPT on a few local ranks, the planner's prediction for it and the
 RunConfig that runs it. Lesson 09 runs it live; here the layout is checked against the guide and
 the planner's memory model against theory, and one 2-rank run against the prediction, to the byte.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_mini import guide, theory
+from parallel_mini import theory
+from parallel_mini.course import guide
 from parallel_mini.engine import run
 
 STATES = ("params", "grads", "optimizer")

@@ -209,7 +209,7 @@ def _main_namespace(code: str, **extra) -> dict:
 
 
 def test_run_cell_runs_on_every_rank_with_notebook_functions():
-    from parallel_mini.magic import run_cell
+    from parallel_mini.course.magic import run_cell
 
     ns = _main_namespace("import math\n"
                          "def triple(t):\n    return 3 * t\n"
@@ -224,7 +224,7 @@ def test_run_cell_runs_on_every_rank_with_notebook_functions():
 
 def test_run_cell_reports_the_failing_rank_with_its_own_lines():
     from parallel_mini.launch import RankError
-    from parallel_mini.magic import RanksOutput, run_cell
+    from parallel_mini.course.magic import RanksOutput, run_cell
 
     with pytest.raises(RankError) as info:
         run_cell("print('hello from', rank)\nif rank == 1:\n    raise ValueError('boom')\n", 2)
@@ -238,7 +238,7 @@ def test_run_cell_reports_the_failing_rank_with_its_own_lines():
 
 
 def test_unpicklable_or_huge_notebook_objects_are_reported_not_fatal(monkeypatch):
-    from parallel_mini import magic
+    from parallel_mini.course import magic
 
     ns = _main_namespace("def uses_lock():\n    return lock\n"
                          "def fine():\n    return 1\n", lock=threading.Lock(), big=b"x" * 4096)
@@ -267,7 +267,7 @@ def test_magic_shows_every_rank_and_fails_the_cell_not_the_kernel(ipython_shell,
     from IPython.core.error import UsageError
 
     shell = ipython_shell
-    shell.run_line_magic("load_ext", "parallel_mini.magic")
+    shell.run_line_magic("load_ext", "parallel_mini.course.magic")
     assert shell.run_cell("def shout(s):\n    return s.upper()\n").success
     ok = shell.run_cell("%%ranks 2\nprint(shout('hi from'), rank)\n")
     assert ok.success
@@ -289,7 +289,7 @@ def test_magic_deadlock_names_the_line_each_rank_waited_on(ipython_shell, capsys
     from IPython.core.error import UsageError
 
     shell = ipython_shell
-    shell.run_line_magic("load_ext", "parallel_mini.magic")
+    shell.run_line_magic("load_ext", "parallel_mini.course.magic")
     t0 = time.monotonic()
     bad = shell.run_cell("%%ranks 2 --timeout 6\nx = torch.zeros(4)\npeer = 1 - rank\n"
                          "dist.recv(x, src=peer)\ndist.send(x, dst=peer)\n")

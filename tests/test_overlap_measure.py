@@ -1,14 +1,15 @@
-"""What lessons 01-03 read from a run (parallel_mini/experiments.py): the timed steps, step times,
+"""What lessons 01-03 read from a run (parallel_mini/course/experiments.py): the timed steps, step times,
 each all-reduce's launch and finish relative to the end of backward and the share overlapped (also
 `bench dp`'s), and the bytes gloo writes against the ring model."""
 import pytest
 
-from parallel_mini import bench, engine
+from parallel_mini import engine
+from parallel_mini.course import bench
 from parallel_mini.config import RunConfig
-from parallel_mini.experiments import (allreduce_overlap, bucket_overlap, overlapped_share,
+from parallel_mini.course.experiments import (allreduce_overlap, bucket_overlap, overlapped_share,
                                        step_times, timed_steps, wire_bytes_experiment)
-from parallel_mini.viz.run import bucket_overlap as bucket_overlap_chart
-from parallel_mini.viz.run import comm_bytes_frame
+from parallel_mini.course.viz.run import bucket_overlap as bucket_overlap_chart
+from parallel_mini.course.viz.run import comm_bytes_frame
 
 
 def _ar(step, start, end, **tags):

@@ -19,7 +19,7 @@ from parallel_mini.launch import run_ranks
 
 def _peer_rank(cfg_dict, torch_name, our_name):
     import torch.distributed as dist
-    from parallel_mini.peers import OurPipeline, TorchPipeline
+    from parallel_mini.course.peers import OurPipeline, TorchPipeline
     from parallel_mini.data import global_batch
 
     cfg = RunConfig.from_dict(cfg_dict)

@@ -25,7 +25,8 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from parallel_mini import planner, theory
+from parallel_mini import theory
+from parallel_mini.course import planner
 from parallel_mini.__main__ import main
 from parallel_mini.parallel.schedules import build_schedule, in_flight
 

@@ -14,7 +14,7 @@ from parallel_mini.launch import run_ranks
 def _dtensor_rank(cfg_dict, sp=False):
     import torch
     from torch.distributed.tensor import DTensor
-    from parallel_mini.peers import dtensor_tp_model
+    from parallel_mini.course.peers import dtensor_tp_model
     from parallel_mini.config import RunConfig
     from parallel_mini.data import global_batch
 

@@ -17,7 +17,7 @@ from parallel_mini import theory
 from parallel_mini.config import RunConfig
 from parallel_mini.engine import run
 from parallel_mini.moe import capacity
-from parallel_mini.viz import experts as vx
+from parallel_mini.course.viz import experts as vx
 
 E, K, P, F, SEQ, BATCH, ACCUM, STEPS = 4, 2, 2, 1.0, 32, 8, 2, 2
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from parallel_mini import trace, viz
+from parallel_mini import trace
+from parallel_mini.course import viz
 from parallel_mini.parallel import schedules as S
-from parallel_mini.viz import pipeline as P
+from parallel_mini.course.viz import pipeline as P
 
 UNIT = {"F": 1.0, "B": 2.0}
 SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}

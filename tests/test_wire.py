@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from parallel_mini.bench import MB, _wire_rank
+from parallel_mini.course.bench import MB, _wire_rank
 from parallel_mini.comm import WireMeter
 from parallel_mini.config import RunConfig
 from parallel_mini.engine import run

@@ -5,7 +5,7 @@ import pytest
 
 from parallel_mini.config import RunConfig
 from parallel_mini.launch import run_ranks
-from parallel_mini.peers import ZERO_PEERS
+from parallel_mini.course.peers import ZERO_PEERS
 
 CFG = RunConfig(dp=2, steps=3)
 
@@ -14,7 +14,7 @@ def _peer_rank(cfg_dict, peer):
     import torch.distributed as dist
     from parallel_mini.config import RunConfig
     from parallel_mini.data import global_batch, shard
-    from parallel_mini.peers import zero_peer
+    from parallel_mini.course.peers import zero_peer
 
     cfg = RunConfig.from_dict(cfg_dict)
     r, n = dist.get_rank(), dist.get_world_size()

@@ -50,7 +50,7 @@ CORRECT, NOT_ATTEMPTED = "[correct]", "[not attempted]"
 LEARNER_GRADE_LINE = (f"{NOT_ATTEMPTED} (the grader's answer while the exercise above is a stub; "
                       f"run the cell once you have written it)\n")
 KEEP_CELL_METADATA = ("tags",)
-GRADER_CALL = re.compile(r"\bcheck_\w+\(")  # a grader from parallel_mini.grading
+GRADER_CALL = re.compile(r"\bcheck_\w+\(")  # a grader from parallel_mini.course.grading
 
 
 class LessonError(ValueError):

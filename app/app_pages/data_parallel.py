@@ -7,7 +7,7 @@ import streamlit as st
 import presentation as pm
 from live_runs import (fmt_bytes, fmt_count, last_result, run_live, show_equality,
                         training_run)
-from parallel_mini import viz
+from parallel_mini.course import viz
 from parallel_mini.report import RunReport
 
 

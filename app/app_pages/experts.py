@@ -16,7 +16,7 @@ from live_runs import (StepBar, fmt_bytes, fmt_count, last_result, run_live, sho
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.moe import capacity
-from parallel_mini.viz import experts as vx
+from parallel_mini.course.viz import experts as vx
 
 MODEL = {"layers": 2, "d_model": 64, "heads": 4, "seq": 32, "vocab": 128, "batch": 8, "steps": 4}
 # the aux-loss comparison: long enough for routing to collapse without the loss (measured: layer

@@ -12,7 +12,8 @@ import presentation as pm
 from player import player
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                        training_run)
-from parallel_mini import theory, viz
+from parallel_mini import theory
+from parallel_mini.course import viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel.context import hidden_fraction
 

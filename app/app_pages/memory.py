@@ -9,9 +9,10 @@ import streamlit as st
 
 import presentation as pm
 from live_runs import StepBar, fmt_bytes, last_result, run_live, training_run
-from parallel_mini import theory, viz
+from parallel_mini import theory
+from parallel_mini.course import viz
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.viz.units import format_bytes
+from parallel_mini.course.viz.units import format_bytes
 
 TOYS = {"toy: 4 layers × d64": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
         "toy: 8 layers × d128": {"layers": 8, "d_model": 128, "heads": 4, "vocab": 128}}

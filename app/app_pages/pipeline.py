@@ -15,11 +15,12 @@ import streamlit as st
 import presentation as pm
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                        training_run)
-from parallel_mini import theory, trace, viz
+from parallel_mini import theory, trace
+from parallel_mini.course import viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel import schedules as S
 from parallel_mini.report import RunReport
-from parallel_mini.viz.style import scaled_font
+from parallel_mini.course.viz.style import scaled_font
 
 SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv"]
 NAMES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe (all F, then all B)",

@@ -1,7 +1,7 @@
 """Plan a run: a model and a cluster (GPUs, nodes, the network between them) in, the planner's
 ranked layouts out (memory per GPU against the GPU's capacity, predicted step time split into
-compute, bubble and each axis's exposed communication: theory, `parallel_mini.planner`), the
-decision guide walked question by question (`parallel_mini.guide`) to the layout it calls for and
+compute, bubble and each axis's exposed communication: theory, `parallel_mini.course.planner`), the
+decision guide walked question by question (`parallel_mini.course.guide`) to the layout it calls for and
 the planner's best layout that follows it, and the toy version of that layout run live on 2 or 4
 local ranks: measured memory per rank and step time beside the planner's prediction for the same
 toy layout."""
@@ -13,8 +13,8 @@ import streamlit as st
 
 import presentation as pm
 from live_runs import last_result, run_live, show_equality, training_run
-from parallel_mini import guide, planner
-from parallel_mini.viz.units import format_bytes, time_unit
+from parallel_mini.course import guide, planner
+from parallel_mini.course.viz.units import format_bytes, time_unit
 
 GPU_COUNTS = [8 * 2 ** i for i in range(10)]  # 8 .. 4,096
 BATCHES = [0, 64, 128, 256, 512, 1024, 2048, 4096]  # sequences per step; 0: the model's own
@@ -182,7 +182,7 @@ def show_toy(rec, controls, fresh_key: str) -> None:
               f"{toy.states_equal(result['ranks'])} of {len(result['ranks'])}",
               help="params, grads and optimizer bytes measured on each rank, against the "
                    "planner's prediction for its pipeline stage: equal to the byte")
-    from parallel_mini.viz import plan as vplan
+    from parallel_mini.course.viz import plan as vplan
     pm.chart(vplan.toy_memory(toy.memory_rows(result["ranks"]), subtitle=[
         f"{lay.describe()} on {lay.world} local ranks: params, grads and optimizer states "
         f"measured by the run's meters, theory by the planner;",
@@ -270,7 +270,7 @@ if res is not None:
         if entry and all(e["rank_among_all_variants"] != entry["rank_among_all_variants"]
                          for e in shown):
             shown.append(entry)
-        from parallel_mini.viz import plan as vplan
+        from parallel_mini.course.viz import plan as vplan
         highlight = vplan.layout_label(entry) if entry else None
         m, between = res["model"], res["hardware"]["inter_node"]
         pm.chart(vplan.ranked_layouts(

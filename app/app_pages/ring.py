@@ -5,8 +5,9 @@ import streamlit as st
 import presentation as pm
 from player import player
 from live_runs import fmt_bytes, fmt_count, fmt_rate, last_result, ring_experiment, run_live
-from parallel_mini import theory, viz
-from parallel_mini.viz.style import scaled_font
+from parallel_mini import theory
+from parallel_mini.course import viz
+from parallel_mini.course.viz.style import scaled_font
 
 st.title("Ring all-reduce")
 pm.intro("""

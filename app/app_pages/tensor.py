@@ -12,8 +12,9 @@ import streamlit as st
 import presentation as pm
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                         show_equality, tp_mlp_shards, training_run)
-from parallel_mini import theory, viz
-from parallel_mini.viz.units import format_bytes
+from parallel_mini import theory
+from parallel_mini.course import viz
+from parallel_mini.course.viz.units import format_bytes
 
 MODELS = {"4 layers × d64 × 4 heads": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
           "4 layers × d128 × 8 heads": {"layers": 4, "d_model": 128, "heads": 8, "vocab": 128}}

@@ -6,7 +6,7 @@ The library's schedule builders raise while the learner's code runs.
 """
 from __future__ import annotations
 
-from ..config import RunConfig
+from ...config import RunConfig
 from .core import _CodeSwapped, Grade
 
 
@@ -42,7 +42,7 @@ class _LibrarySchedulesDisabled(_CodeSwapped):
              "build_schedule", "for_config")
 
     def swaps(self):
-        from ..parallel import schedules
+        from ...parallel import schedules
         return [(getattr(schedules, n), _library_schedule_refused) for n in self.NAMES]
 
 
@@ -56,8 +56,8 @@ def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4,
     at each of `run_cases` and must equal the single-process reference. While `fn` runs, the
     library's schedule builders (one_f_one_b, build_schedule, ...) raise: an order that wraps the
     library's 1F1B is refused, saying so."""
-    from ..engine import run
-    from ..parallel.schedules import Op, from_ops, in_flight
+    from ...engine import run
+    from ...parallel.schedules import Op, from_ops, in_flight
 
     orders = {}
     for pp, m in cases:

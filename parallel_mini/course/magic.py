@@ -1,6 +1,6 @@
 """`%%ranks N`: run a notebook cell on N real ranks and show what each one printed, side by side.
 
-    %load_ext parallel_mini.magic
+    %load_ext parallel_mini.course.magic
 
     %%ranks 4
     x = torch.tensor([float(rank)])
@@ -39,7 +39,7 @@ import types
 
 import cloudpickle
 
-from .launch import RankError, RunTimeout, run_ranks
+from ..launch import RankError, RunTimeout, run_ranks
 
 CELL_FILENAME = "<%%ranks cell>"
 DEFAULT_TIMEOUT_S = 20.0  # a cell's run; a deadlock stops after half of it (pg_timeout_for)
@@ -54,9 +54,9 @@ def _exec_on_rank(source: str, shipped: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from .comm import Comm
-    from .config import RunConfig
-    from .mesh import build_mesh
+    from ..comm import Comm
+    from ..config import RunConfig
+    from ..mesh import build_mesh
 
     n = dist.get_world_size()
     comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))  # axis "dp" spans all n ranks

@@ -3,8 +3,8 @@ composed layout, `check_states_per_rank`; a layout that fits a budget, `check_la
 """
 from __future__ import annotations
 
-from .. import theory
-from ..config import RunConfig
+from ... import theory
+from ...config import RunConfig
 from .core import _CodeSwapped, Grade
 
 
@@ -38,7 +38,7 @@ class _LibraryFunctionsDisabled(_CodeSwapped):
         for module, name in self.targets:
             fn = getattr(importlib.import_module(f"parallel_mini.{module}"), name)
             fn = getattr(fn, "__wrapped__", fn)  # functools wrappers: the function inside
-            out.append((fn, _refusal(f"{module}.{name}", self.advice)))
+            out.append((fn, _refusal(f"{module.split('.')[-1]}.{name}", self.advice)))
         return out
 
 
@@ -46,8 +46,8 @@ _PER_RANK_THEORY = (("theory", "run_theory"), ("theory", "_rank_theory"),
                     ("theory", "_pipeline_theory"), ("theory", "model_state_bytes"),
                     ("theory", "gpt_unit_sizes"), ("theory", "gpt_local_param_count"),
                     ("theory", "pipeline_stage_units"))
-_PLANNER = (("planner", "plan"), ("planner", "predict"), ("planner", "stage_states"),
-            ("planner", "validate_on_toy_runs"), ("planner", "enumerate_layouts"))
+_PLANNER = tuple(("course.planner", name) for name in (
+    "plan", "predict", "stage_states", "validate_on_toy_runs", "enumerate_layouts"))
 _LIVE = (("engine", "run"),)
 
 
@@ -190,7 +190,7 @@ def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE) -> Grade:
     which states each stage shards). Then one live run (`live`, 16 ranks): every rank's measured
     params/grads/optimizer bytes must equal the learner's prediction, to the byte. Throughout,
     theory's per-rank model, the planner and engine.run are disabled while `fn` runs."""
-    from ..engine import run
+    from ...engine import run
 
     advice = ("count the parameters of each stage on one tensor-parallel rank yourself, then "
               "apply the 16 bytes (and ZeRO's division) to them")
@@ -347,7 +347,7 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
     something fits where None was returned). Then the answers for the `live` budgets run on
     real ranks: every rank's measured params + grads + optimizer bytes must be within the budget
     and equal the planner's prediction. The planner and engine.run are disabled while `fn` runs."""
-    from ..engine import run
+    from ...engine import run
 
     m = {**LAYOUT_MODEL, **(model or {})}
     table = [(lay, planned_states(lay, m)) for lay in layout_candidates(ranks, m)]

@@ -9,8 +9,8 @@ against the end of backward.
 """
 from __future__ import annotations
 
-from .. import theory
-from ..config import RunConfig
+from ... import theory
+from ...config import RunConfig
 from .core import (CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks,
                    _stuck_after, _trace_for)
 
@@ -33,7 +33,7 @@ class _LibraryAverageDisabled(_CodeSwapped):
     """The library's average_gradients raises while active."""
 
     def swaps(self):
-        from ..parallel import data
+        from ...parallel import data
         return [(data.average_gradients, _library_average_refused)]
 
 
@@ -104,9 +104,9 @@ def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     after CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
     import functools
 
-    from ..engine import train_rank  # late: engine imports the launcher stack
-    from ..launch import run_ranks
-    from ..report import merge_rank_results
+    from ...engine import train_rank  # late: engine imports the launcher stack
+    from ...launch import run_ranks
+    from ...report import merge_rank_results
 
     report = None
     for n in world_sizes:
@@ -156,7 +156,7 @@ class _LibraryBucketsDisabled(_CodeSwapped):
     """The library's bucketed DP raises while active."""
 
     def swaps(self):
-        from ..parallel import data
+        from ...parallel import data
         fns = [data.make_buckets, data.average_gradients, data.Bucket.__init__]
         fns += [getattr(data.DataParallel, name) for name in (
             "__init__", "_on_grad_ready", "_launch_ready_buckets", "finish_gradient_sync",
@@ -175,11 +175,11 @@ def _bucketed_rank(cfg_dict: dict, cls, bucket_mb: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..comm import Comm
-    from ..data import global_batch, shard
+    from ...comm import Comm
+    from ...data import global_batch, shard
     from ..experiments import allreduce_overlap
-    from ..mesh import build_mesh
-    from ..model import build_model
+    from ...mesh import build_mesh
+    from ...model import build_model
 
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
@@ -270,7 +270,7 @@ def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
     every rank and step launched before backward returned (the overlap bucketing exists for).
     The library's bucketed data parallel raises while the learner's code runs, and a deadlock
     stops after CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
-    from ..launch import run_ranks
+    from ...launch import run_ranks
 
     runs = []
     for n in world_sizes:

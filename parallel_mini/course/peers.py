@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
-from .data import shard
-from .mesh import build_mesh
-from .model import build_model
-from .optim import Adam
+from ..comm import Comm
+from ..data import shard
+from ..mesh import build_mesh
+from ..model import build_model
+from ..optim import Adam
 
 
 def peer_adam(params, cfg) -> torch.optim.Adam:
@@ -109,7 +109,7 @@ def dtensor_tp_model(cfg, sp: bool = False):
     """A fresh model sharded with `dtensor_tp_plan` over a 1-D CPU mesh of cfg.tp ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
-    from .parallel.tensor import qkv_rows_by_rank
+    from ..parallel.tensor import qkv_rows_by_rank
 
     model = build_model(cfg)
     order = qkv_rows_by_rank(cfg.tp)  # so that DTensor's contiguous row split gives whole heads
@@ -145,8 +145,8 @@ class ChunkModule(torch.nn.Module):
     with a `model.` prefix."""
 
     def __init__(self, cfg, chunk: int, n_chunks: int):
-        from .parallel.pipeline import partition
-        from .parallel.schedules import Schedule
+        from ..parallel.pipeline import partition
+        from ..parallel.schedules import Schedule
 
         super().__init__()
         if n_chunks < 2:
@@ -158,7 +158,7 @@ class ChunkModule(torch.nn.Module):
         self.model, self.chunk, self.n_chunks = model, chunk, n_chunks
 
     def forward(self, x):  # token ids [b, s] on chunk 0, else [b, s, h]
-        from .parallel.pipeline import forward_chunk
+        from ..parallel.pipeline import forward_chunk
         return forward_chunk(self.model, self.chunk, self.n_chunks, x)  # [b, s, h] or [b, s, v]
 
 
@@ -211,9 +211,9 @@ class OurPipeline:
     two run side by side; every rank of the default group is a pipeline rank."""
 
     def __init__(self, cfg, name: str):
-        from .meters import Timeline
-        from .parallel.pipeline import PipelineRunner
-        from .parallel.schedules import build_schedule
+        from ..meters import Timeline
+        from ..parallel.pipeline import PipelineRunner
+        from ..parallel.schedules import build_schedule
 
         cfg = cfg.replace(pp=dist.get_world_size(), schedule=name)
         self.cfg, self.model = cfg, build_model(cfg)

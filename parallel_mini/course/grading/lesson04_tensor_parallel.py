@@ -5,8 +5,8 @@ against the unsharded MLP in one process, and exactly one all-reduce of the [b, 
 """
 from __future__ import annotations
 
-from .. import theory
-from ..config import RunConfig
+from ... import theory
+from ...config import RunConfig
 from .core import CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
 
 
@@ -42,7 +42,7 @@ class _LibraryTensorParallelDisabled(_CodeSwapped):
     """The library's tensor-parallel layers and their f/g functions raise while active."""
 
     def swaps(self):
-        from ..parallel import tensor
+        from ...parallel import tensor
         fns = [tensor.copy_to_tp, tensor.reduce_from_tp, tensor.apply_tensor_parallel,
                tensor._CopyToTP.forward, tensor._ReduceFromTP.forward,
                tensor.ColumnParallelLinear.forward, tensor.RowParallelLinear.forward]
@@ -55,8 +55,8 @@ def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
     `fn` once per input and returns each output and the comm records that call made."""
     import torch
 
-    from ..comm import Comm
-    from ..mesh import build_mesh
+    from ...comm import Comm
+    from ...mesh import build_mesh
 
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
@@ -95,7 +95,7 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     import torch
     import torch.nn.functional as F
 
-    from ..launch import run_ranks
+    from ...launch import run_ranks
 
     h = PARALLEL_MLP_SHAPE["d_model"]
     fc_w, fc_b, proj_w, proj_b, xs = _parallel_mlp_weights(h)

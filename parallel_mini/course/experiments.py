@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import Comm
-from .config import RunConfig
-from .launch import rank_device, run_ranks
-from .mesh import build_mesh
-from .model import build_model
-from .parallel.tensor import apply_tensor_parallel
+from ..comm import Comm
+from ..config import RunConfig
+from ..launch import rank_device, run_ranks
+from ..mesh import build_mesh
+from ..model import build_model
+from ..parallel.tensor import apply_tensor_parallel
 
 
 def _tp_mlp_shards_rank(cfg_dict: dict, tokens: int = 8) -> dict:
@@ -238,7 +238,7 @@ def dp_overlap_experiment(dp: int = 4, batch: int = 8, bucket_mb: float = 0.25, 
     that overlapped backward, all-reduces per step and how many finished before backward ended;
     "steps": step_times rows with `mode` and `run`; "buckets": bucket_overlap rows of the bucketed
     runs; "config": what ran}."""
-    from .engine import run  # engine imports much of the library: only when a run is asked for
+    from ..engine import run  # engine imports much of the library: only when a run is asked for
 
     base = RunConfig(dp=dp, batch=batch, steps=steps, **model).validate()
     n_params = sum(1 for _ in build_model(base).parameters())

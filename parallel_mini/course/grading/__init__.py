@@ -14,7 +14,7 @@ learner's function), so a deadlock is reported as who waited in which call, not 
 `compare_prediction` prints a lesson's prediction cell against what the live cell got.
 
 One module per lesson, to read beside it; every public name is imported here, so lessons and
-tests write `from parallel_mini.grading import check_...`:
+tests write `from parallel_mini.course.grading import check_...`:
 
     core                      what every checker shares: Grade, _on_ranks, _RankTrace (deadlocks
                               explained), _CodeSwapped (the library's own version disabled)

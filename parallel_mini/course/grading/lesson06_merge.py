@@ -7,7 +7,7 @@ whole sequence.
 """
 from __future__ import annotations
 
-from ..config import RunConfig
+from ...config import RunConfig
 from .core import CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
 
 
@@ -35,7 +35,7 @@ class _LibraryMergeDisabled(_CodeSwapped):
     calls it, by any name it was imported under, is refused. Restored on exit."""
 
     def swaps(self):
-        from ..parallel import context
+        from ...parallel import context
         fn = context._merge
         while hasattr(fn, "__wrapped_library__"):  # on a rank: the checker's own wrapper
             fn = fn.__wrapped_library__
@@ -192,9 +192,9 @@ def _merge_rank(cfg_dict: dict, layout: str, fn, shape: tuple) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..comm import Comm
-    from ..mesh import build_mesh
-    from ..parallel import context
+    from ...comm import Comm
+    from ...mesh import build_mesh
+    from ...parallel import context
 
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
@@ -262,7 +262,7 @@ def check_merge(fn, cases=MERGE_CHECK_CASES, shape=MERGE_CHECK_SHAPE) -> Grade:
     refused, saying so. A merge that raises on one rank only is named with that rank; one that
     never returns on a rank stops the check after CHECK_PG_TIMEOUT seconds of waiting, saying
     which rank was still in it and what the others waited on."""
-    from ..launch import run_ranks
+    from ...launch import run_ranks
 
     try:
         _merge_diagnosis(fn)

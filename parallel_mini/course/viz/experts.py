@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import altair as alt
 import pandas as pd
 
-from .. import theory as _theory
+from ... import theory as _theory
 from .units import PAD, bytes_unit
 
 CHOICE_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#72b7b2", "#9d755d", "#ff9da6",

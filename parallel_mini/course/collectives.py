@@ -15,11 +15,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import theory
-from .comm import Comm, chunk_of, decode_probe, probe_input, ring_all_reduce
-from .config import RunConfig
-from .launch import rank_device, run_ranks
-from .mesh import build_mesh
+from .. import theory
+from ..comm import Comm, chunk_of, decode_probe, probe_input, ring_all_reduce
+from ..config import RunConfig
+from ..launch import rank_device, run_ranks
+from ..mesh import build_mesh
 
 
 def _dp_comm(n: int) -> Comm:

@@ -1,7 +1,7 @@
 """The decision guide: four questions about a model and a cluster, and the rule that turns the
 answers into a layout, the way practitioners choose one before any planner runs.
 
-    from parallel_mini import guide
+    from parallel_mini.course import guide
     rec = guide.recommend({"fits": "states_only", "long": "no", "moe": "no", "link": "fast"})
     rec.axes            # {"dp": True, "zero": (1, 2), "tp": False, "pp": False, ...}
     guide.follows(layout, rec)      # does a planner.Layout obey the rule?
@@ -240,7 +240,7 @@ def toy_version(rec: Recommendation, ranks: int, steps: int = TOY_STEPS,
     profile, then the best-ranked of those closest to `rec` (guide.closest). Its RunConfig trains
     `steps` steps, with the single-process reference unless `reference` is False."""
     from . import planner
-    from .config import RunConfig
+    from ..config import RunConfig
 
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks = {ranks!r}: give a whole number of local ranks, 1 or more")

@@ -7,7 +7,7 @@ named. The library's ring and the backend's collectives raise meanwhile.
 """
 from __future__ import annotations
 
-from .. import theory
+from ... import theory
 from .core import (CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks,
                    _stuck_after)
 
@@ -28,7 +28,7 @@ class _LibraryRingDisabled(_CodeSwapped):
     """comm.ring_all_reduce raises while active."""
 
     def swaps(self):
-        from .. import comm
+        from ... import comm
         return [(comm.ring_all_reduce, _library_ring_refused)]
 
 
@@ -58,7 +58,7 @@ def _ring_check_rank(n: int, numel: int, fn) -> dict:
     import torch.distributed as dist
 
     from ..collectives import _dp_comm
-    from ..comm import Comm, probe_input
+    from ...comm import Comm, probe_input
 
     comm, r = _dp_comm(n), dist.get_rank()
     x = probe_input(numel, r, n)  # [numel] int64
@@ -242,7 +242,7 @@ def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grad
     ring_all_reduce and the backend's collectives raise while the learner's code runs: an answer
     calling them is refused, saying so. A deadlock stops after CHECK_PG_TIMEOUT seconds of
     waiting with what every rank waited on."""
-    from ..launch import run_ranks
+    from ...launch import run_ranks
 
     runs = []
     for n, numel in cases:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from ..launch import RankError, RunTimeout
+from ...launch import RankError, RunTimeout
 
 
 @dataclass
@@ -181,7 +181,7 @@ class _RankTrace:
         return traced
 
     def __enter__(self):
-        from ..comm import Comm, _Handle
+        from ...comm import Comm, _Handle
         self.saved = []
         for owner, where, names in ((Comm, "comm", _COMM_OPS), (self.dist, "dist", _DIST_OPS),
                                     (_Handle, "handle", ("wait",))):

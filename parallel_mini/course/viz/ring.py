@@ -221,7 +221,7 @@ def ring_time_bars(exp: dict, bandwidth: float | None = None) -> alt.LayerChart:
 
     B defaults to the backend's measured bus bandwidth, so that theory bar equals the backend's time
     by construction; the gap to the ring bar is what our Python ring loses against it."""
-    from .. import theory  # pure formulas, no torch.distributed
+    from ... import theory  # pure formulas, no torch.distributed
 
     n, x_bytes = exp["world_size"], exp["timed_bytes"]
     b = bandwidth or exp["busbw_backend"]

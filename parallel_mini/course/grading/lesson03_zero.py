@@ -6,8 +6,8 @@ then against the single-process reference, the library's ZeRO-1 and the formula'
 """
 from __future__ import annotations
 
-from .. import theory
-from ..config import RunConfig
+from ... import theory
+from ...config import RunConfig
 from .core import CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
 
 
@@ -27,7 +27,7 @@ class _LibraryZeroDisabled(_CodeSwapped):
     """ZeroDataParallel's constructor, gradient sync and step raise while active."""
 
     def swaps(self):
-        from ..parallel import zero
+        from ...parallel import zero
         return [(getattr(zero.ZeroDataParallel, n), _library_zero_refused)
                 for n in ("__init__", "finish_gradient_sync", "step")]
 
@@ -41,13 +41,13 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ..comm import Comm, _all_gather
-    from ..data import global_batch, shard
-    from ..launch import rank_device
-    from ..mesh import build_mesh
-    from ..model import build_model
-    from ..optim import Adam
-    from ..parallel.zero import FlatLayout
+    from ...comm import Comm, _all_gather
+    from ...data import global_batch, shard
+    from ...launch import rank_device
+    from ...mesh import build_mesh
+    from ...model import build_model
+    from ...optim import Adam
+    from ...parallel.zero import FlatLayout
 
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)
@@ -159,9 +159,9 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     against the library's ZeroDataParallel(stage=1); bytes on the wire per step against
     2(N-1)/N x padded Psi (reduce-scatter + all-gather, what one all-reduce moves) and against the
     library's measured bytes."""
-    from ..engine import run  # late: engine imports the launcher stack
-    from ..launch import run_ranks
-    from ..reference import max_abs_diff, train_reference
+    from ...engine import run  # late: engine imports the launcher stack
+    from ...launch import run_ranks
+    from ...reference import max_abs_diff, train_reference
 
     summary = []
     for n in world_sizes:

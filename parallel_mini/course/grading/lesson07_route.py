@@ -3,8 +3,8 @@ router), `check_route`.
 """
 from __future__ import annotations
 
-from .. import theory
-from ..config import RunConfig
+from ... import theory
+from ...config import RunConfig
 from .core import CHECK_PG_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
 
 
@@ -57,7 +57,7 @@ class _LibraryRoutingDisabled(_CodeSwapped):
                ("dispatch_order", _library_dispatch_refused))
 
     def swaps(self):
-        from .. import moe
+        from ... import moe
         return [(getattr(moe, name), raiser) for name, raiser in self.RAISERS]
 
 
@@ -364,7 +364,7 @@ def _route_rank(cfg_dict: dict, fn, capacity_fn) -> dict:
     """One rank of the routing check: engine.train_rank with every MoE layer's `routing` seam
     set to the learner's function (the single-process reference, which rank 0 then trains for
     the comparison, keeps the library's route)."""
-    from .. import engine
+    from ... import engine
 
     import torch.distributed as dist
 
@@ -461,9 +461,9 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
     that calls a collective is refused, and one that never returns on a rank stops the check
     after CHECK_PG_TIMEOUT seconds of waiting, saying which rank was still in it and what the
     others waited on (e.g. the MoE layer's all-to-all, with its rows per rank)."""
-    from ..engine import run
-    from ..launch import run_ranks
-    from ..report import merge_rank_results
+    from ...engine import run
+    from ...launch import run_ranks
+    from ...report import merge_rank_results
 
     try:
         if capacity is not None:

@@ -44,8 +44,8 @@ import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from . import theory
-from .parallel.schedules import build_schedule, chunk_owner, in_flight
+from .. import theory
+from ..parallel.schedules import build_schedule, chunk_owner, in_flight
 
 GiB = 2 ** 30
 
@@ -320,7 +320,7 @@ def _schedules(spec: ModelSpec, pp: int, m: int) -> list[tuple[str, int]]:
 def run_config(spec: ModelSpec, lay: Layout, global_batch: int, precision: str = "fp32",
                optimizer: str = "adam", steps: int = 3):
     """The RunConfig that runs `lay` on the tiny GPT here (RunConfig.validate may refuse it)."""
-    from .config import RunConfig
+    from ..config import RunConfig
     return RunConfig(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero=lay.zero,
                      schedule=lay.schedule if lay.pp > 1 else "1f1b",
                      virtual_stages=lay.virtual if lay.schedule == "interleaved" else 0,
@@ -840,7 +840,7 @@ def plan(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int | None = No
 
 def _runnable(spec, lay, global_batch, precision, optimizer) -> bool:
     """RunConfig accepts it (the layouts the library refuses are not ranked for the tiny GPT)."""
-    from .config import ConfigError
+    from ..config import ConfigError
     try:
         run_config(spec, lay, global_batch, precision, optimizer).validate()
         return True
@@ -1138,8 +1138,8 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
     (pipeline rank r's) against the run's measured params/grads/optimizer bytes, to the byte; the
     predicted step time beside the measured one (measured_step_s). Returns the rows, the number
     of byte-equal layouts, and Spearman's rank correlation of predicted and measured step times."""
-    from .engine import run
-    from .launch import RankError
+    from ..engine import run
+    from ..launch import RankError
     cfg_model = {**VALIDATION_MODEL, **(model or {})}
     batch = cfg_model.pop("batch")
     spec = toy_model(batch=batch, **cfg_model)

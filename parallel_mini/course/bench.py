@@ -1,0 +1,871 @@
+"""Benchmarks: how our code compares with PyTorch's own, measured on real ranks.
+
+    python -m parallel_mini.bench dp      # (a) DP step time vs DDP, (b) ring vs gloo all-reduce
+    python -m parallel_mini.bench ring    # (b) only
+    python -m parallel_mini.bench warm    # p50/p90 of a repeated live run at pages' defaults
+    python -m parallel_mini.bench zero    # (c) our ZeRO-1/2/3 vs ZeroRedundancyOptimizer / FSDP2
+    python -m parallel_mini.bench tp      # (d) our tensor (+ sequence) parallel vs DTensor
+    python -m parallel_mini.bench pp      # (e) our pipeline schedules vs torch.distributed.pipelining
+    python -m parallel_mini.bench bubble  # (f) pipeline bubble, wall clock and replayed, vs the formula
+    python -m parallel_mini.bench cp      # (g) ring attention vs torch's, K/V transfer hidden
+    python -m parallel_mini.bench ep      # (h) expert parallel vs experts replicated; a2a split
+    python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
+    python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
+    ... --json -                          # the numbers as one JSON object (or --json PATH)
+
+(a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
+    GPT on the same data with the same optimizer (ours, torch.optim.Adam's arithmetic) and the same
+    bucket size, in the same launch. Their steps are interleaved (the order rotates every step), so
+    a noisy neighbour slows all of them alike. A step's time is the slowest rank's; we report the
+    median over the measured steps and the ratio ours / DDP (1.0 = as fast as DDP).
+(b) Our ring all-reduce (send/recv only) against gloo's all-reduce on the same tensor, interleaved
+    too. Bus bandwidth = the bytes each rank must send, 2(N-1)/N * S, per second (NCCL's busbw);
+    ratio = ours / gloo (1.0 = as fast as gloo).
+
+(c) Our ZeRO-1 vs torch's ZeroRedundancyOptimizer (+DDP), our ZeRO-2 vs FSDP2 fully_shard with
+    reshard_after_forward=False, our ZeRO-3 vs FSDP2 fully_shard: same model, data, Adam
+    arithmetic (torch.optim.Adam with our eps for the peers), steps interleaved as in (a).
+(d) Our tensor parallel, without and with sequence parallel (--sp), vs DTensor parallelize_module
+    with the plan `peers.dtensor_tp_plan` builds (torchtitan's, SequenceParallel LayerNorms for sp).
+(e) Our PipelineRunner (GPipe, 1F1B, interleaved with 2 chunks per rank) vs torch's ScheduleGPipe,
+    Schedule1F1B, ScheduleInterleaved1F1B, each a PipelineStage per chunk of the same split
+    (`peers.TorchPipeline`: our `partition` and `forward_chunk` inside, torch's schedule and p2p
+    around), same data and Adam arithmetic, steps interleaved as in (a).
+(f) The pipeline's "done means" runs repeated: `run --pp P --microbatches M --schedule S
+    --reference` with the CLI's pipeline defaults, N times per schedule, at P x M = 2 x 4 (on a
+    machine with 2 cores or more each rank pinned to a core of its own) and 4 x 8. Against the
+    formula (points): the bubble measured on the wall clock, how many runs land within 5 points, and
+    what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p messages
+    (hand-off, latency, receive), between ops, medians); the bubble replayed with the measured op
+    CPU times (own-device schedule), within 3 points; and the largest |ours - reference|.
+(g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
+    torch's private ring template, on the same inputs; and, from our forward's own timing of each
+    hop, the share of the hop's time during which the current block was being computed.
+(h) A mixture-of-experts GPT trained with its experts sharded over ep = N ranks against the same
+    model, data and ranks with every expert replicated (ep 1, plain data parallel), through the
+    engine (`engine.run`). Step time: median over the steps after the first (warm-up) and before
+    the last (the memory meter watches it and slows it). Per step and rank, from the run's own
+    records: the dispatch and combine all-to-alls (forward and backward, wall time of each call),
+    the counts exchange, and the experts' compute (forward timed in the layer, backward between
+    two autograd marks around the experts).
+(i) Each collective on a sweep of sizes and world sizes, on gloo: the bytes this rank's process
+    wrote to its sockets during the op (comm.WireMeter: /proc/self/io's wchar, gloo's threads
+    included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
+    ones write more (per-message headers, and the algorithm gloo picks for small tensors).
+(j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny
+    GPT (planner.validate_on_toy_runs) is run; each rank's model states against the prediction,
+    to the byte, and Spearman's rank correlation of the predicted and measured step times.
+(a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
+On a shared CPU machine every number depends on the load: the load average is printed with them.
+This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
+PyTorch's versions is built on our GPT) are in `peers.py`, shared with the peer tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import theory
+from ..comm import Comm, ring_all_reduce
+from ..config import RunConfig
+from ..data import global_batch, shard
+from ..launch import run_ranks
+from ..mesh import build_mesh
+from ..model import build_model
+from ..optim import Adam
+from ..parallel.data import DataParallel
+from .peers import (ZERO_PEERS, TORCH_PP_SCHEDULES, OurPipeline, TorchPipeline,
+                    dtensor_tp_model, peer_adam, zero_peer)
+
+MB = 2 ** 20
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    i = q * (len(xs) - 1)
+    lo, hi = int(i), min(int(i) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def _slowest_rank(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) data parallel: ours vs DDP
+# ---------------------------------------------------------------------------------------------
+def _dp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    n, r = dist.get_world_size(), dist.get_rank()
+    mesh = build_mesh(cfg)
+    runners = {}
+    model = build_model(cfg)
+    runners["ddp"] = (DDP(model, bucket_cap_mb=cfg.bucket_mb), lambda: None,
+                      Adam(model.parameters(), lr=cfg.lr))
+    comms = {}
+    for mode in ("bucketed", "naive"):
+        model = build_model(cfg)
+        comms[mode] = Comm(mesh)
+        dp = DataParallel(model, comms[mode], mode=mode, bucket_mb=cfg.bucket_mb)
+        runners[mode] = (model, dp.finish_gradient_sync, Adam(model.parameters(), lr=cfg.lr))
+    names = list(runners)
+    batches = [shard(global_batch(cfg, i), r, n) for i in range(warmup + steps)]
+    times = {k: [] for k in names}
+    overlap = []  # per measured step: share of bucketed all-reduce time inside backward
+    for i, (x, y) in enumerate(batches):
+        order = names[i % len(names):] + names[:i % len(names)]  # no mode always goes first
+        for name in order:
+            forward, sync, opt = runners[name]
+            if name in comms:
+                comms[name].step = i
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = forward(x, y)
+            bw0 = time.perf_counter()
+            loss.backward()
+            bw1 = time.perf_counter()
+            sync()
+            if name == "bucketed" and i >= warmup:
+                overlap.append(_overlap_with(comms[name].records, i, bw0, bw1))
+            opt.step()
+            opt.zero_grad()
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(dt)
+    # the three replicas trained on the same data from the same init: a cheap sanity check
+    params = {k: torch.cat([p.detach().reshape(-1) for p in
+                            (runners[k][0].module if k == "ddp" else runners[k][0]).parameters()])
+              for k in names}
+    agree = max((params[k] - params["ddp"]).abs().max().item() for k in names)
+    return {"times": times, "max_param_diff_vs_ddp": agree, "overlap": overlap}
+
+
+def _overlap_with(records: list[dict], step: int, start: float, end: float) -> float:
+    """Of the all-reduce time of `step` (launch to completion, as the backend reported it), the
+    share that ran while backward was still computing [start, end]: the computation lesson 02
+    shows (experiments.allreduce_overlap, overlapped_share)."""
+    from .experiments import allreduce_overlap, overlapped_share
+
+    return overlapped_share(allreduce_overlap(records, step, start, end))
+
+
+def bench_dp(dps=(2, 4), warmup: int = 5, steps: int = 20, bucket_mb: float = 0.25,
+             batch: int = 16, **model) -> list[dict]:
+    rows = []
+    for n in dps:
+        cfg = RunConfig(dp=n, batch=batch, bucket_mb=bucket_mb, steps=warmup + steps,
+                        **model).validate()
+        out = run_ranks(_dp_rank, n, cfg.to_dict(), warmup, steps, timeout=600,
+                        backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in out["times"].items()}
+        rows.append({
+            "dp": n, "batch": batch, "bucket_mb": bucket_mb, "steps_measured": steps,
+            "n_params": theory.gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers),
+            "ddp_ms": 1e3 * med["ddp"], "bucketed_ms": 1e3 * med["bucketed"],
+            "naive_ms": 1e3 * med["naive"],
+            "bucketed_over_ddp": med["bucketed"] / med["ddp"],
+            "naive_over_ddp": med["naive"] / med["ddp"],
+            "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()},
+            "max_param_diff_vs_ddp": out["max_param_diff_vs_ddp"],
+            "allreduce_overlapped": statistics.median(out["overlap"]),
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) ZeRO: ours vs PyTorch's
+# ---------------------------------------------------------------------------------------------
+def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+    from ..engine import parallelize
+
+    base = RunConfig.from_dict(cfg_dict)
+    n, r = dist.get_world_size(), dist.get_rank()
+    runners = {}
+    for stage, (peer, kind) in ZERO_PEERS.items():
+        cfg = base.replace(zero=stage)
+        model = build_model(cfg)
+        ours = parallelize(model, Comm(build_mesh(cfg)), cfg)
+
+        def our_step(x, y, model=model, ours=ours):
+            ours.zero_grad()
+            model(x, y).backward()
+            ours.finish_gradient_sync()
+            ours.step()
+
+        module, opt = zero_peer(cfg, kind)
+
+        def peer_step(x, y, module=module, opt=opt):
+            opt.zero_grad()
+            module(x, y).backward()
+            opt.step()
+
+        runners[f"ours ZeRO-{stage}"], runners[peer] = our_step, peer_step
+    names = list(runners)
+    batches = [shard(global_batch(base, i), r, n) for i in range(warmup + steps)]
+    times = {k: [] for k in names}
+    for i, (x, y) in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            runners[name](x, y)
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(dt)
+    return times
+
+
+def bench_zero(dps=(2, 4), warmup: int = 3, steps: int = 10, batch: int = 16) -> list[dict]:
+    rows = []
+    for n in dps:
+        cfg = RunConfig(dp=n, batch=batch, steps=warmup + steps).validate()
+        times = run_ranks(_zero_rank, n, cfg.to_dict(), warmup, steps, timeout=600,
+                          backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for stage, (peer, _) in ZERO_PEERS.items():
+            ours = med[f"ours ZeRO-{stage}"]
+            rows.append({"dp": n, "stage": stage, "peer": peer, "ours_ms": 1e3 * ours,
+                         "peer_ms": 1e3 * med[peer], "ours_over_peer": ours / med[peer],
+                         "steps_measured": steps})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) tensor parallel: ours vs DTensor
+# ---------------------------------------------------------------------------------------------
+def _tp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+    from ..parallel.tensor import apply_tensor_parallel
+
+    cfg = RunConfig.from_dict(cfg_dict)
+    runners = {}
+    for sp in (False, True):
+        c = cfg.replace(sp=sp)
+        ours = apply_tensor_parallel(build_model(c), Comm(build_mesh(c)), sp=sp)
+        peer = dtensor_tp_model(c, sp)
+        runners[("ours", sp)] = (ours, Adam(ours.parameters(), lr=c.lr))
+        runners[("DTensor", sp)] = (peer, peer_adam(peer.parameters(), c))
+    names = list(runners)
+    times = {k: [] for k in names}
+    for i in range(warmup + steps):
+        x, y = global_batch(cfg, i)
+        for name in names[i % len(names):] + names[:i % len(names)]:  # no runner always first
+            model, opt = runners[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(dt)
+    return {f"{who} sp={sp}": t for (who, sp), t in times.items()}
+
+
+TP_NOTES = {False: "ours also splits the vocabulary (embedding, head, loss); the DTensor plan "
+                   "shards the blocks only",
+            True: "both split the vocabulary of the embedding and head; ours also the loss "
+                  "(DTensor gathers the logits)"}
+
+
+def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
+    rows = []
+    for n in tps:
+        cfg = RunConfig(tp=n, steps=warmup + steps).validate()
+        times = run_ranks(_tp_rank, n, cfg.to_dict(), warmup, steps, timeout=600,
+                          backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for sp in (False, True):
+            ours, peer = med[f"ours sp={sp}"], med[f"DTensor sp={sp}"]
+            rows.append({"tp": n, "sp": sp, "ours_ms": 1e3 * ours, "dtensor_ms": 1e3 * peer,
+                         "ours_over_dtensor": ours / peer, "steps_measured": steps,
+                         "note": TP_NOTES[sp]})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) pipeline parallel: ours vs torch.distributed.pipelining
+# ---------------------------------------------------------------------------------------------
+def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
+    cfg = RunConfig.from_dict(cfg_dict)
+    runners = {}
+    for name in schedules:
+        runners[("ours", name)] = OurPipeline(cfg, name)
+        runners[("torch", name)] = TorchPipeline(cfg, name)
+    names = list(runners)
+    times = {k: [] for k in names}
+    final_loss = {}
+    for i in range(warmup + steps):
+        x, y = global_batch(cfg, i)
+        for key in names[i % len(names):] + names[:i % len(names)]:  # no runner always first
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = runners[key].step(x, y)
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[key].append(dt)
+            if loss is not None:
+                final_loss[key] = loss
+    # both trained on the same data from the same init: their last losses agree (a sanity check)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, final_loss)
+    final = {k: v for p in parts for k, v in p.items()}
+    return {"times": {f"{who} {name}": t for (who, name), t in times.items()},
+            "loss_diff": {name: abs(final[("ours", name)] - final[("torch", name)])
+                          for name in schedules}}
+
+
+def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv"), warmup: int = 3,
+             steps: int = 10, layers: int = 8, microbatches: int = 8, batch: int = 16) -> list[dict]:
+    rows = []
+    for n in pps:
+        cfg = RunConfig(pp=n, layers=layers, microbatches=microbatches, batch=batch,
+                        steps=warmup + steps).validate()
+        out = run_ranks(_pp_rank, n, cfg.to_dict(), list(schedules), warmup, steps, timeout=600,
+                        backend="gloo")[0].value
+        med = {k: statistics.median(v) for k, v in out["times"].items()}
+        for name in schedules:
+            ours, peer = med[f"ours {name}"], med[f"torch {name}"]
+            rows.append({"pp": n, "schedule": name, "torch_schedule": TORCH_PP_SCHEDULES[name],
+                         "layers": layers, "microbatches": microbatches, "batch": batch,
+                         "ours_ms": 1e3 * ours, "torch_ms": 1e3 * peer,
+                         "ours_over_torch": ours / peer, "steps_measured": steps,
+                         "last_loss_diff": out["loss_diff"][name],
+                         "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()
+                                    if k.endswith(f" {name}")}})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) ring all-reduce vs gloo
+# ---------------------------------------------------------------------------------------------
+def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
+    n, r = dist.get_world_size(), dist.get_rank()
+    comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))
+    rows = []
+    for mb in sizes_mb:
+        numel = int(mb * MB / 4)
+        base = torch.randn(numel, generator=torch.Generator().manual_seed(r))
+        t_ring, t_gloo = [], []
+        for i in range(repeats + 1):  # the first round warms the connections
+            for impl in (("ring", "gloo") if i % 2 == 0 else ("gloo", "ring")):
+                x = base.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                if impl == "ring":
+                    ring_all_reduce(x, comm)
+                    ours = x
+                else:
+                    dist.all_reduce(x)
+                    ref = x
+                dt = _slowest_rank(time.perf_counter() - t0)
+                if i:
+                    (t_ring if impl == "ring" else t_gloo).append(dt)
+            comm.records.clear(); comm.p2p_log.clear()
+        rows.append({"mb": mb, "ring_s": statistics.median(t_ring),
+                     "gloo_s": statistics.median(t_gloo),
+                     "max_abs_err": (ours - ref).abs().max().item()})
+    return rows
+
+
+def bench_ring(n: int = 4, sizes_mb=(1, 16, 64), repeats: int = 5) -> list[dict]:
+    rows = run_ranks(_ring_rank, n, list(sizes_mb), repeats, timeout=600, backend="gloo")[0].value
+    for row in rows:
+        wire = theory.wire_bytes("all_reduce", int(row["mb"] * MB), n)
+        row.update(world_size=n, repeats=repeats,
+                   ring_busbw_GBps=wire / row["ring_s"] / 1e9,
+                   gloo_busbw_GBps=wire / row["gloo_s"] / 1e9,
+                   ring_over_gloo_bw=row["gloo_s"] / row["ring_s"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# warm path: a repeated small run, as the app's "run live" button does it
+# ---------------------------------------------------------------------------------------------
+# The pages' default settings, as their "Run live" sends them (app/app_pages/data_parallel.py,
+# ring.py): what a class sees first, and what a teacher re-runs with "Fresh measurement".
+WARM_RUNS = {
+    "Data parallel page, default settings": ("run", {
+        "dp": 2, "dp_mode": "bucketed", "bucket_mb": 0.25, "grad_accum": 1, "steps": 4, "batch": 8,
+        "reference": True}),
+    "Ring all-reduce page, default settings": ("ring", {"n": 4, "numel": 16, "timed_mb": 4}),
+    "engine.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
+}
+
+
+def _warm_call(kind: str, settings: dict):
+    """One live run the way the app's cached wrappers make it (app/live_runs.py), minus the cache."""
+    from .collectives import ring_experiment
+    from ..engine import run
+
+    if kind == "ring":
+        return ring_experiment(settings["n"], settings["numel"], timed_mb=settings["timed_mb"])
+    return run(RunConfig.from_dict(settings)).to_dict()
+
+
+def bench_warm(repeats: int = 10, runs: dict = WARM_RUNS) -> dict:
+    """The latency of a repeated live run (forkserver and imports warm): p50 / p90 over `repeats`
+    runs of each page's default settings, after a first call that starts the forkserver."""
+    rows = []
+    for name, (kind, settings) in runs.items():
+        t0 = time.perf_counter()
+        _warm_call(kind, settings)
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _warm_call(kind, settings)
+            times.append(time.perf_counter() - t0)
+        rows.append({"run": name, "settings": settings, "repeats": repeats, "first_s": first,
+                     "p50_s": _quantile(times, 0.5), "p90_s": _quantile(times, 0.9),
+                     "times_s": times})
+    return {"rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) the bubble, measured (wall clock) and replayed, against the formula, over repeated runs
+# ---------------------------------------------------------------------------------------------
+def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4), (4, 8)),
+                 repeats: int = 5) -> list[dict]:
+    from ..engine import run
+    from ..parallel.schedules import pipeline_layers, virtual_stages
+    from ..trace import GAP_PARTS, PIPELINE_STEPS
+
+    rows = []
+    for pp, m in setups:
+        for name in schedules:
+            cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
+                            layers=pipeline_layers(pp, virtual_stages(name)),
+                            steps=PIPELINE_STEPS).validate()
+            runs = []
+            for i in range(repeats):
+                report = run(cfg)
+                b = report.extra["bubble"]
+                wall = b["wall"]
+                runs.append({"wall": wall["overall"], "replayed": b["replayed"]["overall"],
+                             "theory": b["theory"],
+                             "wall_points": 100 * (wall["overall"] - b["theory"]),
+                             "replayed_points": 100 * (b["replayed"]["overall"] - b["theory"]),
+                             "gap_points": {k: 100 * v for k, v in wall["gap_to_formula"].items()},
+                             "p2p_latency_median_s": wall["p2p_latency_median_s"],
+                             "op_cpu_over_wall_min": min(wall["op_cpu_over_wall_per_rank"]),
+                             "ranks_shared_cores": wall["ranks_shared_cores"],
+                             "max_abs_diff": report.max_abs_diff})
+                print(f"  pp {pp} m {m} {name} run {i + 1}/{repeats}: bubble measured (wall clock) "
+                      f"{wall['overall']:.1%}, replayed {b['replayed']['overall']:.1%}, formula "
+                      f"{b['theory']:.1%}", file=sys.stderr, flush=True)
+            latencies = [r["p2p_latency_median_s"] for r in runs if r["p2p_latency_median_s"] is not None]
+            rows.append({
+                "schedule": name, "pp": pp, "microbatches": m, "layers": cfg.layers,
+                "steps": cfg.steps, "repeats": repeats, "runs": runs,
+                "ranks_shared_cores": runs[0]["ranks_shared_cores"],
+                "wall_median_points": statistics.median(r["wall_points"] for r in runs),
+                "wall_within_5_points": sum(abs(r["wall_points"]) <= 5 for r in runs),
+                "gap_median_points": {k: statistics.median(r["gap_points"][k] for r in runs)
+                                      for k in GAP_PARTS},
+                "p2p_latency_median_s": statistics.median(latencies) if latencies else None,
+                "op_cpu_over_wall_min": min(r["op_cpu_over_wall_min"] for r in runs),
+                "replayed_median_points": statistics.median(r["replayed_points"] for r in runs),
+                "replayed_within_3_points": sum(abs(r["replayed_points"]) <= 3 for r in runs),
+                "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+def _table(headers, rows) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _print_dp(rows):
+    print(f"(a) data parallel step time, median of {rows[0]['steps_measured']} steps "
+          f"(slowest rank), {rows[0]['n_params']:,} params, global batch {rows[0]['batch']}, "
+          f"buckets {rows[0]['bucket_mb']} MB")
+    print(_table(["dp", "DDP ms", "ours bucketed ms", "ours naive ms", "bucketed/DDP",
+                  "naive/DDP", "all-reduce overlapped", "max |param diff|"],
+                 [[r["dp"], f"{r['ddp_ms']:.1f}", f"{r['bucketed_ms']:.1f}",
+                   f"{r['naive_ms']:.1f}", f"{r['bucketed_over_ddp']:.2f}",
+                   f"{r['naive_over_ddp']:.2f}", f"{r['allreduce_overlapped']:.0%}",
+                   f"{r['max_param_diff_vs_ddp']:.1e}"]
+                  for r in rows]))
+
+
+def _print_ring(rows):
+    print(f"(b) all-reduce on {rows[0]['world_size']} ranks, median of {rows[0]['repeats']} "
+          f"(slowest rank); bus bandwidth = 2(N-1)/N * S / time")
+    print(_table(["size MB", "ring ms", "gloo ms", "ring GB/s", "gloo GB/s", "ring/gloo bw",
+                  "max |ring - gloo|"],
+                 [[r["mb"], f"{1e3 * r['ring_s']:.1f}", f"{1e3 * r['gloo_s']:.1f}",
+                   f"{r['ring_busbw_GBps']:.2f}", f"{r['gloo_busbw_GBps']:.2f}",
+                   f"{r['ring_over_gloo_bw']:.2f}", f"{r['max_abs_err']:.1e}"] for r in rows]))
+
+
+def _print_zero(rows):
+    print(f"(c) ZeRO step time, median of {rows[0]['steps_measured']} steps (slowest rank)")
+    print(_table(["dp", "ours", "ms", "peer", "ms", "ours/peer"],
+                 [[r["dp"], f"ZeRO-{r['stage']}", f"{r['ours_ms']:.1f}", r["peer"],
+                   f"{r['peer_ms']:.1f}", f"{r['ours_over_peer']:.2f}"] for r in rows]))
+
+
+def _print_tp(rows):
+    print(f"(d) tensor parallel (sp: with sequence parallel) step time, median of "
+          f"{rows[0]['steps_measured']} steps (slowest rank)")
+    for sp, note in TP_NOTES.items():
+        print(f"    sp={'yes' if sp else 'no'}: {note}")
+    print(_table(["tp", "sp", "ours ms", "DTensor ms", "ours/DTensor"],
+                 [[r["tp"], "yes" if r.get("sp") else "no", f"{r['ours_ms']:.1f}",
+                   f"{r['dtensor_ms']:.1f}", f"{r['ours_over_dtensor']:.2f}"] for r in rows]))
+
+
+def _print_pp(rows):
+    r0 = rows[0]
+    print(f"(e) pipeline parallel step time, median of {r0['steps_measured']} steps (slowest rank), "
+          f"{r0['layers']} layers, global batch {r0['batch']}, {r0['microbatches']} micro-batches; "
+          f"torch = torch.distributed.pipelining on the same chunks")
+    print(_table(["pp", "schedule", "ours ms", "torch", "torch ms", "ours/torch", "|loss diff|"],
+                 [[r["pp"], r["schedule"], f"{r['ours_ms']:.1f}", r["torch_schedule"],
+                   f"{r['torch_ms']:.1f}", f"{r['ours_over_torch']:.2f}",
+                   f"{r['last_loss_diff']:.1e}"] for r in rows]))
+
+
+def _print_bubble(rows):
+    from ..trace import GAP_PARTS
+    r0 = rows[0]
+    print(f"(f) pipeline bubble against the formula: measured (wall clock) and replayed (measured op "
+          f"times, own-device schedule), {r0['steps']} steps, {r0['repeats']} runs each")
+    print(_table(["pp", "m", "schedule", "cores", "formula", "wall clock (each run)", "median",
+                  "within 5", "replayed (each run)", "median", "within 3", "max |ours - ref|"],
+                 [[r["pp"], r["microbatches"], r["schedule"],
+                   {False: "own", True: "shared", None: "?"}[r["ranks_shared_cores"]],
+                   f"{r['runs'][0]['theory']:.1%}",
+                   " ".join(f"{x['wall']:.1%}" for x in r["runs"]), f"{r['wall_median_points']:+.1f}",
+                   f"{r['wall_within_5_points']}/{r['repeats']}",
+                   " ".join(f"{x['replayed']:.1%}" for x in r["runs"]),
+                   f"{r['replayed_median_points']:+.1f}",
+                   f"{r['replayed_within_3_points']}/{r['repeats']}", f"{r['max_abs_diff']:.1e}"]
+                  for r in rows]))
+    print("    cores: own = each rank pinned to a core of its own, shared = more ranks than cores; "
+          "zb's formula takes each run's measured F, B, W costs")
+    print("  wall clock minus formula, what it is made of (trace.wall_gap; points, medians over runs)")
+    print(_table(["pp", "m", "schedule", *GAP_PARTS.values(), "p2p latency ms", "op CPU/wall (min)"],
+                 [[r["pp"], r["microbatches"], r["schedule"]]
+                  + [f"{r['gap_median_points'][k]:+.1f}" for k in GAP_PARTS]
+                  + ["-" if r["p2p_latency_median_s"] is None else f"{1e3 * r['p2p_latency_median_s']:.2f}",
+                     f"{r['op_cpu_over_wall_min']:.0%}"] for r in rows]))
+
+
+def _print_warm(w):
+    print("warm path: a repeated live run, measured on this machine (cores shared with whatever "
+          "else runs: see the load average)")
+    print(_table(["live run", "repeats", "p50 s", "p90 s", "first call s"],
+                 [[r["run"], r["repeats"], f"{r['p50_s']:.2f}", f"{r['p90_s']:.2f}",
+                   f"{r['first_s']:.2f}"] for r in w["rows"]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# (g) context parallel: our ring attention vs torch's, and how much K/V transfer hid behind compute
+# ---------------------------------------------------------------------------------------------
+def _cp_rank(impl: str, shape: tuple, warmup: int, steps: int) -> dict:
+    """Attention forward + backward on this rank's tokens, ours and torch's, on the same inputs."""
+    from types import SimpleNamespace
+
+    from ..parallel.context import RingAttentionCore, hidden_fraction, positions_of
+    from .peers import torch_ring_attention
+    c, r = dist.get_world_size(), dist.get_rank()
+    layout = "zigzag" if impl == "zigzag" else "contiguous"
+    comm = Comm(build_mesh(SimpleNamespace(dp=1, tp=1, pp=1, cp=c, ep=1, dp_shard=0, world_size=c)))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(*shape, generator=g) for _ in range(4))  # [b, a, s, d]
+    pos = positions_of(layout, shape[2], c, r)
+    q, k, v, grad = (t[:, :, pos].contiguous() for t in (q, k, v, grad))  # [b, a, s/C, d]
+    core = RingAttentionCore(comm, "cp", layout)
+
+    def ours():
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        core(*mine).backward(grad)
+        comm.records.clear()
+
+    def peer():
+        torch_ring_attention(q, k, v, grad, dist.group.WORLD, load_balance=impl == "zigzag")
+
+    times, hidden = {"ours": [], "torch": []}, []
+    for i in range(warmup + steps):
+        for name, fn in (("ours", ours), ("torch", peer)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            elapsed = _slowest_rank(time.perf_counter() - t0)
+            if i >= warmup:
+                times[name].append(elapsed)
+        if i >= warmup:
+            hidden.append(hidden_fraction(core.hops))
+    return {"times": times, "hidden": hidden}
+
+
+def bench_cp(cps=(2, 4), impls=("ring", "zigzag"), shape=(4, 8, 512, 32), warmup: int = 2,
+             steps: int = 6) -> list[dict]:
+    rows = []
+    for c in cps:
+        for impl in impls:
+            res = run_ranks(_cp_rank, c, impl, shape, warmup, steps, timeout=600,
+                            backend="gloo")[0].value
+            ours, peer = (statistics.median(res["times"][k]) for k in ("ours", "torch"))
+            rows.append({"cp": c, "impl": impl, "ours_ms": 1e3 * ours, "torch_ms": 1e3 * peer,
+                         "ours_over_torch": ours / peer,
+                         "kv_hidden": statistics.median(res["hidden"]), "shape": list(shape),
+                         "steps_measured": steps})
+    return rows
+
+
+def _print_cp(rows):
+    print("(g) context parallel: attention forward + backward on each rank's s/C tokens, ours vs "
+          "torch's ring attention (private template); kv_hidden = share of each forward hop's "
+          "time (post -> arrival) covered by computing the current block, measured")
+    print(_table(["cp", "impl", "ours ms", "torch ms", "ours/torch", "kv hidden"],
+                 [[r["cp"], r["impl"], f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}",
+                   f"{r['ours_over_torch']:.2f}", f"{r['kv_hidden']:.0%}"] for r in rows]))
+
+
+def _ep_split(report, rank: int, step: int) -> dict:
+    """Seconds of one rank's step spent in the expert-parallel all-to-alls (by phase) and in the
+    experts' compute (forward from the layer's log, backward from its autograd marks)."""
+    r = report.ranks[rank]
+    split = {"counts": 0.0, "dispatch": 0.0, "combine": 0.0, "experts": 0.0}
+    for rec in r["comm"]:
+        if rec["step"] == step and rec.get("layer") == "moe":
+            split[rec["phase"]] += rec["end"] - rec["start"]
+    moe = r.get("moe", {})
+    split["experts"] += sum(e["compute_s"] for e in moe.get("log", []) if e["step"] == step)
+    step_events = [e for e in r["events"] if e["step"] == step]
+    t0, t1 = min(e["start"] for e in step_events), max(e["end"] for e in step_events)
+    for marks in moe.get("backward_marks", {}).values():
+        starts = [t for k, t in marks if k == "experts-backward-start" and t0 <= t <= t1]
+        ends = [t for k, t in marks if k == "experts-backward-end" and t0 <= t <= t1]
+        split["experts"] += sum(b - a for a, b in zip(starts, ends))
+    split["step"] = t1 - t0
+    return split
+
+
+def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch: int = 16,
+             d_model: int = 128) -> list[dict]:
+    from ..engine import run
+    rows = []
+    for n in eps:
+        row = {"ranks": n, "experts": experts, "top_k": top_k}
+        for ep in (1, n):
+            cfg = RunConfig(dp=n, ep=ep, experts=experts, top_k=top_k, steps=steps, batch=batch,
+                            d_model=d_model, backend="gloo", timeout_s=600)
+            report = run(cfg)
+            measured = range(1, steps - 1)  # not the warm-up, not the metered last step
+            splits = [[_ep_split(report, r, s) for r in range(n)] for s in measured]
+            slowest = [max(x["step"] for x in per_rank) for per_rank in splits]
+            key = "sharded" if ep > 1 else "replicated"
+            row[f"{key}_ms"] = 1e3 * statistics.median(slowest)
+            row[f"{key}_split_ms"] = {k: 1e3 * statistics.median(x[k] for per in splits for x in per)
+                                      for k in ("counts", "dispatch", "experts", "combine")}
+            row[f"{key}_state_bytes"] = sum(report.ranks[0]["memory"][k]
+                                            for k in ("params", "grads", "optimizer"))
+            if ep > 1:
+                row["a2a_bytes_per_step"] = report.moe_wire_bytes_per_step(0)
+                row["a2a_uniform_formula"] = report.theory["ep_all_to_all_uniform"]
+        row["sharded_over_replicated"] = row["sharded_ms"] / row["replicated_ms"]
+        rows.append(row)
+    return rows
+
+
+def _print_ep(rows):
+    print("(h) expert parallel: step time with experts sharded over ep = N ranks vs replicated "
+          "(ep 1) on the same N data-parallel ranks; per-rank medians of the step's all-to-alls "
+          "and expert compute, measured; model states of rank 0")
+    print(_table(["ranks", "ep 1 ms", "ep N ms", "N/1", "dispatch ms", "experts ms", "combine ms",
+                  "counts ms", "states ep1 / epN", "a2a B/step (uniform formula)"],
+                 [[r["ranks"], f"{r['replicated_ms']:.1f}", f"{r['sharded_ms']:.1f}",
+                   f"{r['sharded_over_replicated']:.2f}",
+                   f"{r['sharded_split_ms']['dispatch']:.1f}",
+                   f"{r['sharded_split_ms']['experts']:.1f} ({r['replicated_split_ms']['experts']:.1f})",
+                   f"{r['sharded_split_ms']['combine']:.1f}", f"{r['sharded_split_ms']['counts']:.1f}",
+                   f"{r['replicated_state_bytes']:,} / {r['sharded_state_bytes']:,}",
+                   f"{r['a2a_bytes_per_step']:,.0f} ({r['a2a_uniform_formula']:,.0f})"] for r in rows]))
+    print("experts ms: sharded (replicated in brackets)")
+
+
+WIRE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def _wire_rank(sizes: list[int], repeats: int) -> list[dict]:
+    """Each op on each size (bytes of the payload S, fp32), `repeats` times; the median ratio."""
+    torch.set_num_threads(1)
+    n = dist.get_world_size()
+    comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))
+    rows = []
+    for op in WIRE_OPS:
+        for size in sizes:
+            numel = max(n, size // 4 // n * n)
+            x = torch.ones(numel)
+            out = torch.empty(numel // n) if op == "reduce_scatter" else torch.empty(numel)
+            calls = {"all_reduce": lambda: comm.all_reduce(x, "dp"),
+                     "all_gather": lambda: comm.all_gather(x, x[:numel // n].clone(), "dp"),
+                     "reduce_scatter": lambda: comm.reduce_scatter(out, x, "dp"),
+                     "all_to_all": lambda: comm.all_to_all(out, x, "dp"),
+                     "broadcast": lambda: comm.broadcast(x, "dp", src=0)}
+            ratios = []
+            for _ in range(repeats):
+                dist.barrier()
+                calls[op]()
+                rec = comm.records[-1]
+                if rec["wire_bytes_model"]:
+                    ratios.append(rec["wire_bytes_measured"] / rec["wire_bytes_model"])
+            rec = comm.records[-1]
+            rows.append({"op": op, "ranks": n, "payload_bytes": rec["payload_bytes"],
+                         "model_bytes": rec["wire_bytes_model"], "written_bytes": rec["wire_bytes_measured"],
+                         "written_over_model": statistics.median(ratios) if ratios else None})
+    return rows
+
+
+def bench_wire(world_sizes=(2, 4), sizes=(4 * 1024, 64 * 1024, MB, 16 * MB), repeats: int = 3
+               ) -> list[dict]:
+    rows = []
+    for n in world_sizes:
+        res = run_ranks(_wire_rank, n, list(sizes), repeats, timeout=600, backend="gloo")
+        rows += [dict(r, rank=res_i.rank) for res_i in res[:2] for r in res_i.value]
+    return rows
+
+
+def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
+    """(j) Every memory class of layout the planner ranks for `ranks` ranks of the tiny GPT on this
+    machine, run live (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes
+    against the planner's prediction, and the planner's step-time order against the measured one
+    (Spearman's rank correlation; the timings are this machine's, with its cores shared)."""
+    from . import planner
+
+    def progress(row):
+        print(f"  {row['layout']}: " + (row.get("error") or (
+              f"states {'equal' if row['states_equal'] else 'DIFFER'}, step predicted "
+              f"{1e3 * row['predicted_step_s']:.1f} ms, measured {1e3 * row['measured_step_s']:.1f} ms")),
+              file=sys.stderr, flush=True)
+
+    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress)
+
+
+def _print_plan(res: dict):
+    print(f"(j) the planner's {res['ranks']}-rank layouts of the tiny GPT, run here on "
+          f"{res['cores']} cores: model states equal to the prediction on every rank in "
+          f"{res['states_equal']} of {res['layouts'] - res['failed']} layouts"
+          + (f" ({res['failed']} failed to run)" if res["failed"] else ""))
+    ran = [r for r in res["rows"] if "error" not in r]
+    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms"],
+                 [[r["layout"], "yes" if r["states_equal"] else "NO",
+                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}"]
+                  for r in ran]))
+    rho = res["spearman_step_time"]
+    print("Spearman's rank correlation, predicted vs measured step time: "
+          + ("n/a (fewer than 3 layouts ran)" if rho is None else f"{rho:+.2f}"))
+
+
+def _print_wire(rows):
+    print("(i) bytes written to sockets during each op (measured: /proc/self/io wchar, gloo's "
+          "threads included) / the ring model's bytes for it; ranks 0 and 1 (a broadcast's root "
+          "sends to every rank itself; the model's pipelined chain does not)")
+    print(_table(["op", "ranks", "rank", "payload", "model B", "written B", "written/model"],
+                 [[r["op"], r["ranks"], r["rank"], f"{r['payload_bytes']:,}", f"{r['model_bytes']:,}",
+                   f"{r['written_bytes']:,}" if r["written_bytes"] is not None else "-",
+                   f"{r['written_over_model']:.3f}" if r["written_over_model"] else "-"]
+                  for r in rows]))
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
+                                     "ep", "wire", "plan", "all"])
+    ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
+    ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
+    ap.add_argument("--bucket-mb", type=float, default=0.25, help="ours and DDP's bucket size")
+    ap.add_argument("--batch", type=int, default=16, help="global batch for (a)")
+    ap.add_argument("--ring-ranks", type=int, default=4, help="world size for (b)")
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64], help="for (b)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats for (b)")
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pp degrees for (e)")
+    ap.add_argument("--warm-repeats", type=int, default=10, help="repeated runs for warm")
+    ap.add_argument("--bubble-repeats", type=int, default=5, help="runs per schedule for (f)")
+    ap.add_argument("--bubble-setups", nargs="+", default=["2x4", "4x8"], metavar="PxM",
+                    help="pipeline ranks x micro-batches for (f)")
+    ap.add_argument("--bubble-schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb"],
+                    help="schedules for (f)")
+    ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    out = {"load_average_before": list(os.getloadavg()), "cpus": os.cpu_count(),
+           "torch": torch.__version__}
+    to_stdout = args.json == "-"
+    show = (lambda *a: None) if to_stdout else (lambda f, x: (f(x), print()))
+    t0 = time.perf_counter()
+    if args.what in ("dp", "all"):
+        out["dp"] = bench_dp(tuple(args.dp), args.warmup, args.steps, args.bucket_mb, args.batch)
+        show(_print_dp, out["dp"])
+    if args.what in ("dp", "ring", "all"):
+        out["ring"] = bench_ring(args.ring_ranks, tuple(args.sizes_mb), args.repeats)
+        show(_print_ring, out["ring"])
+    if args.what in ("zero", "all"):
+        out["zero"] = bench_zero(tuple(args.dp))
+        show(_print_zero, out["zero"])
+    if args.what in ("tp", "all"):
+        out["tp"] = bench_tp()
+        show(_print_tp, out["tp"])
+    if args.what in ("pp", "all"):
+        out["pp"] = bench_pp(tuple(args.pp))
+        show(_print_pp, out["pp"])
+    if args.what in ("bubble", "all"):
+        setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in args.bubble_setups)
+        out["bubble"] = bench_bubble(tuple(args.bubble_schedules), setups, args.bubble_repeats)
+        show(_print_bubble, out["bubble"])
+    if args.what in ("cp", "all"):
+        out["cp"] = bench_cp()
+        show(_print_cp, out["cp"])
+    if args.what in ("ep", "all"):
+        out["ep"] = bench_ep()
+        show(_print_ep, out["ep"])
+    if args.what in ("wire", "all"):
+        out["wire"] = bench_wire()
+        show(_print_wire, out["wire"])
+    if args.what in ("plan", "all"):
+        out["plan"] = bench_plan()
+        show(_print_plan, out["plan"])
+    if args.what in ("warm", "all"):
+        out["warm"] = bench_warm(args.warm_repeats)
+        show(_print_warm, out["warm"])
+    out["load_average_after"] = list(os.getloadavg())
+    out["wall_s"] = time.perf_counter() - t0
+    if to_stdout:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"load average before {out['load_average_before'][0]:.2f}, after "
+              f"{out['load_average_after'][0]:.2f} on {out['cpus']} CPUs; {out['wall_s']:.0f} s")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
