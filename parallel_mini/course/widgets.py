@@ -54,8 +54,9 @@ MAX_LIVE_RANKS = 4  # the ranks of one live run share this machine's cores
 # static copy of the chart for a notebook rendered without a kernel
 # ---------------------------------------------------------------------------------------------
 def chart_bundle(chart: alt.TopLevelMixin) -> dict:
-    """The chart's own mime bundle, as a lesson's cell would display it (altair's renderer)."""
-    out = chart._repr_mimebundle_()
+    """The chart's mime bundle from altair's active renderer, as a lesson's cell would display it
+    (the spec not validated again at every slider move: viz's tests validate its charts)."""
+    out = alt.renderers.get()(chart.to_dict(validate=False))
     return dict(out[0] if isinstance(out, tuple) else out)
 
 
@@ -571,6 +572,7 @@ class TilesExplorer(Explorer):
                                                description="sequence s"), "300px")
         super().__init__([self.cp, self.chunking, self.seq], outputs=2, live_outputs=2)
         self.work_chart: alt.TopLevelMixin | None = None
+        self.live_work_chart: alt.TopLevelMixin | None = None
         self.live: dict | None = None
         for w in (self.cp, self.chunking, self.seq):
             w.observe(lambda _: self.redraw(), "value")
@@ -631,7 +633,8 @@ class TilesExplorer(Explorer):
         self.show_live(viz.tile_map(rep, title=f"Tiles the ranks computed (measured, live run): "
                                                f"{layout}, C = {c}, s = {seq}",
                                     panel=max(70, min(150, 640 // c))))
-        self.show_live(viz.cp_work_bars({layout: rep}), 1)
+        self.live_work_chart = viz.cp_work_bars({layout: rep})
+        self.show_live(self.live_work_chart, 1)
         return (f"Live run on {c} ranks: the tiles recorded "
                 + ("equal the plan, tile by tile" if same else "DIFFER from the plan"))
 
