@@ -252,3 +252,16 @@ def test_a_notebook_rendered_without_a_kernel_shows_the_static_chart():
     page, _ = nbconvert.HTMLExporter().from_notebook_node(nb)  # no widget state saved
     assert bundle["text/html"].split("<div id=")[1][:20] in page  # the chart's own div
     assert "vegaEmbed" in page and "application/vnd.jupyter.widget-view+json" not in page
+
+
+@pytest.mark.slow
+def test_a_kernel_displays_the_widget_with_the_static_chart_beside_it():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from parallel_mini.course.widgets import memory_explorer\nm = memory_explorer()\nm"),
+        nbformat.v4.new_code_cell("m.gpus.value = 4\nprint(m.chart.to_dict()['title']['text'])")])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    shown = nb.cells[0].outputs[0]["data"]
+    assert {"application/vnd.jupyter.widget-view+json", "text/html"} <= set(shown)
+    assert "N = 2" in shown["text/html"] and "N = 4" in nb.cells[1].outputs[0]["text"]
