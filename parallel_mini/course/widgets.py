@@ -453,30 +453,31 @@ class BubbleExplorer(Explorer):
         return None
 
     def draw_bars(self) -> None:
+        """Two groups of bars: the plan of the sliders' setting (planned, formula) and the last
+        run's (measured on the wall clock, replayed, the report's formula)."""
         name, pp, m = self.key()
         rows = []
         if self.planned:
-            rows += [{"schedule": name, "source": "planned (unit costs, theory)",
+            group = f"planned: {name}, p {pp}, m {m}"
+            rows += [{"schedule": group, "source": "planned (unit costs, theory)",
                       "bubble": self.planned["planned"]},
-                     {"schedule": name, "source": trace.LABELS["theory"],
+                     {"schedule": group, "source": trace.LABELS["theory"],
                       "bubble": self.planned["formula"]}]
-        if self.live and self.live["key"] != self.key():
-            lname, lpp, lm = self.live["key"]
-            label = f"last run: {lname}, p {lpp}, m {lm}"
-        else:
-            label = name
         if self.live:
-            b = self.live["bubble"]
-            rows += [{"schedule": label, "source": trace.LABELS["wall"],
+            lname, lpp, lm = self.live["key"]
+            group, b = f"run: {lname}, p {lpp}, m {lm}", self.live["bubble"]
+            rows += [{"schedule": group, "source": trace.LABELS["wall"],
                       "bubble": b["wall"]["overall"]},
-                     {"schedule": label, "source": trace.LABELS["replayed"],
+                     {"schedule": group, "source": trace.LABELS["replayed"],
                       "bubble": b["replayed"]["overall"]},
-                     {"schedule": label, "source": trace.LABELS["theory"], "bubble": b["theory"]}]
-        self.bars = viz.bubble_bars(rows, title="Pipeline bubble: planned and formula"
-                                    + ("; measured (wall clock) and replayed from the run"
-                                       if self.live else ""),
-                                    subtitle=f"p = {pp}, m = {m}; the run's bubble: mean over "
-                                             "its timed steps and ranks")
+                     {"schedule": group, "source": trace.LABELS["theory"], "bubble": b["theory"]}]
+        self.bars = viz.bubble_bars(
+            rows, title="Pipeline bubble: planned and formula"
+                        + ("; the last run's, measured (wall clock) and replayed" if self.live
+                           else ""),
+            subtitle="the run's bubble: mean over its timed steps and ranks; its formula: the "
+                     "report's (zero bubble: with the measured F, B, W times)"
+        ).configure_legend(labelLimit=0)  # the replay's label in full
         self.show(self.bars, 1)
 
     def run_live(self) -> str | None:
