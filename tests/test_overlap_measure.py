@@ -96,3 +96,15 @@ def test_wire_bytes_experiment_shows_gloo_beside_the_ring_model():
     if ar[0]["written_bytes"] is None:
         pytest.skip("bytes written to sockets cannot be read here")
     assert all(2 ** 20 <= r["written_bytes"] < 1.01 * 2 ** 20 for r in ar)
+
+
+def test_overlap_leaves_out_the_time_backward_waited_and_ends_at_the_first_wait():
+    """A wait inside backward (a hook that blocks) is no overlap, and an op whose wait returned
+    before gloo's completion callback ran ended at that wait."""
+    records = [_ar(1, 0.5, 1.5, waited_until=1.0),  # callback late: it had ended by the wait
+               _ar(1, 1.2, 1.8)]
+    rows = allreduce_overlap(records, 1, 0.0, 2.0, blocked=[(0.6, 1.0), (1.3, 1.8)])
+    assert [r["finish_ms"] for r in rows] == pytest.approx([-1000, -200])
+    assert [r["allreduce_ms"] for r in rows] == pytest.approx([500, 600])
+    assert [r["overlapped_ms"] for r in rows] == pytest.approx([100, 100])
+    assert allreduce_overlap(records, 1, 0.0, 2.0)[0]["overlapped_ms"] == pytest.approx(500)
