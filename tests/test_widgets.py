@@ -13,7 +13,6 @@ import pytest
 from parallel_mini import engine, theory
 from parallel_mini.course import viz
 from parallel_mini.course import widgets as w
-from parallel_mini.parallel import schedules as S
 
 
 def _datasets(chart) -> list[list[dict]]:
@@ -126,7 +125,8 @@ def test_bubble_explorer_plans_every_schedule_and_equals_the_formula():
         assert len({(r["rank"], r["kind"], r["microbatch"], r["chunk"]) for r in ops}) == \
             sum(len(x) for x in s.ops)
     assert _shown(b.outs[0]) != first
-    b.schedule.value, b.pp.value, b.m.value = "1f1b", 4, 2  # fewer micro-batches: a bigger bubble, (p-1)/(m+p-1)
+    # fewer micro-batches than stages: a bigger bubble, (p - 1) / (m + p - 1)
+    b.schedule.value, b.pp.value, b.m.value = "1f1b", 4, 2
     assert _bubbles(b.bars)[("planned: 1f1b, p 4, m 2", "formula")] == pytest.approx(3 / 5)
     assert not b.run_button.disabled
     b.pp.value = 6  # planned, but not run here
