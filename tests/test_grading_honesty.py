@@ -18,7 +18,7 @@ from parallel_mini.course.grading import (check_average_gradients, check_buckete
                                           check_parallel_mlp, check_ring_all_reduce,
                                           check_zero1_step)
 
-from test_grading import BucketedRight, _ring, avg_right, mlp_right, zero1_right
+from test_grading import BucketedRight, _ring
 
 BYPASS = r"wrote [\d,]+ bytes to their sockets \(measured\), but the calls recorded by comm " \
          r"explain at most [\d,]+ .* went around comm"
@@ -67,20 +67,18 @@ class BucketedBypass(BucketedRight):
         self.comm.all_reduce(torch.zeros_like(b["flat"]), "dp", async_op=True)
 
 
-@pytest.mark.parametrize("check,right,bypass,kwargs", [
-    (check_ring_all_reduce, None, ring_bypass, dict(cases=((2, 5),))),
-    (check_average_gradients, None, avg_bypass, dict(world_sizes=(2,), steps=1)),
-    (check_zero1_step, None, zero1_bypass, dict(world_sizes=(2,), steps=1)),
-    (check_parallel_mlp, mlp_right, mlp_bypass, dict(world_sizes=(2,))),
-    (check_bucketed_grad_sync, None, BucketedBypass, dict(world_sizes=(2,), steps=1)),
+@pytest.mark.parametrize("check,bypass,kwargs", [
+    (check_ring_all_reduce, ring_bypass, dict(cases=((2, 5),))),  # sendrecv decoys
+    (check_zero1_step, zero1_bypass, dict(world_sizes=(2,), steps=1)),  # torch.distributed
+    (check_bucketed_grad_sync, BucketedBypass, dict(world_sizes=(2,), steps=1)),  # async
+    # the same verdict on the same trace (tested above), in the other checkers' plumbing
+    pytest.param(check_average_gradients, avg_bypass, dict(world_sizes=(2,), steps=1),
+                 marks=pytest.mark.slow),
+    pytest.param(check_parallel_mlp, mlp_bypass, dict(world_sizes=(2,)), marks=pytest.mark.slow),
 ])
-def test_the_process_group_bypass_is_refused_on_the_bytes_written(check, right, bypass, kwargs):
-    if right is not None:  # the honest answer's bytes are explained (the others: test_grading)
-        grade = check(right, **kwargs)
-        assert grade.status == "correct", grade
-        run = (grade.details.get("wire") or grade.details["runs"])[0]
-        if run["written_bytes"] is not None:
-            assert 0 < run["written_bytes"] <= run["explained_bytes"]
+def test_the_process_group_bypass_is_refused_on_the_bytes_written(check, bypass, kwargs):
+    """(The honest answers' bytes are explained: every right answer of test_grading passes the
+    same verdict, and test_bucketed_checker_measures_overlap... reads the figures.)"""
     with pytest.raises(AssertionError, match=BYPASS):
         check(bypass, **kwargs)
 
@@ -118,17 +116,6 @@ def test_a_blocking_hook_is_refused_by_name_and_only_it():
     assert "blocking call inside a hook" not in str(err.value)
     assert "launched before backward returned" in str(err.value)
     assert "all-reduces placed after backward cannot overlap it" in str(err.value)
-
-
-def test_the_right_reducer_shows_its_measured_overlap():
-    grade = check_bucketed_grad_sync(BucketedRight, world_sizes=(2,), steps=1)
-    assert grade.status == "correct", grade
-    run = grade.details["runs"][0]
-    assert 1 <= run["in_flight_in_backward"] <= run["all_reduces"]
-    assert 0 < run["overlapped_share"] <= 1 and run["plain_backward_ms"] > 0
-    assert run["written_bytes"] is None or 0 < run["written_bytes"] <= run["explained_bytes"]
-    assert "none waited for inside a hook, and all-reduces in flight while backward still ran " \
-           "(measured)" in grade.message
 
 
 # -- the library's own code, copied: the code object, its bytecode, its source pasted in --------
