@@ -18,6 +18,7 @@ from parallel_mini.course.grading import (check_average_gradients, check_buckete
                                           check_parallel_mlp, check_ring_all_reduce,
                                           check_zero1_step)
 
+from parallel_mini.comm import _reduce_scatter
 from test_grading import BucketedRight, _ring
 
 BYPASS = r"wrote [\d,]+ bytes to their sockets \(measured\), but the calls recorded by comm " \
@@ -48,7 +49,7 @@ def zero1_bypass(flat_params, flat_grads, step_shard, comm):
     n, r = comm.size("dp"), comm.rank("dp")
     k = flat_params.numel() // n
     g = torch.empty(k)
-    torch.distributed.reduce_scatter_tensor(g, flat_grads, group=_group(comm, "dp"))
+    _reduce_scatter(g, flat_grads, group=_group(comm, "dp"))  # torch.distributed's, directly
     comm.reduce_scatter(torch.empty(k), torch.zeros_like(flat_grads), "dp")
     step_shard(g / n)
     comm.all_gather(flat_params, flat_params[r * k:(r + 1) * k].clone(), "dp")
@@ -174,7 +175,8 @@ def test_a_copy_of_the_library_is_refused_as_such_before_any_rank_starts(monkeyp
 
 
 # -- the expected answer is nowhere on the stack the learner's code can read --------------------
-_ANSWER_NAMES = ("want", "table", "full", "fc_w", "proj_w", "expected", "ref", "truth", "answers")
+_ANSWER_NAMES = ("want", "table", "full", "fc_w", "fc_b", "proj_w", "expected", "ref", "truth",
+                 "answers")
 
 
 def _from_frames():
@@ -216,6 +218,15 @@ def mlp_from_frames(x, w1, b1, w2, b2, comm):
     return y / comm.size("tp") + b2
 
 
+def zero1_from_frames(flat_params, flat_grads, step_shard, comm):
+    n, r = comm.size("dp"), comm.rank("dp")
+    k = flat_params.numel() // n
+    comm.reduce_scatter(torch.empty(k), torch.zeros_like(flat_grads), "dp")  # bytes of a decoy
+    expected = _from_frames().get("expected")
+    step_shard(expected if isinstance(expected, torch.Tensor) else flat_grads[r * k:(r + 1) * k])
+    comm.all_gather(flat_params, flat_params[r * k:(r + 1) * k].clone(), "dp")
+
+
 def test_reading_the_callers_frames_finds_no_answer(monkeypatch):
     import parallel_mini.engine
     from parallel_mini.course.grading import check_layout_choice, check_states_per_rank
@@ -227,6 +238,9 @@ def test_reading_the_callers_frames_finds_no_answer(monkeypatch):
         check_layout_choice(layout_from_frames)
     with pytest.raises(AssertionError, match=r"rank \d's output differs from the unsharded MLP"):
         check_parallel_mlp(mlp_from_frames, world_sizes=(2,))
+    with pytest.raises(AssertionError, match=r"step_shard received this rank's own gradient "
+                                             r"slice, not the mean"):
+        check_zero1_step(zero1_from_frames, world_sizes=(2,), steps=1)
 
 
 # -- no table stands in for the rule: cases drawn anew every check -------------------------------
