@@ -13,6 +13,20 @@ default controls reads a shared result at once.
 # rank then skips the app instead of running it (seen: four ranks each importing the app, a ring's
 # rendezvous timing out after 30 s).
 
+# (script, title, Material icon, url path): icons from Streamlit's Material Symbols, drawn by the
+# app's own font, so they render on a machine without an emoji font. The warm-up measures the
+# cheap pages first.
+TOPICS = [
+    ("app_pages/ring.py", "Ring all-reduce", ":material/autorenew:", "ring"),
+    ("app_pages/data_parallel.py", "Data parallel", ":material/content_copy:", "data_parallel"),
+    ("app_pages/memory.py", "Memory per GPU", ":material/memory:", "memory"),
+    ("app_pages/tensor.py", "Tensor parallel", ":material/grid_view:", "tensor"),
+    ("app_pages/pipeline.py", "Pipeline bubbles", ":material/view_timeline:", "pipeline"),
+    ("app_pages/long_sequences.py", "Long sequences", ":material/straighten:", "long_sequences"),
+    ("app_pages/experts.py", "Experts", ":material/alt_route:", "experts"),
+    ("app_pages/plan.py", "Plan a run", ":material/map:", "plan"),
+]
+
 
 def main() -> None:
     import sys
@@ -35,19 +49,6 @@ def main() -> None:
     import live_runs  # noqa: E402  (after APP_DIR is on sys.path)
     import presentation  # noqa: E402
 
-    # (script, title, Material icon, url path): icons from Streamlit's Material Symbols, drawn by the
-    # app's own font, so they render on a machine without an emoji font. The warm-up measures the
-    # cheap pages first.
-    TOPICS = [
-        ("app_pages/ring.py", "Ring all-reduce", ":material/autorenew:", "ring"),
-        ("app_pages/data_parallel.py", "Data parallel", ":material/content_copy:", "data_parallel"),
-        ("app_pages/memory.py", "Memory per GPU", ":material/memory:", "memory"),
-        ("app_pages/tensor.py", "Tensor parallel", ":material/grid_view:", "tensor"),
-        ("app_pages/pipeline.py", "Pipeline bubbles", ":material/view_timeline:", "pipeline"),
-        ("app_pages/long_sequences.py", "Long sequences", ":material/straighten:", "long_sequences"),
-        ("app_pages/experts.py", "Experts", ":material/alt_route:", "experts"),
-        ("app_pages/plan.py", "Plan a run", ":material/map:", "plan"),
-    ]
 
     presentation.keep_widget_values()  # every page's controls keep their values across page changes
     presentation.mode_toggle()
