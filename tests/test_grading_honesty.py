@@ -281,3 +281,17 @@ def test_an_endless_answer_stops_with_a_message(monkeypatch):
             check(forever)
         assert time.perf_counter() - t0 < 5
     assert not [t for t in threading.enumerate() if t.name == "learner-answer"]  # stopped
+
+
+def test_a_warning_inside_the_window_is_held_not_counted_as_traffic(capfd):
+    """What the learner's code prints to stderr (a warning) while its bytes are measured is held
+    and written after the window, so it is never taken for bytes sent around comm."""
+    from parallel_mini.course.grading.core import _SocketBytes
+    meter = _SocketBytes()
+    if meter.total is None:
+        pytest.skip("bytes written cannot be read here")
+    with meter:
+        sys.stderr.write("x" * 10_000)
+        sys.stderr.flush()
+    assert meter.total < 10_000
+    assert "x" * 10_000 in capfd.readouterr().err
