@@ -244,6 +244,15 @@ def test_reading_the_callers_frames_finds_no_answer(monkeypatch):
 
 
 # -- no table stands in for the rule: cases drawn anew every check -------------------------------
+def mlp_from_the_lesson_weights(x, w1, b1, w2, b2, comm):
+    """The whole MLP rebuilt from the checker's own weights of the lesson (seed 0), shards unused."""
+    from parallel_mini.course.grading.lesson04_tensor_parallel import _parallel_mlp_weights
+    fc_w, fc_b, proj_w, proj_b, _ = _parallel_mlp_weights(x.shape[-1])
+    y = (F.gelu(x @ fc_w.T + fc_b) @ proj_w.T).contiguous()
+    comm.all_reduce(y, "tp")
+    return y / comm.size("tp") + proj_b
+
+
 def test_a_memorised_table_meets_cases_it_does_not_hold(monkeypatch):
     import parallel_mini.engine
     from parallel_mini.course.grading import (LAYOUT_BUDGETS, check_layout_choice,
@@ -258,6 +267,9 @@ def test_a_memorised_table_meets_cases_it_does_not_hold(monkeypatch):
     answers = {b: None for b in LAYOUT_BUDGETS}
     with pytest.raises(AssertionError, match=r"your choose_layout raised KeyError"):
         check_layout_choice(lambda budget: answers[budget])
+    with pytest.raises(AssertionError, match=r"^at tp=2, x of shape \[2, 8, 16\] \(weights drawn "
+                                             r"for this check\): rank \d's output differs"):
+        check_parallel_mlp(mlp_from_the_lesson_weights, world_sizes=(2,))
     # and the [correct] message no longer lists the budgets' answers (memorised from it before)
     assert "->" not in inspect.getsource(check_layout_choice).split("return Grade(")[-1]
 
