@@ -371,10 +371,14 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
                 st.session_state.pop(f"{page}_running", None)
                 return _fail(status, *error)
             break
+        shown = None
         while not flight.done.wait(0.25):  # another session measures this setting: join it
-            note.info(f"Another session is running these same settings: this page joined its run "
-                      f"({time.monotonic() - flight.t0:.0f} s so far) instead of queueing its own.",
-                      icon=":material/group:")
+            so_far = int(time.monotonic() - flight.t0)
+            if so_far != shown:  # a message a second, not four
+                shown = so_far
+                note.info(f"Another session is running these same settings: this page joined its "
+                          f"run ({so_far} s so far) instead of queueing its own.",
+                          icon=":material/group:")
         note.empty()
         if flight.error:
             st.session_state.pop(f"{page}_running", None)
@@ -385,13 +389,17 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
     if how == "now":
         said = (f"measured now on this machine in {entry.took_s:.1f} s"
                 + (f", after {waited:.1f} s waiting for rank processes" if waited >= 0.05 else ""))
+    elif how == "joined":
+        by = "the server's start-up run" if entry.by == "warm-up" else "another session's run"
+        said = f"measured now on this machine in {entry.took_s:.1f} s by {by}, which this page joined"
     else:
-        by = "the server's start-up run" if entry.by == "warm-up" else (
-            "another session's run, which this page joined" if how == "joined" else "a run")
-        said = (f"taken from the cache: measured on this machine at {entry.when()} by {by}, "
+        by = " by the server's start-up run" if entry.by == "warm-up" else ""
+        said = (f"taken from the cache: measured on this machine at {entry.when()}{by}, "
                 f"in {entry.took_s:.1f} s")
     alone = (f"; it ran alone ({entry.ranks} rank processes, more than this server's "
              f"{queue.bound})" if queue.oversize(entry.ranks) else "")
+    if how != "now":  # the bar a run would have left, full
+        area.progress(1.0, text=step_text(1, 1, "done"))
     status.update(label=f"{name}: done in {total:.1f} s, {said}{alone}", state="complete")
     result = entry.result()
     st.session_state[f"{page}_last"] = {"key": key, "result": result}

@@ -11,16 +11,8 @@ not fit CI's 2 cores), all pressing "Run live" on the Ring page together.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +20,8 @@ websockets = pytest.importorskip("websockets")
 from streamlit.proto.BackMsg_pb2 import BackMsg  # noqa: E402
 from streamlit.proto.ForwardMsg_pb2 import ForwardMsg  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from parallel_mini.course.bench import app_server  # noqa: E402
+
 CHART_WITHIN_S = 10.0  # issue 22's bound: every chart within 10 s at the default controls
 
 
@@ -115,46 +108,17 @@ class Session:
         return [x for _, k, x in self.events if k == kind]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A server of its own that warms the Ring page only (the default warms every page), bounded to
     2 rank processes as on CI's 2 cores."""
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("class_load") / "server.log"
-    streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    env = {**os.environ, "PARALLEL_MINI_WARM": "ring", "PARALLEL_MINI_MAX_RANKS": "2"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [streamlit, "run", "app/streamlit_app.py", "--server.address", "127.0.0.1",
-             "--server.port", str(port), "--server.headless", "true",
-             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.read().strip() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-        yield url
-    finally:  # the server, its forkserver and any rank: one process group, nothing to keep
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+        with app_server({"PARALLEL_MINI_WARM": "ring", "PARALLEL_MINI_MAX_RANKS": "2"},
+                        str(log_path), start_timeout_s=60) as url:
+            yield url
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 async def _warmed(url: str) -> str:

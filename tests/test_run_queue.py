@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing.forkserver as mp_forkserver
 import os
+import re
 import sys
 import threading
 import time
@@ -419,5 +420,17 @@ def test_the_status_line_says_measured_now_or_from_the_cache(live_runs, monkeypa
     again = at.status[0].label
     assert "taken from the cache: measured on this machine at " in again, again
     assert "measured now" not in again and at.metric[0].value == "2"
-    stamp = again.split("machine at ")[1].split(" ")[0]
-    assert time.strptime(stamp, "%H:%M:%S")
+    stamp = re.search(r"machine at (\d\d:\d\d:\d\d), in (\d+\.\d) s", again)
+    assert stamp and time.strptime(stamp[1], "%H:%M:%S"), again
+
+
+def test_the_pages_to_warm_come_from_the_environment():
+    from live_runs import WARM_ENV, warm_pages
+
+    pages = [("Ring all-reduce", "ring", "ring.py"), ("Data parallel", "data_parallel", "dp.py")]
+    assert warm_pages(pages, {}) == pages and warm_pages(pages, {WARM_ENV: "all"}) == pages
+    assert warm_pages(pages, {WARM_ENV: "none"}) == []
+    assert warm_pages(pages, {WARM_ENV: "data_parallel"}) == pages[1:]
+    with pytest.raises(ValueError, match=r"PARALLEL_MINI_WARM='rings': rings is not a page; give "
+                                         r"'all', 'none' or some of ring, data_parallel"):
+        warm_pages(pages, {WARM_ENV: "rings"})

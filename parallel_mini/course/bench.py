@@ -75,6 +75,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -808,8 +809,10 @@ APP_PAGES = ["ring", "data_parallel", "memory", "tensor", "pipeline", "long_sequ
 
 
 @contextlib.contextmanager
-def _app_server(env: dict):
-    """A `streamlit run` of the app on a free port, stopped (with its ranks) at the end."""
+def app_server(env: dict, log_path: str | None = None, start_timeout_s: float = 120.0):
+    """A `streamlit run` of the app on a free port with `env` added to this environment; yields its
+    URL; at the end the server, its forkserver and any rank (one process group) are killed. Its
+    output goes to `log_path` (by default a temporary file), named when it fails to start."""
     import shutil
     import signal
     import socket
@@ -822,16 +825,19 @@ def _app_server(env: dict):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    log = tempfile.NamedTemporaryFile("w+", prefix="bench_app_", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [streamlit, "run", "app/streamlit_app.py", "--server.address", "127.0.0.1",
-         "--server.port", str(port), "--server.headless", "true",
-         "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-        start_new_session=True)
+    if log_path is None:
+        log_path = tempfile.NamedTemporaryFile(prefix="app_server_", suffix=".log",
+                                               delete=False).name
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [streamlit, "run", "app/streamlit_app.py", "--server.address", "127.0.0.1",
+             "--server.port", str(port), "--server.headless", "true",
+             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
+            cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            start_new_session=True)  # its own process group: the ranks' forkserver goes with it
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + start_timeout_s
         while True:
             try:
                 with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
@@ -840,37 +846,43 @@ def _app_server(env: dict):
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"streamlit did not start; its log: {log.name}")
+                raise RuntimeError(f"streamlit did not start: {Path(log_path).read_text()[-3000:]}")
             time.sleep(0.3)
         yield url
-    finally:
+    finally:  # nothing in it to keep: no graceful shutdown to wait for
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=5)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+_ALL_CHARTS_DRAWN = """() => {
+  const charts = [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')];
+  return charts.length > 0 && charts.every(c => c.querySelector('svg, canvas'));
+}"""
 
 
 def _click_to_chart(page, url: str) -> tuple[float, str]:
-    """Open `url` in a new session (a fresh load), press Run live, and time the click to the first
-    chart drawn; (seconds, the run's status line)."""
+    """Open `url` in a new session (a fresh load), press Run live, and time the click to the run's
+    charts drawn: its status line says it is done, the script has finished, and every chart of the
+    page has its SVG or canvas (pages that draw theory charts before any run would otherwise count
+    those); (seconds, the run's status line)."""
+    idle = '[data-testid="stApp"][data-test-script-state="notRunning"]'
     page.goto(url)
     button = page.get_by_role("button", name="Run live")
     button.wait_for(timeout=180_000)
-    page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(
-        timeout=180_000)
+    page.locator(idle).wait_for(timeout=180_000)
     t0 = time.perf_counter()
     button.click()
-    page.locator('[data-testid="stVegaLiteChart"] :is(svg, canvas)').first.wait_for(
-        timeout=300_000)
+    status = page.locator('[data-testid="stExpander"] summary').filter(
+        has_text=re.compile(r"done in|did not complete"))
+    status.first.wait_for(timeout=300_000)
+    page.locator(idle).wait_for(timeout=300_000)
+    page.wait_for_function(_ALL_CHARTS_DRAWN, timeout=300_000)
     took = time.perf_counter() - t0
-    page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(
-        timeout=300_000)
-    status = page.locator('[data-testid="stExpander"] summary', has_text="done in")
-    line = status.first.inner_text() if status.count() else ""
-    line = " ".join(line.split())
-    return took, line[line.find(" ") + 1:] if line.startswith("check ") else line  # its icon
+    line = " ".join(status.first.inner_text().split())
+    return took, line[line.find(" ") + 1:] if line.startswith(("check ", "error ")) else line
 
 
 def bench_app(pages=tuple(APP_PAGES), repeats: int = 5, width: int = 1440, height: int = 900,
@@ -878,7 +890,7 @@ def bench_app(pages=tuple(APP_PAGES), repeats: int = 5, width: int = 1440, heigh
     from playwright.sync_api import sync_playwright
 
     rows = []
-    with _app_server({"PARALLEL_MINI_WARM": "none"}) as url, sync_playwright() as pw:
+    with app_server({"PARALLEL_MINI_WARM": "none"}) as url, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium)
         try:
             for name in pages:
