@@ -58,8 +58,8 @@ def _plot_width(spec: dict) -> float:
     if "facet" in spec and isinstance(spec.get("spec"), dict):  # panels side by side
         facet = spec["facet"] if isinstance(spec["facet"], dict) else {}
         column = facet.get("column") or (facet if "field" in facet else None)
-        sort = column.get("sort") if isinstance(column, dict) else None
-        n = len(sort) if isinstance(sort, list) else 1  # a facet by row: one panel wide
+        sort = (column or facet.get("row") or {}).get("sort")
+        n = len(sort) if column and isinstance(sort, list) else 1  # a facet by row: one wide
         if "columns" in spec:  # wrapped into rows of `columns` panels
             n = min(n, spec["columns"])
         # a panel is at least as wide as its header's label
@@ -116,7 +116,7 @@ def presentation(chart: alt.TopLevelMixin | dict, min_font_px: int = MIN_FONT_PX
 # ---------------------------------------------------------------------------------------------
 _CHAR_PX = 0.56  # a text's width per character, in units of its font size (Vega's sans-serif)
 _MIN_PANEL_PX = 200  # side-by-side panels narrower than this are stacked instead
-_COMPOUND_SLACK_PX = 60
+_COMPOUND_SLACK_PX = 160
 
 
 def _font(spec: dict, part: str, key: str, default: float) -> float:
