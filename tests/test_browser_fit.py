@@ -55,7 +55,7 @@ ALL_DRAWN = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChar
     .every(e => e.querySelector('svg.marks, canvas.marks'))"""
 
 # every text drawn on the page (HTML text nodes and chart text) smaller than MIN_TEXT_PX
-SMALL_TEXTS = """(least) => {
+SMALL_TEXTS = r"""(least) => {
   const out = [];
   const roots = document.querySelectorAll('[data-testid="stMain"], [data-testid="stSidebar"], header');
   for (const root of roots) {
