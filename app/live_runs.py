@@ -10,8 +10,8 @@ cannot evict another page's), with when and how long it was measured. Sessions a
 setting already measured read it (the status line says "taken from the cache: measured on this
 machine at 09:31, in 3.2 s"); sessions asking at once for the same setting join one run (single
 flight on the page and setting) instead of queueing their own. Every page's default setting is
-measured once in the background when the server starts (`start_warmup`, bounded by the queue like
-any session), so a class pressing "Run live" at the default controls reads it at once. "Fresh
+measured once in the background as the server starts (`start_warmup`, from the first session's
+first run: Streamlit runs no app code before; bounded by the queue like any session), so a class pressing "Run live" at the default controls reads it at once. "Fresh
 measurement" measures again (and the new result replaces the old for everyone). The last result of
 each page is also kept in the session, so moving a slider never starts ranks by itself: only
 "Run live" does. Inside a press, the wrappers' own st.cache_data caches let a page's runs share

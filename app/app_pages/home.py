@@ -22,7 +22,8 @@ ranks really sent, the bytes are counted by the communication layer, the memory 
    (and how long it took) or **taken from the cache** (and when it was measured).
 4. The same charts appear in the lessons (`make lab`), where learners write the code themselves.
 
-Every page's default setting is measured once when the server starts, and every result is shared
+Every page's default setting is measured once, in the background, when the server's first visitor
+opens the app, and every result is shared
 by everyone watching: a whole class pressing **Run live** at the same setting reads one result, and
 presses of the same new setting at once join one run. Tick *Fresh measurement* to measure again.
 
@@ -43,5 +44,5 @@ the byte counts and the losses are exact whatever the machine.
 
 states = live_runs.warm_states()
 if states:
-    st.markdown("**Default runs measured when the server started**")
+    st.markdown("**Default runs, measured as the server started**")
     st.markdown("\n".join(f"- {title}: {state}" for title, state in states.items()))
