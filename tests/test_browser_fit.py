@@ -7,7 +7,8 @@ longest sequence on Long sequences, dp = 4 on Data parallel), presses Run live, 
 to end, and measures what the browser drew:
 
 - every chart's drawn box (vega-embed's svg or canvas) lies inside its container (the column it
-  is in, else the page's main block or the sidebar) and inside the viewport, horizontally;
+  is in, else the page's main block or the sidebar) and inside the viewport, horizontally, and
+  its legends inside that box (not clipped);
 - presentation mode: every text on the page (chart text, captions, inline code, labels, metric
   labels) is drawn at 16 px or more;
 - normal mode: Run live and the top of the page's first chart are on the first screen.
@@ -44,9 +45,12 @@ CHART_BOXES = """() => {
     const d = drawn ? drawn.getBoundingClientRect() : el.getBoundingClientRect();
     const c = box.getBoundingClientRect();
     const s = getComputedStyle(box);
+    // a legend (or its last entries) drawn past the chart's own box is clipped from view
+    const legends = [...el.querySelectorAll('g.role-legend')].map(g => g.getBoundingClientRect());
     return {title: title.slice(0, 70), left: d.left, right: d.right, top: d.top,
             bottom: d.bottom, box_left: c.left + parseFloat(s.paddingLeft),
-            box_right: c.right - parseFloat(s.paddingRight), viewport: vw};
+            box_right: c.right - parseFloat(s.paddingRight), viewport: vw,
+            legend_right: Math.max(d.left, ...legends.filter(r => r.width).map(r => r.right))};
   });
 }"""
 
@@ -133,6 +137,9 @@ def run_largest(page, path: str) -> None:
     wait_for_the_rerun(page)
     assert page.locator('[data-testid="stExpanderIconError"]').count() == 0, \
         page.locator('[data-testid="stAlert"]').all_text_contents()
+    # every page draws a chart from its run; the browser draws it after the script run has ended
+    page.locator('[data-testid="stMain"] [data-testid="stVegaLiteChart"] .marks').first.wait_for(
+        timeout=60_000)
     page.wait_for_function(ALL_DRAWN, timeout=60_000)
 
 
@@ -145,6 +152,9 @@ def chart_overflows(page) -> list[str]:
             out.append(f"{b['title']!r}: drawn x {b['left']:.0f}-{b['right']:.0f} in its "
                        f"container's {b['box_left']:.0f}-{b['box_right']:.0f} "
                        f"(viewport {b['viewport']})")
+        if b["legend_right"] > b["right"] + 1:
+            out.append(f"{b['title']!r}: its legend ends at x {b['legend_right']:.0f}, past the "
+                       f"chart's {b['right']:.0f} (clipped)")
     return out
 
 
@@ -193,7 +203,7 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
                               for t in page.evaluate(SMALL_TEXTS, MIN_TEXT_PX)]
                     if path == "ring":  # the animation whole, with its controls, on one screen
                         box = page.evaluate(RING_ON_ONE_SCREEN)
-                        if box["top"] < 0 or box["bottom"] > box["height"]:
+                        if not (0 <= box["top"] and box["bottom"] <= box["height"]):
                             found.append(f"the ring animation spans y {box['top']:.0f}-"
                                          f"{box['bottom']:.0f} of {box['height']}")
                 else:
@@ -210,6 +220,7 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
 
 RING_ON_ONE_SCREEN = """() => {
   const el = document.querySelector('[data-testid="stMain"] [data-testid="stVegaLiteChart"]');
+  if (!el) return {top: NaN, bottom: NaN, height: window.innerHeight};
   const r = el.getBoundingClientRect();
   return {top: r.top, bottom: r.bottom, height: window.innerHeight};
 }"""
