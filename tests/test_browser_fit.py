@@ -115,6 +115,18 @@ def set_largest(page, path: str) -> None:
     wait_for_the_rerun(page)
 
 
+def presentation_on(page) -> None:
+    """Turn presentation mode on (the sidebar toggle); the page list moves to the top bar once
+    the script has rerun in presentation mode."""
+    from playwright.sync_api import expect
+
+    toggle = page.get_by_role("switch", name="Presentation mode")
+    toggle.wait_for(timeout=90_000)
+    page.locator('[data-testid="stSidebar"]').get_by_text("Presentation mode").click()
+    expect(toggle).to_be_checked()
+    expect(page.get_by_text("Topics", exact=True)).to_be_visible(timeout=30_000)
+
+
 def _open(page, app_url_: str, path: str) -> None:
     """Go to a page through the navigation (a new URL would start a new session: presentation
     mode and the runs' results are the session's)."""
@@ -176,7 +188,7 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
          shots: str | None = None) -> dict:
     """Run every page at its largest settings in one browser session; per page, what does not fit
     (and, given a folder `shots`, a screenshot of each page's first screen there)."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
 
     problems = {}
     with sync_playwright() as p:
@@ -184,12 +196,10 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
         try:
             page = browser.new_page(viewport=viewport)
             page.goto(app_url_)
-            toggle = page.get_by_role("switch", name="Presentation mode")
-            toggle.wait_for(timeout=90_000)  # a cold server imports for a while
+            page.get_by_role("switch", name="Presentation mode").wait_for(
+                timeout=90_000)  # a cold server imports for a while
             if presentation:
-                page.locator('[data-testid="stSidebar"]').get_by_text("Presentation mode").click()
-                expect(toggle).to_be_checked()
-                expect(page.get_by_text("Topics", exact=True)).to_be_visible(timeout=30_000)
+                presentation_on(page)
             for path in pages:
                 _open(page, app_url_, path)
                 try:
