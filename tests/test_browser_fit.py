@@ -246,7 +246,10 @@ def test_the_ring_at_eight_ranks_fits(app_url, presentation):  # noqa: F811
     assert not problems, problems
 
 
+# the first walk runs every page at its largest settings (cold: 5 minutes and more on a loaded
+# 2-core machine); the others re-use its runs (25-50 s each)
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("presentation", [False, True], ids=["normal", "presentation"])
 def test_every_chart_fits_at_1440(app_url, presentation):  # noqa: F811
     problems = walk(app_url, {"width": 1440, "height": 900}, presentation)
@@ -254,6 +257,7 @@ def test_every_chart_fits_at_1440(app_url, presentation):  # noqa: F811
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("presentation", [False, True], ids=["normal", "presentation"])
 def test_every_chart_fits_at_1920(app_url, presentation):  # noqa: F811
     problems = walk(app_url, {"width": 1920, "height": 1080}, presentation)
