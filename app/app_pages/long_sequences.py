@@ -14,6 +14,7 @@ from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, ru
 from parallel_mini import theory
 from parallel_mini.course import viz
 from parallel_mini.course.viz.animate import autoplay
+from parallel_mini.course.viz.style import spec_of
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel.context import hidden_fraction
 
@@ -97,6 +98,21 @@ def activation_theory(c: int, heads: int) -> dict:
         s, b, h, heads, "none", 4, cp=cp, cp_impl=impl)) for name, (cp, impl) in series_of(c).items()}
 
 
+@st.cache_data(max_entries=16, show_spinner=False)
+def tile_maps_spec(reports_json: str) -> dict:
+    """viz.tile_maps of {layout: report} (JSON) as a Vega-Lite spec, built once per pair of runs:
+    its 8 panels of 4 layers were most of a warm redraw (0.58 of the page's 0.8 s on the server);
+    the same runs give the same spec, and every caller gets its own copy."""
+    return spec_of(viz.tile_maps(json.loads(reports_json)))
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def ring_spec(report_json: str) -> dict:
+    """The ring animation of one run (JSON), playing by itself: built once per run, as above."""
+    rep = json.loads(report_json)
+    return autoplay(viz.ring_kv_animation(rep), "frame", 2 * rep["config"]["cp"])
+
+
 def _per_rank(values) -> str:
     return ", ".join(str(int(v)) for v in values)
 
@@ -132,7 +148,7 @@ def show_ring(result: dict) -> None:
                              help="Both were run; switching starts nothing.")
     rep = runs[LAYOUTS[layout]]
     # plays by itself in the browser (viz.animate: Vega's own timer, no server round-trip a frame)
-    pm.chart(autoplay(viz.ring_kv_animation(rep), "frame", 2 * c))
+    pm.chart(ring_spec(json.dumps(rep)))
     st.caption("It plays by itself, forward then backward: untick **play** under the chart to hold "
                "a frame, or move the **frame** slider; **speed** sets the pace.")
     sent = viz.cp_sent_bytes(rep)
@@ -171,7 +187,8 @@ def show_tiles(result: dict) -> None:
     k, runs = result["key"], result["runs"]
     c = k["cp"]
     st.subheader("2 · Which tiles each rank computes (measured)")
-    pm.chart(viz.tile_maps({"contiguous (ring)": runs["ring"], "zigzag": runs["zigzag"]}))
+    pm.chart(tile_maps_spec(json.dumps({"contiguous (ring)": runs["ring"],
+                                         "zigzag": runs["zigzag"]})))
     cols = st.columns(2)
     for col, (name, impl) in zip(cols, LAYOUTS.items()):
         layout = "zigzag" if impl == "zigzag" else "contiguous"
