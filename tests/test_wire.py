@@ -1,14 +1,14 @@
-"""Real wire bytes: what a rank's process wrote to its sockets during each op (comm.WireMeter,
+"""Real wire bytes: what a rank's process wrote to its sockets during each op (meters.WireMeter,
 /proc/self/io's wchar), beside the ring model (theory.wire_bytes) the records also carry."""
 import sys
 
 import pytest
 
 from parallel_mini.course.bench import MB, _wire_rank
-from parallel_mini.comm import WireMeter
 from parallel_mini.config import RunConfig
 from parallel_mini.engine import run
 from parallel_mini.launch import run_ranks
+from parallel_mini.meters import WireMeter
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="/proc/self/io is Linux's")
