@@ -9,18 +9,15 @@ exist in full only while it computes:
 Per step that is all-gather (Psi) + all-gather (Psi) + reduce-scatter (Psi): 3 Psi on the wire, 1.5x
 what data parallel moves, in exchange for memory that falls as 1/N.
 
-Read `plan_units` (which parameters move together), `Unit` (one sharded flat buffer: `gather`,
-`free`), then `Zero3DataParallel`: forward hooks gather and free, gradient hooks reduce-scatter
-and free, `step` updates each rank's slices.
+Read `plan_units` (what moves together), `Unit` (one sharded flat buffer: `gather`, `free`), then
+`Zero3DataParallel`: forward hooks gather and free, gradient hooks reduce-scatter and free.
 
 Units (a fixed wrapping policy): each member of a top-level ModuleList (the blocks) and each other
 top-level child with trainable parameters (the embedding, the head) is one flat buffer. The root's
-own parameters and any parameter two units share (a tied embedding and output projection) form the
-*root unit*, gathered for the root's whole forward and kept for backward (as FSDP2 keeps its root):
-a parameter lives in exactly one unit. Our GPT has none. A module in `apart` is a unit of its own
-over its own axes (FSDP2's nested fully_shard, as torchtitan applies it to MoE experts: a layer's
-experts differ between the ep ranks, their replicas are the edp ranks, parallel/expert.py).
-Frozen parameters are in no unit: replicated, never communicated (as in DDP and FSDP2).
+own parameters and any parameter two units share (tied weights) form the *root unit*, gathered for
+the root's whole forward and kept for backward (as FSDP2 keeps its root); our GPT has none. A
+module in `apart` is a unit of its own over its own axes (FSDP2's nested fully_shard, as torchtitan
+shards MoE experts over their replicas, edp: parallel/expert.py). Frozen parameters are in no unit.
 
 Freeing uses `storage.resize_(0)`, as FSDP's first version did: the parameters and autograd's saved
 references keep pointing at the same storage, which gets its bytes back when the unit is gathered.
