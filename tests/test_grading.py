@@ -772,7 +772,16 @@ def test_compare_prediction_says_right_off_or_only_the_value():
     assert compare_prediction(None, 24, "bytes", "counted", "2(N-1)/N x S").startswith(
         "bytes: counted 24 (2(N-1)/N x S). Write your prediction")
     assert compare_prediction(24, 24.0, "bytes").endswith("You predicted 24: right.")
-    assert "off, 0.5 x the measured value" in compare_prediction(12, 24, "bytes")
+    assert compare_prediction(12, 24, "bytes").endswith("You predicted 12, off: 0.5 times the "
+                                                        "value above.")
+    # plain words whatever the source says (no "x the your ... says value")
+    assert "x the" not in compare_prediction(2, 4, "bytes", "theory")
+    line = compare_prediction("faster", "about the same", "ring against gloo", "measured",
+                              "within 10%: about the same", choices=("slower", "about the same",
+                                                                     "faster"))
+    assert line.startswith("ring against gloo: 'about the same', by what the run measured (the "
+                           "rule: within 10%: about the same)"), line
+    assert "measured about the same" not in line
     choices = ("slower", "about the same", "faster")
     assert compare_prediction("Slower", "slower", "ring", choices=choices).endswith("right.")
     assert compare_prediction("faster", "slower", "ring", choices=choices).endswith("not what happened.")

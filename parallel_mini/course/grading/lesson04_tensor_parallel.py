@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ... import theory
 from ...config import RunConfig
-from .core import CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
+from .core import (CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace,
+                   _library_copy, _on_ranks, _wire_summary, _wire_verdict)
 
 
 # The check MLP: h = 16, hidden 4h = 64 (splits over 2 and 4 ranks), two input shapes per world
@@ -52,8 +53,15 @@ class _LibraryTensorParallelDisabled(_CodeSwapped):
 def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
     """One rank of the parallel-MLP check: rank r gets fc's rows r (its slice of the hidden
     features), proj's columns r (the matching slice of proj's inputs) and proj's whole bias, calls
-    `fn` once per input and returns each output and the comm records that call made."""
+    `fn` once per input and returns each output, its shards, the inputs and the comm records that
+    call made. The weights are new every check (a seed drawn by rank 0 and sent to the others
+    before the learner's code runs), and this rank keeps only its shards: no frame the learner's
+    code can reach holds the unsharded MLP or the seed (the parent computes the expected output
+    from every rank's shards after the ranks return)."""
+    import os
+
     import torch
+    import torch.distributed as dist
 
     from ...comm import Comm
     from ...mesh import build_mesh
@@ -61,9 +69,12 @@ def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
     n, r = comm.size("tp"), comm.rank("tp")
-    fc_w, fc_b, proj_w, proj_b, xs = _parallel_mlp_weights(cfg.d_model)
+    seed = torch.tensor([int.from_bytes(os.urandom(7), "little") if r == 0 else 0])
+    dist.broadcast(seed, comm.mesh.global_rank("tp", 0), group=comm.mesh.groups["tp"])
+    fc_w, fc_b, proj_w, proj_b, xs = _parallel_mlp_weights(cfg.d_model, int(seed))
     shards = (fc_w.chunk(n, dim=0)[r].clone(), fc_b.chunk(n, dim=0)[r].clone(),  # [4h/t, h], [4h/t]
               proj_w.chunk(n, dim=1)[r].clone(), proj_b.clone())  # [h, 4h/t], [h]
+    del fc_w, fc_b, proj_w, proj_b, seed  # from here on, this rank holds its shards only
     calls = []
     trace = _RankTrace("your parallel_mlp")
     for x in xs:
@@ -75,7 +86,7 @@ def _parallel_mlp_rank(cfg_dict: dict, fn) -> dict:
                       "records": [{k: c.get(k) for k in ("op", "group", "payload_bytes",
                                                          "wire_bytes_model", "count")}
                                   for c in comm.records]})
-    return {"rank": r, "calls": calls}
+    return {"rank": r, "calls": calls, "shards": shards, "xs": xs, "wire": _wire_summary(trace)}
 
 
 def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
@@ -98,8 +109,7 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     from ...launch import run_ranks
 
     h = PARALLEL_MLP_SHAPE["d_model"]
-    fc_w, fc_b, proj_w, proj_b, xs = _parallel_mlp_weights(h)
-    full = [F.gelu(x @ fc_w.T + fc_b) @ proj_w.T + proj_b for x in xs]  # [b, s, h], one process
+    _library_copy(fn, ("parallel.tensor", "course.grading.lesson04_tensor_parallel"), "your")
     summary = []
     for n in world_sizes:
         cfg = RunConfig(tp=n, d_model=h, heads=n, vocab=128)
@@ -110,7 +120,13 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
                             "this cell again.", f"at tp={n}")
         if isinstance(results, Grade):
             return results
-        per_rank = [res.value for res in results]
+        per_rank = sorted((res.value for res in results), key=lambda p: p["rank"])
+        # the unsharded MLP from every rank's shards, in this process, after the ranks returned
+        fc_w = torch.cat([p["shards"][0] for p in per_rank], dim=0)  # [4h, h]
+        fc_b = torch.cat([p["shards"][1] for p in per_rank], dim=0)  # [4h]
+        proj_w = torch.cat([p["shards"][2] for p in per_rank], dim=1)  # [h, 4h]
+        proj_b, xs = per_rank[0]["shards"][3], per_rank[0]["xs"]  # [h]
+        full = [F.gelu(x @ fc_w.T + fc_b) @ proj_w.T + proj_b for x in xs]  # [b, s, h]
         worst = 0.0
         for i, (x, want) in enumerate(zip(xs, full)):
             b, s = x.shape[:2]
@@ -171,11 +187,14 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
                                f"{diff:.2e} (tolerance: rtol = atol = 1e-5)")
                     raise AssertionError(f"{at}: {why}")
                 worst = max(worst, (got - want).abs().max().item())
-        summary.append({"tp": n, "max_abs_diff": worst,
+        wire = _wire_verdict(per_rank, f"at tp={n}", "your parallel_mlp")
+        summary.append({"tp": n, "max_abs_diff": worst, "written_bytes": wire["written"],
+                        "explained_bytes": wire["explained"],
                         "all_reduce_bytes": [x.shape[0] * x.shape[1] * h * 4 for x in xs],
                         "wire_bytes_model": [theory.wire_bytes("all_reduce", x.shape[0] * x.shape[1] * h * 4, n)
                                        for x in xs]})
     worst = max(row["max_abs_diff"] for row in summary)
     return Grade("correct", f"equal to the unsharded MLP (max |diff| {worst:.1e}) at tp = "
-                 f"{list(world_sizes)}, with exactly one all-reduce of the [b, s, h] output per "
-                 f"call", {"runs": summary})
+                 f"{list(world_sizes)}, new random weights each check, with exactly one all-reduce "
+                 f"of the [b, s, h] output per call (counted) and no bytes written to the sockets "
+                 f"beyond it (measured)", {"runs": summary})
