@@ -1,6 +1,12 @@
-"""Meters: memory by category in exact bytes, an op timeline with wall and CPU time, and the
-records of every collective (bytes in theory and as written to the sockets). The core files
-(comm.py, moe.py, parallel/) call these and keep only their topic.
+"""Meters: everything that only measures, so that each core file keeps only its topic.
+
+    memory          tensors_bytes, model_state_bytes, ActivationMeter, LiveBytes (engine.py)
+    op events       Timeline: kind, step, micro-batch, stage, wall and CPU time (runners)
+    communication   CommMeter, WireMeter: one record per collective, bytes as the ring model
+                    says and as written to the sockets (comm.py's Comm calls them)
+    experts         ComputeTimer, log_routing: compute time, the routing log (moe.py)
+    ring attention  RingHop, hidden_fraction: each hop's posted/computed/arrived (context.py)
+    pipelines       HeldBytes: what a stage holds after each op (parallel/pipeline.py)
 
 Memory is counted from tensor storages, not from the process's RSS (which carries ~90 MiB of
 allocator and library noise and cannot be split by category):
