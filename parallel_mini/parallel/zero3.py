@@ -86,14 +86,14 @@ class Unit:
         self.grad_shard: torch.Tensor | None = None  # [k], accumulated over micro-steps
         self.ready: set = set()  # parameters whose gradient arrived in this backward
         self.active = False  # inside the module's own forward
-        self.guard = guards.UnitGuards(params, names)  # the guards' state for this unit
+        self.guard = guards.UnitGuards(params, names)  # the guards' state (numbered as there)
         self.gathered = True
         self.free()
 
     def free(self) -> None:
         if self.gathered:
             self.storage.resize_(0)  # bytes released; views stay attached
-            self.guard.wear(freed=True)  # from now on an op that would read it is refused
+            self.guard.wear(freed=True)  # 1: from now on an op that would read it is refused
             self.gathered = False
 
     def gather(self, comm: Comm) -> None:
@@ -217,12 +217,12 @@ class Zero3DataParallel:
         """Every gradient of the unit arrived and its inputs' gradient is complete: no op of this
         backward reads its weights again. Reduce (unless find_unused_parameters) and free."""
         if unit.guard.in_backward or len(unit.ready) < len(unit.params):
-            return
+            return  # 4: an op of a call's backward may still read the weights
         unit.ready.clear()
         # (find_unused: which units complete here differs between ranks; 6: a W reduces it)
         if not self.find_unused and not unit.guard.later:
             self._reduce(unit)
-        if not unit.guard.sticky:
+        if not unit.guard.sticky:  # 3: a custom Function's backward may still read it
             self._free(unit)
 
     def _reduce(self, unit: Unit) -> None:
