@@ -1,18 +1,15 @@
 """The ring page in a real browser: Debian's chromium driven by playwright against a Streamlit
 server started here. On 8 ranks (the most the page allows), press "Run live", wait for the chart
-the run produced, press Play (the frame advances) and Pause (it holds), move the animation's step
+the run produced, see it play (the step advances), pause it (it holds), move the animation's step
 slider and check that what is drawn changes to the decoded state of that step, that the legend
-names every count 1..8 and that the whole message list of a step lies inside the chart."""
+names every count 1..8 and that the whole message list of a step lies inside the chart. The
+animation plays by itself in the browser (no Play button: a timer in the chart's spec); unticking
+its "play" box holds the step while the chart's own timer ticks on (waited for by its tick count,
+never by sleeping)."""
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
+import re
 from pathlib import Path
 
 import pytest
@@ -33,62 +30,32 @@ def _require_chromium():
         pytest.skip(msg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # One Streamlit server for every browser module of this pytest process (each module imports
 # app_url from here): a cold server costs its first page 10-20 s of imports on a loaded 2-core
 # machine, and its shutdown 5 s. Pages keep nothing between browser sessions but st.cache_data.
+# The server warms no page in the background (PARALLEL_MINI_WARM=none): its start-up runs would
+# compete with the tests' own runs for the machine's cores; tests/test_class_load.py checks the
+# warm-up with a server of its own.
 _SERVER: dict = {}
 
 
 @pytest.fixture(scope="module")
 def app_url(request, tmp_path_factory):
     _require_chromium()
-    if _SERVER and _SERVER["proc"].poll() is None:
+    if _SERVER:
         yield _SERVER["url"]
         return
-    port = _free_port()
+    from parallel_mini.course.bench import app_server
+
     log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
-    streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [streamlit, "run", "app/streamlit_app.py", "--server.address", "127.0.0.1",
-             "--server.port", str(port), "--server.headless", "true",
-             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own process group: the ranks' forkserver goes with it
-    url = f"http://127.0.0.1:{port}"
+    server = app_server({"PARALLEL_MINI_WARM": "none"}, log_path=str(log_path), start_timeout_s=45)
     try:
-        deadline = time.monotonic() + 45
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.read().strip() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-    except BaseException:
-        _stop(proc)
-        raise
-    _SERVER.update(proc=proc, url=url)
-    request.config.add_cleanup(lambda: _stop(proc))  # at the end of the test session
+        url = server.__enter__()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    _SERVER.update(url=url)
+    request.config.add_cleanup(lambda: server.__exit__(None, None, None))  # at the session's end
     yield url
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
 
 
 def _svg_texts(chart) -> list[str]:
@@ -100,6 +67,21 @@ def wait_for_the_rerun(page) -> None:
     draws the new ones as the script reaches them: wait for the run to end before reading them."""
     page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(
         timeout=60_000)
+
+
+def _wait_for_ticks(page, chart, ticks: int) -> None:
+    """Wait until the chart's timer (viz.animate's invisible 'timer tick N') has ticked `ticks`
+    more times: time has passed in the browser, counted by the chart itself, not slept here."""
+    start = _tick(chart)
+    chart.locator("svg text", has_text=f"timer tick {start + ticks}").first.wait_for(
+        state="attached", timeout=60_000)
+
+
+def _tick(chart) -> int:
+    for text in _svg_texts(chart):
+        if text.startswith("timer tick "):
+            return int(text.split()[-1])
+    raise AssertionError(_svg_texts(chart))
 
 
 def _caption_step(chart) -> int:
@@ -130,10 +112,10 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
             expect(timed).to_have_attribute("aria-valuetext", "1")
             page.get_by_role("button", name="Run live").click(timeout=30_000)
 
-            # the animation: the first chart on the page, drawn once the run returned
+            # the animation: the first chart on the page, drawn once the run returned; it plays
+            # by itself in the browser (viz.animate): the step it shows changes with no click
             chart = page.locator('[data-testid="stVegaLiteChart"]').first
-            start_caption = chart.locator("svg text", has_text=f"step 0 of {steps}")
-            start_caption.wait_for(timeout=90_000)
+            chart.locator("svg text", has_text=f" of {steps} · ").first.wait_for(timeout=90_000)
             expect(page.get_by_text("Bytes sent by each rank: counted")).to_be_visible()
             expect(page.get_by_text("Written to sockets by each rank: measured")).to_be_visible()
             slider = chart.locator('input[type="range"]')
@@ -141,27 +123,29 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
             cells = chart.locator('path[aria-roledescription="rect mark"]')
             expect(cells.first).to_be_visible()
             chart.scroll_into_view_if_needed()
+            first = _caption_step(chart)
+            chart.locator("svg text", has_text=re.compile(
+                rf"^step (?!{first} )\d+ of {steps}")).first.wait_for(timeout=30_000)
+
+            # Pause (untick play): the step holds while the chart's timer ticks on
+            play = chart.locator(".vega-bind", has_text="play").locator("input")
+            expect(play).to_be_checked()
+            play.uncheck()
+            held = _caption_step(chart)
+            _wait_for_ticks(page, chart, 3 * 3)  # three steps' worth at the normal speed
+            assert _caption_step(chart) == held
+            assert page.locator('[data-testid="stException"]').count() == 0
+
+            slider.fill("0")  # the start: each rank holds only its own data
+            chart.locator("svg text", has_text=f"step 0 of {steps}").first.wait_for(timeout=10_000)
             before_png = chart.screenshot()
             before_texts = _svg_texts(chart)
-            assert f"all {n}" not in before_texts  # at the start each rank holds only its own data
+            assert f"all {n}" not in before_texts
             # the legend names every count of ranks summed in, 1..8
             legend = before_texts.index("ranks summed in")  # its labels come first in the SVG
             assert before_texts[legend - n:legend] == [str(i) for i in range(1, n + 1)], \
                 before_texts
 
-            # Play: the server redraws the chart one step at a time; Pause holds it
-            page.get_by_role("button", name="▶ Play").click()
-            chart.locator("svg text", has_text=f"step 2 of {steps}").wait_for(timeout=15_000)
-            page.get_by_role("button", name="⏸ Pause").click()
-            page.get_by_role("button", name="▶ Play").wait_for(timeout=10_000)
-            wait_for_the_rerun(page)  # a step already on its way is drawn before the pause
-            held = _caption_step(chart)
-            assert 2 <= held < steps
-            page.wait_for_timeout(2_000)  # more than two steps at the default speed
-            assert _caption_step(chart) == held
-            assert page.locator('[data-testid="stException"]').count() == 0
-
-            slider = chart.locator('input[type="range"]')  # the chart was redrawn
             slider.fill(str(steps))  # the last step: the all-reduce is complete
             last = chart.locator("svg text", has_text=f"step {steps} of {steps}")
             last.wait_for(timeout=10_000)

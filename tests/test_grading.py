@@ -754,6 +754,12 @@ def test_bucketed_checker_measures_overlap_and_accepts_the_answer():
     assert grade.status == "correct", grade
     run = grade.details["runs"][0]
     assert run["all_reduces_per_step"] > 1 and run["launched_in_backward"] >= 1
+    # measured: in flight while backward ran, the share overlapped, backward without the hooks
+    assert 1 <= run["in_flight_in_backward"] <= run["all_reduces"]
+    assert 0 < run["overlapped_share"] <= 1 and run["plain_backward_ms"] > 0
+    assert run["written_bytes"] is None or 0 < run["written_bytes"] <= run["explained_bytes"]
+    assert "none waited for inside a hook, and all-reduces in flight while backward still ran " \
+           "(measured)" in grade.message
 
 
 @pytest.mark.parametrize("wrong,message", [

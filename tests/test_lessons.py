@@ -199,15 +199,48 @@ def test_copies_hold_stub_and_solution(src):
         if c.cell_type == "code":
             assert not c.outputs and c.execution_count is None, c.source[:80]
             assert "NBVAL_CHECK_OUTPUT" not in c.source
-    # the solved copy stores outputs only in tagged cells, with the same tags as the learner's
+    # the solved copy stores outputs only in tagged cells and, as the answer key, what the cells
+    # that check a prediction printed (text only); its tags are the learner's
+    tool = _tool()
     tags = [c.metadata.get("tags", []) for c in learner.cells]
     assert tags == [c.metadata.get("tags", []) for c in solved.cells[1:]]
-    checked = [c for c in solved.cells if "nbval-check-output" in c.metadata.get("tags", [])]
+    checked = [c for c in solved.cells if tool.is_checked(c)]
     assert checked, "every lesson checks some output"
     for c in solved.cells:
-        if c.cell_type == "code" and c.outputs:
-            assert c in checked
+        if c.cell_type == "code" and c.outputs and not tool.is_checked(c):
+            assert tool.is_answer_key(c), c.source[:80]
+            assert all(o.output_type == "stream" for o in c.outputs)
     assert "[correct]" in _stored_text(solved) and "[not attempted]" not in _stored_text(solved)
+
+
+WIDGETS = ("ring_player", "memory_explorer", "bubble_explorer", "tiles_explorer")
+
+
+def test_widget_cells_are_ignored_by_nbval_and_come_after_their_predictions():
+    """Lessons 01, 03, 05 and 06 each show one live widget (parallel_mini.course.widgets): its cell
+    is tagged nbval-ignore-output and stores nothing (a widget's state is not an output to compare),
+    and it comes after every prediction of its lesson whose answer the widget could show: after
+    the last check of the section it explores."""
+    spec = importlib.util.spec_from_file_location("lesson_spoilers",
+                                                  ROOT / "tests" / "test_lesson_spoilers.py")
+    spoilers = sys.modules.setdefault("lesson_spoilers", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(spoilers)  # registered first: its dataclass looks its module up
+    after_checks = {"01": ("predict_steps", "predict_bytes_per_rank"),
+                    "03": ("predict_zero2_n4", "predict_hybrid", "predict_full"),
+                    "05": ("predict_gpipe_bubble", "predict_interleaved", "predict_wall"),
+                    "06": ("my_imbalance", "my_calls")}
+    for src in SOURCES:
+        learner = nbformat.read(ROOT / "lessons" / src.name, as_version=4)
+        solved = nbformat.read(ROOT / "lessons" / "solutions" / src.name, as_version=4)
+        cells = [i for i, c in enumerate(learner.cells) if c.cell_type == "code"
+                 and any(f"{w}(" in c.source for w in WIDGETS)]
+        assert bool(cells) == (src.name[:2] in after_checks), src.name
+        for i in cells:
+            assert "nbval-ignore-output" in learner.cells[i].metadata.get("tags", [])
+            assert not solved.cells[i + 1].outputs
+            checked = {p.name: p.checked for p in spoilers.predictions(learner, solved)}
+            for name in after_checks[src.name[:2]]:
+                assert checked[name] < i, f"{src.name}: the widget (cell {i}) shows {name} before its check"
 
 
 def test_sanitizer_keeps_the_grade_status_apart():
@@ -383,9 +416,13 @@ def test_learner_copy_runs_with_its_stubs(src):
     from nbclient import NotebookClient
 
     nb = nbformat.read(ROOT / "lessons" / src.name, as_version=4)
+    solved = nbformat.read(ROOT / "lessons" / "solutions" / src.name, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(ROOT / "lessons")}}).execute()
-    grades = [c for c in nb.cells if c.cell_type == "code" and _tool().GRADER_CALL.search(c.source)]
+    # the grade cells: those whose solved copy says "[correct]" (not the cells that show what the
+    # checker says to a wrong answer, which say the same in both copies)
+    grades = [c for c, s in zip(nb.cells, solved.cells[1:])
+              if c.cell_type == "code" and "[correct]" in "".join(o.get("text", "") for o in s.outputs)]
     assert grades
     for c in grades:
         text = "".join(o.get("text", "") for o in c.outputs)

@@ -13,7 +13,6 @@ import pytest
 from parallel_mini import engine, theory
 from parallel_mini.course import viz
 from parallel_mini.course import widgets as w
-from parallel_mini.parallel import schedules as S
 
 
 def _datasets(chart) -> list[list[dict]]:
@@ -118,15 +117,17 @@ def test_bubble_explorer_plans_every_schedule_and_equals_the_formula():
         s = b.planned["schedule"]
         formula = theory.bubble_fraction(name, 2, 4, s.virtual)
         got = _bubbles(b.bars)
-        assert got[(name, "formula")] == formula
-        assert got[(name, "planned (unit costs, theory)")] == pytest.approx(formula, abs=1e-12)
+        group = f"planned: {name}, p 2, m 4"
+        assert got[(group, "formula")] == formula
+        assert got[(group, "planned (unit costs, theory)")] == pytest.approx(formula, abs=1e-12)
         # the timeline drawn is this schedule's plan: every op of every rank, once
         ops = [r for d in _datasets(b.chart) for r in d if r.get("kind") in ("F", "B", "W")]
         assert len({(r["rank"], r["kind"], r["microbatch"], r["chunk"]) for r in ops}) == \
             sum(len(x) for x in s.ops)
     assert _shown(b.outs[0]) != first
-    b.schedule.value, b.pp.value, b.m.value = "1f1b", 4, 2  # fewer micro-batches: a bigger bubble, (p-1)/(m+p-1)
-    assert _bubbles(b.bars)[("1f1b", "formula")] == pytest.approx(3 / 5)
+    # fewer micro-batches than stages: a bigger bubble, (p - 1) / (m + p - 1)
+    b.schedule.value, b.pp.value, b.m.value = "1f1b", 4, 2
+    assert _bubbles(b.bars)[("planned: 1f1b, p 4, m 2", "formula")] == pytest.approx(3 / 5)
     assert not b.run_button.disabled
     b.pp.value = 6  # planned, but not run here
     assert b.run_button.disabled and "at most 4 ranks" in b.status.value
@@ -151,10 +152,15 @@ def test_bubble_explorer_run_live_draws_the_reports_bubble():
     assert b.error is None, b.status.value
     bub = b.live["bubble"]
     got = _bubbles(b.bars)
-    assert got[("1f1b", "measured (wall clock)")] == bub["wall"]["overall"] > 0
-    assert got[("1f1b", "replayed (measured op times, own-device schedule)")] == \
+    run = "run: 1f1b, p 2, m 2"
+    assert got[(run, "measured (wall clock)")] == bub["wall"]["overall"] > 0
+    assert got[(run, "replayed (measured op times, own-device schedule)")] == \
         bub["replayed"]["overall"]
-    assert got[("1f1b", "formula")] == pytest.approx(theory.bubble_fraction("1f1b", 2, 2))
+    assert got[(run, "formula")] == pytest.approx(theory.bubble_fraction("1f1b", 2, 2))
+    b.m.value = 4  # the plan follows the sliders; the run's bars stay, named as the run
+    got = _bubbles(b.bars)
+    assert got[("planned: 1f1b, p 2, m 4", "formula")] == pytest.approx(1 / 5)
+    assert got[(run, "measured (wall clock)")] == bub["wall"]["overall"]
     kinds = {r.get("kind") for d in _datasets(b.live_chart) for r in d}
     assert {"F", "B"} <= kinds
 

@@ -18,7 +18,9 @@ Sources live in lessons/src/NN_topic.ipynb: the lesson with the solutions in it,
   outputs at all, as an exercise release does: a stored output under a prediction cell would
   answer it before the learner is asked.
 - Solved copy (lessons/solutions/NN_topic.ipynb): the marker lines are removed, nothing else; the
-  outputs of its checked cells are the source's.
+  outputs of its checked cells are the source's, and so is what each cell that checks a prediction
+  (calls `compare_prediction`) printed: the answer key, from which tests/test_lesson_spoilers.py
+  reads each prediction's answer (nbval does not compare those unless they are tagged).
 
 Checked cells carry the cell tag `nbval-check-output` (nbval reads tags; no comment line in the
 learner's code). They are the only cells nbval compares (the tests run it on the solved copies with
@@ -59,6 +61,7 @@ CHECK_TAG, IGNORE_TAG = "nbval-check-output", "nbval-ignore-output"
 CORRECT = "[correct]"
 KEEP_CELL_METADATA = ("tags",)
 GRADER_CALL = re.compile(r"\bcheck_\w+\(")  # a grader from parallel_mini.course.grading
+ANSWER_CALL = re.compile(r"\bcompare_prediction\(")  # prints a prediction's answer
 
 
 class LessonError(ValueError):
@@ -116,6 +119,18 @@ def is_checked(cell) -> bool:
     return CHECK_TAG in cell.get("metadata", {}).get("tags", [])
 
 
+def is_answer_key(cell) -> bool:
+    """A cell that checks a prediction (calls compare_prediction) but is not compared by nbval:
+    the solved copy keeps what it printed (its stream outputs), the course's answer key, which
+    tests/test_lesson_spoilers.py reads each prediction's answer from."""
+    return (cell.cell_type == "code" and not is_checked(cell)
+            and bool(ANSWER_CALL.search(cell.source)))
+
+
+def _answer_key_outputs(outputs) -> list:
+    return [_strip_output(o) for o in outputs if o.get("output_type") == "stream"]
+
+
 def _refuse_old_marker(cell, where: str) -> None:
     if any(line.strip().lstrip("#").strip() == OLD_MARK for line in cell.source.splitlines()):
         raise LessonError(f"{where}: the comment line '# {OLD_MARK}' is gone from the lessons; "
@@ -170,6 +185,9 @@ def make_copies(src_nb, src_rel: str) -> tuple[dict, dict]:
                         new.execution_count, new.outputs = code_number, outs
                     else:  # an exercise release: nothing answered before it is asked
                         new.execution_count, new.outputs = None, []
+                elif is_answer_key(cell) and kind == "solved":
+                    new.execution_count = code_number
+                    new.outputs = _answer_key_outputs(cell.get("outputs", []))
                 else:
                     new.outputs = []
             elif BEGIN in cell.source or END in cell.source:
@@ -283,6 +301,8 @@ def execute_sources(root: Path, timeout: int = 300, only: str | None = None) -> 
                 cell.execution_count = None
                 if is_checked(cell):
                     cell.outputs = [_strip_output(o) for o in cell.outputs]
+                elif is_answer_key(cell):
+                    cell.outputs = _answer_key_outputs(cell.outputs)
                 else:
                     cell.outputs = []
                 cell.metadata = _clean_metadata(cell.metadata)

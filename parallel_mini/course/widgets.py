@@ -108,7 +108,21 @@ class Explorer(W.VBox):
         self.error = text if kind == "error" else None
         self.status.value = f'<span style="color:{color}">{html.escape(text)}</span>'
 
+    def why_not_live(self) -> str | None:
+        """None when the sliders' setting runs live here, else why (one line)."""
+        return None
+
+    def refresh_button(self) -> str | None:
+        """Enable Run live exactly when the setting runs live; returns why not (or None)."""
+        why = self.why_not_live()
+        self.run_button.disabled = why is not None
+        return why
+
     def _run_clicked(self, _button=None) -> None:
+        why = self.why_not_live()
+        if why:  # a disabled button can still be clicked from code: said, not run
+            self.say(_sentence(why), "error")
+            return
         self.run_button.disabled = True
         t0 = time.perf_counter()
         try:
@@ -117,12 +131,12 @@ class Explorer(W.VBox):
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             self.say(f"The live run failed: {first}", "error")
         else:
-            if done:
-                self.say(f"{done} ({time.perf_counter() - t0:.1f} s)", "ok")
+            self.say(f"{done} ({time.perf_counter() - t0:.1f} s)", "ok")
         finally:
-            self.run_button.disabled = False
+            self.refresh_button()
 
-    def run_live(self) -> str | None:  # pragma: no cover - every subclass has its own
+    def run_live(self) -> str:  # pragma: no cover - every subclass has its own
+        """Run on real ranks, draw what they did; returns the status line's summary."""
         raise NotImplementedError
 
     def show(self, chart, index: int = 0) -> None:
@@ -142,6 +156,10 @@ class Explorer(W.VBox):
         data = super()._repr_mimebundle_(**kwargs)
         chart = self.static_chart()
         return {**(static_bundle(chart) if chart is not None else {}), **data}
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:] + ("" if text.endswith(".") else ".")
 
 
 def _labelled(widget: W.Widget, width: str = "330px") -> W.Widget:
@@ -186,10 +204,11 @@ class RingPlayer(Explorer):
         n, sent = exp["world_size"], exp["sent_bytes_per_rank"]
         written = exp.get("written_bytes_per_rank") or [None] * n
         self.summary.value = (
-            f"<b>Live run, {n} ranks, {exp['numel']} fp32 elements.</b> Ring steps: measured "
-            f"{exp['steps_measured']} (messages rank 0 sent), theory 2(N−1) = "
-            f"{theory.ring_steps(n)}. Bytes each rank sent: counted {min(sent):,}–{max(sent):,} B; "
-            f"theory 2(N−1)/N·X = {exp['theory_bytes_per_rank']:,.0f} B; written to its sockets: "
+            f"<b>Live run, {n} ranks, {exp['numel']} fp32 elements.</b> Ring steps: counted "
+            f"{exp['steps_measured']} (the messages rank 0 sent, from its records), theory "
+            f"2(N−1) = {theory.ring_steps(n)}. Bytes each rank sent: counted "
+            f"{min(sent):,}–{max(sent):,} B; theory 2(N−1)/N·X = "
+            f"{exp['theory_bytes_per_rank']:,.0f} B; written to its sockets: "
             + ("not measurable here" if None in written else
                f"measured {min(written):,}–{max(written):,} B (payloads + gloo's framing)")
             + ". Integer sums equal gloo's: " + ("yes" if exp["int_exact"] else "NO") + ".")
@@ -298,18 +317,18 @@ class MemoryExplorer(Explorer):
         toy = model in TOYS
         self.rows = [{"stage": f"ZeRO-{k}", "category": c, "bytes": float(v)}
                      for k in STAGES for c, v in memory_theory(model, gpus, k, prec).items()]
-        what = ("exact per rank, padded shards" if toy else
-                f"micro-batch {BIG_MICRO_BATCH} × {BIG_SEQ} tokens, Adam")
+        what = ("theory.model_state_bytes (exact per rank, padded shards)" if toy else
+                f"theory.memory_per_gpu (Adam, micro-batch {BIG_MICRO_BATCH} × {BIG_SEQ} tokens, "
+                "no activation checkpointing)")
         self.chart = viz.memory_stages(
             self.rows, None if toy else GPU_CAPACITY, selected=f"ZeRO-{zero}", decimal=not toy,
             title=f"Memory per GPU by ZeRO stage (theory): {model}, N = {gpus}, {prec}",
-            subtitle=[f"theory.model_state_bytes ({what}); activations: Korthikanti et al.",
+            subtitle=[f"{what}; activations: Korthikanti et al.",
                       "the chosen stage opaque" + ("" if toy else "; red: an 80 GB GPU")])
         self.show(self.chart)
-        why = self.why_not_live()
-        self.run_button.disabled = why is not None
+        why = self.refresh_button()
         if why:
-            self.say(why[0].upper() + why[1:] + ".")
+            self.say(_sentence(why))
         else:
             done = [k for k in STAGES if (model, gpus, prec, k) in self.runs]
             self.say(f"Run live measures ZeRO-{zero} on {gpus} rank(s)"
@@ -317,11 +336,7 @@ class MemoryExplorer(Explorer):
                         else "") + ".")
         self.draw_live()
 
-    def run_live(self) -> str | None:
-        why = self.why_not_live()
-        if why:
-            self.say(why[0].upper() + why[1:] + ".", "error")
-            return None
+    def run_live(self) -> str:
         model, gpus, zero, prec = (self.model.value, self.gpus.value, self.zero.value,
                                    self.precision.value)
         self.say(f"Training the toy at ZeRO-{zero} on {gpus} rank(s), one step…", "busy")
@@ -423,7 +438,7 @@ class BubbleExplorer(Explorer):
         except ValueError as err:
             self.planned, self.chart = {}, None
             self.show(None), self.show(None, 1)
-            self.run_button.disabled = True
+            self.refresh_button()
             self.say(f"{name}, p = {pp}, m = {m} cannot run: {err}", "error")
             return
         planned = sum(S.idle_fractions(timed, pp)) / pp
@@ -439,51 +454,49 @@ class BubbleExplorer(Explorer):
             seconds=False, width=560)
         self.show(self.chart)
         self.draw_bars()
-        why = self.why_not_live()
-        self.run_button.disabled = why is not None
-        self.say(why[0].upper() + why[1:] + "." if why else
+        why = self.refresh_button()
+        self.say(_sentence(why) if why else
                  f"Planned bubble {planned:.1%}, formula {formula:.1%}. Run live runs it on {pp} "
                  f"ranks ({trace.PIPELINE_STEPS} steps).")
 
     def why_not_live(self) -> str | None:
         name, pp, m = self.key()
+        if not self.planned:
+            return f"{name}, p = {pp}, m = {m} cannot run (see the message above the chart)"
         if pp > MAX_LIVE_RANKS:
             return (f"live runs take at most {MAX_LIVE_RANKS} ranks here and p = {pp}: the plan "
                     "only")
         return None
 
     def draw_bars(self) -> None:
+        """Two groups of bars: the plan of the sliders' setting (planned, formula) and the last
+        run's (measured on the wall clock, replayed, the report's formula)."""
         name, pp, m = self.key()
         rows = []
         if self.planned:
-            rows += [{"schedule": name, "source": "planned (unit costs, theory)",
+            group = f"planned: {name}, p {pp}, m {m}"
+            rows += [{"schedule": group, "source": "planned (unit costs, theory)",
                       "bubble": self.planned["planned"]},
-                     {"schedule": name, "source": trace.LABELS["theory"],
+                     {"schedule": group, "source": trace.LABELS["theory"],
                       "bubble": self.planned["formula"]}]
-        if self.live and self.live["key"] != self.key():
-            lname, lpp, lm = self.live["key"]
-            label = f"last run: {lname}, p {lpp}, m {lm}"
-        else:
-            label = name
         if self.live:
-            b = self.live["bubble"]
-            rows += [{"schedule": label, "source": trace.LABELS["wall"],
+            lname, lpp, lm = self.live["key"]
+            group, b = f"run: {lname}, p {lpp}, m {lm}", self.live["bubble"]
+            rows += [{"schedule": group, "source": trace.LABELS["wall"],
                       "bubble": b["wall"]["overall"]},
-                     {"schedule": label, "source": trace.LABELS["replayed"],
+                     {"schedule": group, "source": trace.LABELS["replayed"],
                       "bubble": b["replayed"]["overall"]},
-                     {"schedule": label, "source": trace.LABELS["theory"], "bubble": b["theory"]}]
-        self.bars = viz.bubble_bars(rows, title="Pipeline bubble: planned and formula"
-                                    + ("; measured (wall clock) and replayed from the run"
-                                       if self.live else ""),
-                                    subtitle=f"p = {pp}, m = {m}; the run's bubble: mean over "
-                                             "its timed steps and ranks")
+                     {"schedule": group, "source": trace.LABELS["theory"], "bubble": b["theory"]}]
+        self.bars = viz.bubble_bars(
+            rows, title="Pipeline bubble: planned and formula"
+                        + ("; the last run's, measured (wall clock) and replayed" if self.live
+                           else ""),
+            subtitle="the run's bubble: mean over its timed steps and ranks; its formula: the "
+                     "report's (zero bubble: with the measured F, B, W times)"
+        ).configure_legend(labelLimit=0)  # the replay's label in full
         self.show(self.bars, 1)
 
-    def run_live(self) -> str | None:
-        why = self.why_not_live()
-        if why:
-            self.say(why[0].upper() + why[1:] + ".", "error")
-            return None
+    def run_live(self) -> str:
         name, pp, m = self.key()
         self.say(f"Running {name} on {pp} ranks, {m} micro-batches, {trace.PIPELINE_STEPS} "
                  "steps…", "busy")
@@ -568,8 +581,8 @@ class TilesExplorer(Explorer):
         self.cp = _labelled(W.IntSlider(cp, min=2, max=8, description="cp size C"), "260px")
         self.chunking = W.ToggleButtons(options=LAYOUTS, value=layout, description="layout",
                                       tooltips=["contiguous chunks", "chunks r and 2C−1−r"])
-        self.seq = _labelled(W.SelectionSlider(options=[16, 32, 48, 64, 80, 96, 112, 128], value=seq,
-                                               description="sequence s"), "300px")
+        self.seq = _labelled(W.SelectionSlider(options=[16, 32, 48, 64, 80, 96, 112, 128],
+                                               value=seq, description="sequence s"), "300px")
         super().__init__([self.cp, self.chunking, self.seq], outputs=2, live_outputs=2)
         self.work_chart: alt.TopLevelMixin | None = None
         self.live_work_chart: alt.TopLevelMixin | None = None
@@ -597,7 +610,7 @@ class TilesExplorer(Explorer):
         if bad:
             self.chart = self.work_chart = None
             self.show(None), self.show(None, 1)
-            self.run_button.disabled = True
+            self.refresh_button()
             self.say(bad, "error")
             return
         self.chart = viz.tile_map(
@@ -611,18 +624,22 @@ class TilesExplorer(Explorer):
         self.work_chart = work_theory_chart(layout, c, seq)
         self.show(self.chart)
         self.show(self.work_chart, 1)
-        self.run_button.disabled = c > MAX_LIVE_RANKS
-        self.say(f"Live runs take at most {MAX_LIVE_RANKS} ranks here and C = {c}: theory only."
-                 if c > MAX_LIVE_RANKS else
+        why = self.refresh_button()
+        self.say(_sentence(why) if why else
                  f"Planned. Run live runs one training step with C = {c} ranks ({layout}).")
 
-    def run_live(self) -> str | None:
+    def why_not_live(self) -> str | None:
+        c = self.cp.value
+        if self.bad_setting():
+            return self.bad_setting()
+        if c > MAX_LIVE_RANKS:
+            return f"live runs take at most {MAX_LIVE_RANKS} ranks here and C = {c}: theory only"
+        return None
+
+    def run_live(self) -> str:
         layout, c, seq = self.key()
-        if self.bad_setting() or c > MAX_LIVE_RANKS:
-            self.say(self.bad_setting() or f"C = {c}: live runs take at most {MAX_LIVE_RANKS} "
-                                           "ranks here.", "error")
-            return None
-        self.say(f"Running context parallel ({layout}) on {c} ranks, s = {seq}, one step…", "busy")
+        self.say(f"Running context parallel ({layout}) on {c} ranks, s = {seq}, one step…",
+                 "busy")
         rep = engine.run(RunConfig(**CP_MODEL, cp=c, cp_impl=layout, seq=seq, layers=1,
                                    steps=1)).to_dict()
         recorded = {k: viz.tile_map_frame(rep).query("rank == @k")[

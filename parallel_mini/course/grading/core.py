@@ -1,8 +1,12 @@
 """What every lesson's checker shares: the Grade a check returns; `_on_ranks`, which runs the
 learner's code on real ranks and turns a stub or a failure into a Grade or a one-line
 AssertionError; `_RankTrace`, which records each rank's calls in the learner's code so that a
-deadlock is reported as who waited in which call; and `_CodeSwapped`, which disables the library's
-own version of an exercise (its functions' code swapped for a raiser) while the learner's runs.
+deadlock is reported as who waited in which call, and counts the bytes the learner's recorded
+calls explain against what the process wrote to its sockets meanwhile (`_wire_verdict` refuses
+the rest: traffic around comm); `_CodeSwapped`, which disables the library's own version of an
+exercise (its functions' code swapped for a raiser) while the learner's runs; `_library_copy`,
+which refuses an answer that is the library's function (code object, bytecode, source); and
+`_call_in_time`, which stops a single-process answer that does not return within ANSWER_TIMEOUT.
 """
 from __future__ import annotations
 
@@ -519,8 +523,8 @@ def _library_functions(modules) -> list:
 
 
 def _bytecode_key(code) -> tuple:
-    """A code object without its names, file and lines: the instructions, the globals and
-    attributes it names, its constants (a docstring dropped, nested code compared the same way)."""
+    """A code object without its names: the instructions, the globals and attributes it names, its
+    constants (a docstring dropped, nested code compared the same way)."""
     consts = []
     for i, c in enumerate(code.co_consts):
         if hasattr(c, "co_code"):
@@ -530,8 +534,9 @@ def _bytecode_key(code) -> tuple:
     return (code.co_code, code.co_names, tuple(consts))
 
 
-def _source_key(fn) -> str | None:
-    """The function's syntax tree without its name, docstring and comments (None without source)."""
+def _source_key(fn) -> tuple | None:
+    """(the function's syntax tree without its name, docstring and comments, its docstring, its
+    node count); None without source."""
     import ast
     import inspect
     import textwrap
@@ -544,22 +549,26 @@ def _source_key(fn) -> str | None:
                                                              ast.AsyncFunctionDef))), None)
     if node is None:
         return None
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None),
-                                                             ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]
+    doc = ast.get_docstring(node, clean=True) or ""
+    body = node.body[1:] if doc else node.body
     node = ast.FunctionDef(name="f", args=node.args, body=body, decorator_list=[], returns=None,
                            type_params=[])
-    return ast.dump(node, annotate_fields=False, include_attributes=False)
+    return (ast.dump(node, annotate_fields=False, include_attributes=False), doc,
+            sum(1 for _ in ast.walk(node)))
+
+
+_SOURCE_NODES = 40  # below this, the same tree written independently is likely (a one-line formula)
 
 
 def _library_copy(answer, modules, what: str) -> None:
     """AssertionError when a function of `answer` (the learner's function or class) is one of the
     library's functions in `modules` (module names under parallel_mini, e.g. "comm"): the same code
-    object, the same bytecode (a copy of its __code__) or the same source (pasted in: compared as
-    a syntax tree, without names, docstrings and comments). Run before the checker disables the
-    library (its code objects are then swapped)."""
+    object; a copy of it (the same bytecode, and the library's file and lines in it, which a
+    function written anywhere else does not carry); or its source pasted in (the same syntax tree,
+    names included, comments not: with the library's docstring, or long enough, at least
+    _SOURCE_NODES nodes, that writing it independently is not plausible). A learner's one-line
+    formula that happens to compile to the library's bytecode is not refused. Run before the
+    checker disables the library (its code objects are then swapped)."""
     import importlib
 
     mods = [importlib.import_module(f"parallel_mini.{m}") for m in modules]
@@ -567,17 +576,19 @@ def _library_copy(answer, modules, what: str) -> None:
     for fn in _functions_of(answer):
         code, key, src = fn.__code__, None, None
         for lib in library:
-            how = None
-            if code is lib.__code__:
+            lc, how = lib.__code__, None
+            if code is lc:
                 how = "the same code object"
-            else:
+            elif code.co_filename == lc.co_filename and code.co_firstlineno == lc.co_firstlineno:
                 key = key or _bytecode_key(code)
-                if len(code.co_code) > 8 and key == _bytecode_key(lib.__code__):
+                if key == _bytecode_key(lc):
                     how = "the same bytecode (a copy of its __code__)"
-                else:
-                    src = src if src is not None else (_source_key(fn) or "")
+            else:
+                src = src if src is not None else (_source_key(fn) or ())
+                if src:
                     lib_src = _source_key(lib)
-                    if src and lib_src and src == lib_src:
+                    if lib_src and src[0] == lib_src[0] and (
+                            (src[1] and src[1] == lib_src[1]) or src[2] >= _SOURCE_NODES):
                         how = "the same source (the library's code pasted in)"
             if how:
                 raise AssertionError(
@@ -598,8 +609,9 @@ class _Stopped(BaseException):
 
 def _call_in_time(fn, *args, what: str, timeout: float | None = None):
     """fn(*args) in a thread of this process, waited for at most `timeout` seconds (ANSWER_TIMEOUT):
-    its value, or its exception raised again here; past the time an AssertionError says so, and
-    the thread is stopped (an exception raised into it at its next Python instruction)."""
+    its value; an AssertionError or NotImplementedError it raised, raised again here; any other
+    exception as an AssertionError saying what `what` raised; past the time an AssertionError
+    says so, and the thread is stopped (an exception raised into it at its next Python instruction)."""
     import ctypes
     import threading
 
@@ -623,6 +635,9 @@ def _call_in_time(fn, *args, what: str, timeout: float | None = None):
         t.join(1.0)
         raise AssertionError(f"{what} did not return within {timeout:g} s: a loop that never "
                              f"ends? (stopped by the checker)")
-    if "error" in box:
-        raise box["error"].with_traceback(None)
+    err = box.get("error")
+    if isinstance(err, (AssertionError, NotImplementedError)):
+        raise err.with_traceback(None)
+    if err is not None:  # the learner's code failed: say what it raised, one line
+        raise AssertionError(f"{what} raised {type(err).__name__}: {err}") from None
     return box.get("value")

@@ -96,16 +96,19 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
         loss = model(x, y)
         loss.backward()
         losses.append(loss.item())
-        local = layout.shard(flat_grads, r).clone()  # this rank's own, unreduced slice
-        expected = flat_grads.clone()  # the answer, by an all-reduce the records do not see
-        if n > 1:
-            dist.all_reduce(expected, group=group)
-        expected = layout.shard(expected, r) / n
+        own = flat_grads.clone()  # this rank's own gradients, before the learner's code
+        local = layout.shard(own, r)  # this rank's own, unreduced slice
         received.clear()
         updated.clear()
         with _LibraryZeroDisabled(), trace:
             fn(flat_params, flat_grads, step_shard, comm)
         trace.agree()  # every rank made the same calls: the checks' own collectives may follow
+        # the answer, only now (no frame held it while fn ran), by an all-reduce the records
+        # do not see
+        expected = own.clone()
+        if n > 1:
+            dist.all_reduce(expected, group=group)
+        expected = layout.shard(expected, r) / n
         at = f"at dp={n}, step {step}"
         if len(received) != 1:
             raise AssertionError(f"{at}: step_shard was called {len(received)} times; call it "

@@ -394,7 +394,7 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
               "formulas are allowed, as in lesson 08), then apply the rule")
     rng = random.Random(os.urandom(8))
     drawn = [rng.randint(600_000, 4_500_000) for _ in range(fresh)]
-    answers = {}
+    answers = {}  # the lesson's budgets first, then the drawn ones
     for budget in list(budgets) + drawn:
         with _LibraryFunctionsDisabled(_PLANNER + _LIVE + _RULES, advice):
             try:
@@ -430,4 +430,5 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
                  + ", ".join(_layout_text(r["layout"]) for r in runs) + " measured every "
                  f"rank's model states equal to the planner's prediction and within budget; the "
                  f"planner and engine.run disabled while yours ran",
-                 {"answers": answers, "runs": runs, "table": table})
+                 {"answers": {b: answers[b] for b in budgets}, "runs": runs, "table": table,
+                  "drawn": {b: answers[b] for b in drawn}})
