@@ -1,4 +1,12 @@
-"""Meters: memory by category in exact bytes, and an op timeline with wall and CPU time.
+"""Meters: everything that only measures, so that each core file keeps only its topic.
+
+    memory          tensors_bytes, model_state_bytes, ActivationMeter, LiveBytes (engine.py)
+    op events       Timeline: kind, step, micro-batch, stage, wall and CPU time (runners)
+    communication   CommMeter, WireMeter: one record per collective, bytes as the ring model
+                    says and as written to the sockets (comm.py's Comm calls them)
+    experts         ComputeTimer, log_routing: compute time, the routing log (moe.py)
+    ring attention  RingHop, hidden_fraction: each hop's posted/computed/arrived (context.py)
+    pipelines       HeldBytes: what a stage holds after each op (parallel/pipeline.py)
 
 Memory is counted from tensor storages, not from the process's RSS (which carries ~90 MiB of
 allocator and library noise and cannot be split by category):
@@ -11,6 +19,8 @@ allocator and library noise and cannot be split by category):
 from __future__ import annotations
 
 import gc
+import os
+import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -163,3 +173,269 @@ class Timeline:
         self.events.append({"kind": kind, "step": step, "microbatch": microbatch, "stage": stage,
                             "start": start, "end": time.perf_counter(),
                             "cpu": time.thread_time() - cpu0, **extra})
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication: one record per collective (comm.py's Comm calls these)
+# ---------------------------------------------------------------------------------------------
+class WireMeter:
+    """Bytes this process really wrote to its sockets, per op: Linux counts every byte passed to
+    write()/send() by any thread of the process in `wchar` of /proc/self/io, gloo's I/O threads
+    included. The counter is read when an op starts and when it ends (for an async op: when gloo
+    reports it done, or at wait); the bytes written in between belong to the ops in flight. An op
+    that ran alone gets exactly its own bytes; ops that overlapped (bucketed all-reduces during
+    backward, a pipeline's sends) share each interval's bytes in proportion to their model bytes
+    and are marked `wire_shared` (with the groups they overlapped: `wire_shared_with`). A step's
+    total is exact either way; a group's sum is exact when none of its ops overlapped another
+    group's. Unavailable (None) off Linux and on NCCL, whose bytes go through
+    the GPU's own engines, not this process's sockets."""
+
+    def __init__(self, backend: str | None):
+        try:
+            self.fd = os.open("/proc/self/io", os.O_RDONLY) if backend == "gloo" else None
+        except OSError:
+            self.fd = None
+        self.lock = threading.Lock()
+        self.inflight: list[dict] = []
+        self.last = self._read() if self.fd is not None else 0
+
+    def _read(self) -> int:
+        for line in os.pread(self.fd, 1024, 0).splitlines():
+            if line.startswith(b"wchar:"):
+                return int(line.split()[1])
+        return 0
+
+    def _settle(self) -> None:
+        """Hand the bytes written since the last reading to the ops in flight (lock held)."""
+        now = self._read()
+        delta, self.last = now - self.last, now
+        if not self.inflight:
+            return  # written while no op ran (a print, a file): not communication
+        weights = [max(r["wire_bytes_model"], 1) for r in self.inflight]
+        groups = sorted({r["group"] for r in self.inflight})
+        for r, w in zip(self.inflight, weights):
+            r["wire_bytes_measured"] += delta * w / sum(weights)
+            if len(self.inflight) > 1:
+                r["wire_shared"] = True
+                r["wire_shared_with"] = sorted(set(r.get("wire_shared_with", [])) | set(groups))
+
+    def begin(self, rec: dict) -> None:
+        if self.fd is None:
+            rec["wire_bytes_measured"] = None
+            return
+        with self.lock:
+            self._settle()
+            rec["wire_bytes_measured"] = 0
+            self.inflight.append(rec)
+
+    def end(self, rec: dict) -> None:
+        if self.fd is None:
+            return
+        with self.lock:
+            if any(r is rec for r in self.inflight):
+                self._settle()
+                self.inflight = [r for r in self.inflight if r is not rec]
+                if not rec.get("wire_shared"):
+                    rec["wire_bytes_measured"] = int(rec["wire_bytes_measured"])
+
+
+class _Handle:
+    """Wraps a torch.distributed Work; records when the op really completed."""
+
+    def __init__(self, work, record: dict, meter: WireMeter):
+        self.work, self.record, self.meter = work, record, meter
+        try:
+            fut = work.get_future()
+        except (AttributeError, RuntimeError):  # gloo's point-to-point work has no future
+            fut = None
+        if fut is not None:
+            fut.then(self._done)
+
+    def _done(self, fut):
+        self.record["end"] = time.perf_counter()
+        self.meter.end(self.record)
+        return None
+
+    def wait(self):
+        self.work.wait()
+        self.meter.end(self.record)
+        self.record.setdefault("end", time.perf_counter())
+        self.record["waited_until"] = time.perf_counter()
+
+
+class _Done:
+    """The handle of an op that moved nothing (a group of one)."""
+
+    def wait(self):
+        pass
+
+
+class CommMeter:
+    """The records of one rank's collectives, for Comm (comm.py). Each record: op, group (a mesh
+    axis), count (elements), payload bytes S, `wire_bytes_model` (the model: what this rank sends
+    under the ring algorithm, `theory.wire_bytes`), `wire_bytes_measured` (what this process really
+    wrote to its sockets during the op, see WireMeter; None where that cannot be read), the step,
+    and wall/CPU time. Lessons and the app read these records; tests compare them with theory.
+
+    Asynchronous calls return a handle whose completion time is taken by a callback when the
+    backend finishes, not when someone waits: that is what makes overlap with backward visible."""
+
+    def __init__(self, backend: str | None):
+        self.records: list[dict] = []
+        self.p2p_log: list[dict] = []  # every send, in order, with the first element (see ring)
+        self.wire = WireMeter(backend)
+        self._cpu0: dict[int, float] = {}  # id(record) -> this thread's CPU time at its start
+
+    def record(self, op: str, axis: str, payload, count: int, wire: int, step: int,
+               **extra) -> dict:
+        """A record for an op on `payload` (a tensor, or its bytes), started now."""
+        nbytes = payload if isinstance(payload, int) else payload.numel() * payload.element_size()
+        rec = {"op": op, "group": axis, "count": count, "payload_bytes": nbytes,
+               "wire_bytes_model": wire, "step": step, "start": time.perf_counter(), **extra}
+        self.records.append(rec)
+        return rec
+
+    def begin(self, rec: dict, sockets: bool = True) -> dict:
+        """The op is about to run: its CPU clock starts; `sockets`: it writes to them (a receive
+        writes nothing, a memory copy is not a socket)."""
+        self._cpu0[id(rec)] = time.thread_time()
+        if sockets:
+            self.wire.begin(rec)
+        return rec
+
+    def end(self, rec: dict, work=None, async_op: bool = False):
+        """The call returned: a handle to wait on for an async op, else the op is done (None)."""
+        rec["cpu"] = time.thread_time() - self._cpu0.pop(id(rec))
+        if async_op:
+            return _Handle(work, rec, self.wire)
+        self.wire.end(rec)
+        rec["end"] = time.perf_counter()
+        return None
+
+    def nothing_moved(self, rec: dict, async_op: bool):
+        """A group of one: nothing moves (the copies the caller made did the work)."""
+        rec["end"], rec["cpu"], rec["wire_bytes_measured"] = time.perf_counter(), 0.0, 0
+        return _Done() if async_op else None
+
+    def sent(self, rec: dict, tensor: torch.Tensor, src: int, dst: int, **log) -> None:
+        """A sendrecv's send, in the p2p log with its first element (see comm.probe_input)."""
+        self.p2p_log.append({"seq": len(self.p2p_log), "src": src, "dst": dst,
+                             "numel": tensor.numel(), "bytes": rec["payload_bytes"],
+                             "start": rec["start"], "end": rec["end"], "peek": _peek(tensor),
+                             **log})
+
+
+def _peek(t: torch.Tensor):
+    """The first element of an integer message: lets a probe run decode what was sent (ring)."""
+    if t.numel() and not t.is_floating_point() and not t.is_complex():
+        return int(t.reshape(-1)[0])
+    return None
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts: the experts' compute time and the routing log (moe.py calls these)
+# ---------------------------------------------------------------------------------------------
+class _Mark(torch.autograd.Function):
+    """Identity that notes the time backward passes it."""
+
+    @staticmethod
+    def forward(ctx, x, marks: list, key: str):
+        ctx.marks, ctx.key = marks, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.marks.append((ctx.key, time.perf_counter()))
+        return grad, None, None
+
+
+class ComputeTimer:
+    """Wall time of one piece of compute: `enter` wraps its input, `leave` its output. The forward
+    time is taken directly (`last_forward_s`); backward passes the two marks in reverse order, so
+    `backward_marks` gets ("NAME-backward-start", t) then ("NAME-backward-end", t')."""
+
+    def __init__(self, name: str):
+        self.name, self.backward_marks, self.last_forward_s, self._t0 = name, [], 0.0, 0.0
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        self._t0 = time.perf_counter()
+        return _Mark.apply(x, self.backward_marks, f"{self.name}-backward-end")
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        y = _Mark.apply(y, self.backward_marks, f"{self.name}-backward-start")
+        self.last_forward_s = time.perf_counter() - self._t0
+        return y
+
+
+def log_routing(moe, r, counts: torch.Tensor, cap: int, aux, z, mine=None) -> None:
+    """One entry in `moe.log` per forward of an MoE layer (none for activation checkpointing's
+    re-run inside backward): tokens routed and kept per expert, drops, the two losses, the
+    experts' compute time; on the first micro-batch of each step also every token's choices and
+    whether kept, and where this rank's tokens sit in their sequences (None: whole sequences)."""
+    if torch._C._current_graph_task_id() != -1:
+        return  # inside backward: a recomputation, not a new forward
+    routed = torch.nn.functional.one_hot(r.expert, moe.n_experts).sum((0, 1, 2))  # [E], pre-drop
+    step = moe.clock() if moe.clock is not None else None
+    first_of_step = not moe.log or moe.log[-1]["step"] != step
+    moe.log.append({
+        "step": step, "layer": moe.layer, "routed": routed.tolist(),
+        "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
+        "capacity": cap, "aux": aux.item(), "z": z.item(),
+        "compute_s": moe.experts.timer.last_forward_s,
+        **({"choices": r.expert.flatten(0, 1).tolist(),
+            "kept_mask": r.keep.flatten(0, 1).tolist(),
+            "positions": None if mine is None else mine.tolist()} if first_of_step else {})})
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention: how much of each hop's transfer its compute hid (parallel/context.py)
+# ---------------------------------------------------------------------------------------------
+class RingHop:
+    """One hop around a ring, posted when made: `handles` are its send and receive; `wait` notes
+    when the compute that overlapped it ended, waits, and notes the arrival, in `log` (None: not
+    logged). Waiting past `computed` is transfer time the compute did not hide."""
+
+    def __init__(self, log: list | None, **tags):
+        self.log, self.tags, self.posted, self.handles = log, tags, time.perf_counter(), ()
+
+    def wait(self) -> None:
+        computed = time.perf_counter()
+        for h in self.handles:
+            h.wait()
+        if self.log is not None:
+            self.log.append({**self.tags, "posted": self.posted, "computed": computed,
+                             "arrived": time.perf_counter()})
+
+
+def hidden_fraction(hops: list[dict]) -> float:
+    """Of the time from posting each hop to its block's arrival, the share the current block's
+    compute covered (1: every transfer hid behind compute; 0: none did). Measured per hop."""
+    total = sum(h["arrived"] - h["posted"] for h in hops)
+    exposed = sum(h["arrived"] - h["computed"] for h in hops)
+    return 1 - exposed / total if total > 0 else 1.0
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelines: what a stage holds between its ops (parallel/pipeline.py)
+# ---------------------------------------------------------------------------------------------
+class HeldBytes:
+    """After each op of a pipeline stage, while the live meter runs: the bytes held beyond the
+    model states (activations waiting for their backward, queued weight-gradient inputs,
+    messages), noted on the op's event as `held_bytes`; `peak` is the largest."""
+
+    def __init__(self, live: LiveBytes | None, timeline: Timeline):
+        self.live, self.timeline, self.peak = live, timeline, 0
+
+    @contextmanager
+    def after(self, strategy):
+        """Wrap one op (outside its timeline event, so that the event exists when it ends)."""
+        yield
+        if self.live is not None and self.live.active and strategy is not None:
+            states = [t for ts in strategy.state_tensors().values() for t in ts]
+            held = self.live.current - tensors_bytes(states)
+            self.timeline.events[-1]["held_bytes"] = held  # the op that just ended
+            self.peak = max(self.peak, held)

@@ -6,12 +6,14 @@ model by replacing a module or passing an argument, never by rewriting a forward
     embed  (Embedding: tokens + positions)       [b, s] ids      -> [b, s, h]
     blocks (Block x L)                           [b, s, h]       -> [b, s, h]
     head   (LMHead: final LayerNorm, logits, loss) [b, s, h]     -> loss (or [b, s, v] logits)
-- tensor parallel replaces embed, head and the Linear layers inside the blocks by their parallel
-  versions (parallel/tensor.py);
+- tensor parallel replaces embed, head and the attention's Linear layers by their parallel
+  versions, and a plain MLP's too (a mixture of experts stays whole on every tp rank;
+  parallel/tensor.py);
 - a pipeline stage runs a slice of the same modules: `model(x, targets, blocks=(i, j))` runs the
   embedding only when i == 0 and the head only when j == L (parallel/pipeline.py);
 - checkpointing sets a block's `checkpoint` function or replaces the attention core
-  (parallel/recompute.py); context parallel replaces the attention core;
+  (parallel/recompute.py); context parallel replaces the attention core and sets the
+  embedding's `positions` (parallel/context.py);
 - a mixture-of-experts block has a MoE (moe.py) in place of its MLP (`--experts E`), and expert
   parallel replaces the MoE's experts by a slice of them that talks all-to-all (parallel/expert.py).
 
@@ -100,7 +102,7 @@ def token_positions(embed, idx, positions=None):
 
 class AttentionCore(nn.Module):
     """softmax(Q K^T / sqrt(d), causal) V. No parameters; its own module so that selective
-    checkpointing (and, later, context parallel) can replace exactly this part: it holds the
+    checkpointing and context parallel can replace exactly this part: it holds the
     [b, a, s, s] tensors."""
 
     def forward(self, q, k, v):  # q, k, v: [b, a, s, d]

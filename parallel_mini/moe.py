@@ -32,12 +32,13 @@ them and moves the rows to their expert's rank with all-to-all), and `routing`, 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .meters import ComputeTimer, log_routing
 
 
 def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
@@ -117,21 +118,6 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-class _Mark(torch.autograd.Function):
-    """Identity that notes the time backward passes it: two of them around the experts' compute
-    time its backward (the log's forward time is taken directly)."""
-
-    @staticmethod
-    def forward(ctx, x, marks: list, key: str):
-        ctx.marks, ctx.key = marks, key
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.marks.append((ctx.key, time.perf_counter()))
-        return grad, None, None
-
-
 class Experts(nn.Module):
     """`n` expert MLPs [h -> 4h -> h] with their weights stacked along a first expert dimension, so
     that expert parallel keeps a slice of them under the same names. `first`: the global index
@@ -141,8 +127,8 @@ class Experts(nn.Module):
         super().__init__()
         h = d_model
         self.first = first
-        self.backward_marks: list = []  # ("experts-backward-start" | "-end", time)
-        self.last_forward_s = 0.0
+        self.timer = ComputeTimer("experts")  # forward seconds and backward marks, for the report
+        self.backward_marks = self.timer.backward_marks
         self.fc_weight = nn.Parameter(torch.empty(n, 4 * h, h))
         self.fc_bias = nn.Parameter(torch.zeros(n, 4 * h))
         self.proj_weight = nn.Parameter(torch.empty(n, h, 4 * h))
@@ -154,24 +140,16 @@ class Experts(nn.Module):
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """rows [n, h], the first counts[0] for expert 0 here, ... -> [n, h]. Every expert runs,
         even on no rows: its gradient is then zeros, on every rank alike."""
-        t0 = time.perf_counter()
-        rows = _Mark.apply(rows, self.backward_marks, "experts-backward-end")
+        rows = self.timer.enter(rows)
         outs = []
         for e, x in enumerate(rows.split(counts)):
             hidden = F.gelu(F.linear(x, self.fc_weight[e], self.fc_bias[e]))  # [n_e, 4h]
             outs.append(F.linear(hidden, self.proj_weight[e], self.proj_bias[e]))  # [n_e, h]
-        out = _Mark.apply(torch.cat(outs), self.backward_marks, "experts-backward-start")
-        self.last_forward_s = time.perf_counter() - t0
-        return out
+        return self.timer.leave(torch.cat(outs))
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows [n, h] sorted by expert, counts [E] -> [n, h] (all E experts are here)."""
         return self.compute(rows, counts.tolist())
-
-
-def _recomputing() -> bool:
-    """True inside backward: activation checkpointing re-running a forward (not a new one)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class MoE(nn.Module):
@@ -217,25 +195,10 @@ class MoE(nn.Module):
         rows = x.reshape(b * s, h)[token]  # [n, h] grouped by expert
         y = self.experts(rows, counts) * gate.to(x.dtype)[:, None]  # [n, h], weighted
         out = torch.zeros_like(x.reshape(b * s, h)).index_add(0, token, y).view(b, s, h)
-        if self.log is not None and not _recomputing():
-            self._record(r, counts, cap, aux, z, self.experts.last_forward_s, mine)
+        if self.log is not None:  # what routing did, for the lessons and the app
+            log_routing(self, r, counts, cap, aux, z, mine)
         term = parts * (self.aux_loss_weight * aux + self.z_loss_weight * z)
         return AuxLoss.apply(out, term, self.loss_scale)
-
-    def _record(self, r: Routing, counts, cap: int, aux, z, compute_s: float, mine=None) -> None:
-        routed = F.one_hot(r.expert, self.n_experts).sum((0, 1, 2))  # [E] before dropping
-        step = self.clock() if self.clock is not None else None
-        first_of_step = not self.log or self.log[-1]["step"] != step
-        self.log.append({
-            "step": step, "layer": self.layer, "routed": routed.tolist(),
-            "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
-            "capacity": cap,
-            "aux": aux.item(), "z": z.item(), "compute_s": compute_s,
-            # the first micro-batch of each step: every token's choices and whether kept, and
-            # where this rank's tokens sit in their sequences (None: whole sequences, in order)
-            **({"choices": r.expert.flatten(0, 1).tolist(),
-                "kept_mask": r.keep.flatten(0, 1).tolist(),
-                "positions": None if mine is None else mine.tolist()} if first_of_step else {})})
 
 
 def init_experts(m: Experts) -> None:

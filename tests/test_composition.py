@@ -47,12 +47,12 @@ def test_tp_x_pp(schedule):
 
 
 def test_dp_tp_pp_eight_ranks():
-    """The issue's first done-means run, at the CLI's defaults but 2 steps."""
+    """Three axes at once, 8 ranks: dp 2 x tp 2 x pp 2 (1F1B), the CLI's defaults but 2 steps."""
     check(run(RunConfig(dp=2, tp=2, pp=2, schedule="1f1b", steps=2, reference=True)))
 
 
 def test_tp_pp_zero1_interleaved():
-    """The issue's second done-means run."""
+    """Tensor and interleaved pipeline parallel under ZeRO-1: tp 2 x pp 2, two chunks per rank."""
     check(run(RunConfig(tp=2, pp=2, zero=1, schedule="interleaved", layers=8, steps=2,
                         reference=True)))
 

@@ -165,14 +165,14 @@ def test_one_rank_equals_the_reference():
 
 
 def test_done_means_dp4_ep4_eight_experts_top2():
-    """The issue's first done-means run (2 steps)."""
+    """dp 4 x ep 4, eight experts, top-2 (2 steps): two experts per rank."""
     report = run(moe_config(dp=4, ep=4, experts=8, top_k=2))
     check_moe(report)
     assert report.theory["expert_params_per_rank"] == 4 * 2 * theory.mlp_params(64)
 
 
 def test_done_means_dp2_ep2_tp2_top1():
-    """The issue's second done-means run (2 steps): experts whole on every tp rank."""
+    """dp 2 x ep 2 x tp 2, top-1 (2 steps): experts whole on every tp rank."""
     check_moe(run(moe_config(dp=2, ep=2, tp=2, experts=4, top_k=1, capacity_factor=1.0)))
 
 

@@ -1,4 +1,4 @@
-"""Expert parallel with ZeRO-3 and HYBRID_SHARD (issue 13, item 1).
+"""Expert parallel with ZeRO-3 and HYBRID_SHARD.
 
 ZeRO-3 makes each MoE layer's experts a unit of their own, sharded, gathered and reduced over the
 edp ranks (the experts' replicas), while the rest of each block is a unit over dp x cp

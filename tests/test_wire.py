@@ -1,21 +1,21 @@
-"""Real wire bytes: what a rank's process wrote to its sockets during each op (comm.WireMeter,
+"""Real wire bytes: what a rank's process wrote to its sockets during each op (meters.WireMeter,
 /proc/self/io's wchar), beside the ring model (theory.wire_bytes) the records also carry."""
 import sys
 
 import pytest
 
 from parallel_mini.course.bench import MB, _wire_rank
-from parallel_mini.comm import WireMeter
 from parallel_mini.config import RunConfig
 from parallel_mini.engine import run
 from parallel_mini.launch import run_ranks
+from parallel_mini.meters import WireMeter
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="/proc/self/io is Linux's")
 
 
 def test_dp4_gradient_all_reduce_written_within_2_percent_of_the_ring_model():
-    """The issue's done-means: run --dp 4 --reference, every rank, every step."""
+    """run --dp 4 --reference: every rank's all-reduce bytes, every step, within 2% of the ring."""
     report = run(RunConfig(dp=4, steps=2, reference=True))
     assert report.max_abs_diff <= 1e-5
     for r in report.ranks:

@@ -27,11 +27,11 @@ the loss axis dp x cp by the gradient strategy: each rank's loss is the mean ove
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from ..comm import Comm
+from ..meters import RingHop, hidden_fraction  # noqa: F401 (lesson 06: context.hidden_fraction)
 from ..model import AttentionCore
 
 
@@ -39,8 +39,9 @@ from ..model import AttentionCore
 # layout: which tokens each rank holds
 # ---------------------------------------------------------------------------------------------
 def chunks_of(layout: str, c: int, rank: int) -> list[int]:
-    """The sequence chunks rank `rank` holds, in order: C chunks for ring/ulysses (its own), 2C for
-    zigzag (r and 2C-1-r)."""
+    """Which chunks of the sequence rank `rank` holds, in order, the sequence being cut into
+    n_chunks(layout, C) equal chunks: "contiguous" (ring, ulysses) C chunks, rank r holds chunk r;
+    "zigzag" 2C chunks, rank r holds chunks r and 2C-1-r."""
     return [rank, 2 * c - 1 - rank] if layout == "zigzag" else [rank]
 
 
@@ -120,7 +121,6 @@ class RingAttentionCore(torch.nn.Module):
         self.c, self.rank = comm.size(axis), comm.rank(axis)
         self.tiles: list[dict] = []  # the last forward's tile map (ring step, q chunk, k chunk)
         self.hops: list[dict] = []  # the last forward's hops: posted, computed, arrived (seconds)
-        self.forwards = 0
 
     def forward(self, q, k, v):  # [b, a, n, d] x 3 -> [b, a, n, d]
         return _RingAttention.apply(q, k, v, self)
@@ -128,15 +128,17 @@ class RingAttentionCore(torch.nn.Module):
     def _neighbours(self):
         return (self.rank + 1) % self.c, (self.rank - 1) % self.c
 
-    def _pass(self, send: torch.Tensor, t: int, what: str):
-        """Post this step's hop: send what we hold to the next rank, receive from the previous."""
+    def _pass(self, send: torch.Tensor, t: int, what: str, log: list | None = None):
+        """Post this step's hop: send what we hold to the next rank, receive from the previous.
+        Returns the receive buffer and the hop (wait on it; `log`: its times, meters.RingHop)."""
+        hop = RingHop(log, ring_step=t)
         nxt, prev = self._neighbours()
         buf = torch.empty_like(send)
-        handles = (self.comm.isend(send, nxt, self.axis, layer="ring", ring_step=t, carries=what,
-                                   block=(self.rank - t) % self.c),
-                   self.comm.irecv(buf, prev, self.axis, layer="ring", ring_step=t, carries=what,
-                                   block=(self.rank - t - 1) % self.c))
-        return buf, handles
+        hop.handles = (self.comm.isend(send, nxt, self.axis, layer="ring", ring_step=t,
+                                       carries=what, block=(self.rank - t) % self.c),
+                       self.comm.irecv(buf, prev, self.axis, layer="ring", ring_step=t,
+                                       carries=what, block=(self.rank - t - 1) % self.c))
+        return buf, hop
 
     def _pairs(self, src: int):
         """(i, j, q chunk, k chunk, mask) for this rank's query chunks against block `src`'s."""
@@ -154,8 +156,7 @@ class RingAttentionCore(torch.nn.Module):
         for t in range(self.c):
             src = (self.rank - t) % self.c
             if t < self.c - 1:  # the next block is on its way while this one is computed
-                posted = time.perf_counter()
-                nxt, handles = self._pass(kv, t, "kv")
+                nxt, hop = self._pass(kv, t, "kv", hops)
             ks, vs = kv[0].split(size, dim=2), kv[1].split(size, dim=2)
             for i, j, qc, kc in self._pairs(src):
                 mask = _tile_mask(qc, kc, size, q.device)
@@ -168,15 +169,11 @@ class RingAttentionCore(torch.nn.Module):
                 o_t = (s - lse_t.unsqueeze(-1)).exp() @ vs[j]
                 out[i], lse[i] = _merge(out[i], lse[i], o_t, lse_t)
             if t < self.c - 1:
-                computed = time.perf_counter()
-                for h in handles:
-                    h.wait()
-                hops.append({"ring_step": t, "posted": posted, "computed": computed,
-                             "arrived": time.perf_counter()})  # waiting past `computed`: exposed
+                hop.wait()  # what it waits past the compute above is exposed transfer time
                 _release(kv)  # sent, and computed on: done with it
                 kv = nxt
         _release(kv)  # the last block received
-        self.tiles, self.hops, self.forwards = tiles, hops, self.forwards + 1
+        self.tiles, self.hops = tiles, hops
         return torch.cat(out, dim=2), torch.cat(lse, dim=2)
 
     @torch.no_grad()
@@ -203,23 +200,13 @@ class RingAttentionCore(torch.nn.Module):
                 dq[i].add_(ds @ ks[j] * scale)
                 dks[j].add_(ds.transpose(-2, -1) @ qs[i] * scale)
             if t < self.c - 1:  # block, and its gradients so far, to the next rank
-                both, handles = self._pass(torch.cat([kv, dkv]), t, "kv+dkv")
-                for h in handles:
-                    h.wait()
+                both, hop = self._pass(torch.cat([kv, dkv]), t, "kv+dkv")
+                hop.wait()
                 kv, dkv = both[:2], both[2:]
             else:  # the last hop takes the gradients home to the block's owner
-                dkv, handles = self._pass(dkv, t, "dkv")
-                for h in handles:
-                    h.wait()
+                dkv, hop = self._pass(dkv, t, "dkv")
+                hop.wait()
         return torch.cat(dq, dim=2), dkv[0], dkv[1]
-
-
-def hidden_fraction(hops: list[dict]) -> float:
-    """Of the time from posting each hop to its block's arrival, the share the current block's
-    compute covered (1: every transfer hid behind compute; 0: none did). Measured per hop."""
-    total = sum(h["arrived"] - h["posted"] for h in hops)
-    exposed = sum(h["arrived"] - h["computed"] for h in hops)
-    return 1 - exposed / total if total > 0 else 1.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..comm import Comm
 from ..data import shard
 from ..launch import rank_device
-from ..meters import tensors_bytes
+from ..meters import HeldBytes
 from ..model import Linear
 from .schedules import Op, Schedule
 from .tensor import ColumnParallelLinear, RowParallelLinear
@@ -234,9 +234,8 @@ class PipelineRunner:
         self.store = WeightGradStore() if schedule.split_backward else None
         if self.store is not None:
             split_weight_gradients(model, self.store)
-        self.live = live  # LiveBytes meter, to sample the bytes in flight after every op
+        self.held = HeldBytes(live, timeline)  # bytes held after every op, for the report
         self.strategy = None  # the gradient strategy (attach): steps, and the model states' bytes
-        self.peak_held = 0
 
     # -- the StepRunner interface ---------------------------------------------------------------
     def attach(self, strategy) -> None:
@@ -273,7 +272,7 @@ class PipelineRunner:
         return t.item()
 
     def activation_peak(self) -> int:
-        return self.peak_held
+        return self.held.peak
 
     def report(self) -> dict:
         return {}
@@ -349,16 +348,8 @@ class PipelineRunner:
         with self._sampling(), self._event(op):
             self.store.compute((op.microbatch, op.chunk))
 
-    @contextmanager
     def _sampling(self):
-        """After the op: the bytes held beyond the model states (activations waiting for their
-        backward, queued weight-gradient inputs, messages) when the live meter runs."""
-        yield
-        if self.live is not None and self.live.active and self.strategy is not None:
-            states = [t for ts in self.strategy.state_tensors().values() for t in ts]
-            held = self.live.current - tensors_bytes(states)
-            self.timeline.events[-1]["held_bytes"] = held  # the op that just ended
-            self.peak_held = max(self.peak_held, held)
+        return self.held.after(self.strategy)  # (meters.HeldBytes: the bytes held after the op)
 
 
 def gather_stage_parameters(params: dict[str, torch.Tensor], mesh, axis: str = "pp"

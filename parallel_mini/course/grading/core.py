@@ -208,7 +208,8 @@ class _RankTrace:
         return traced
 
     def __enter__(self):
-        from ...comm import Comm, _Handle
+        from ...comm import Comm
+        from ...meters import _Handle
         self.saved = []
         for owner, where, names in ((Comm, "comm", _COMM_OPS), (self.dist, "dist", _DIST_OPS),
                                     (_Handle, "handle", ("wait",))):
