@@ -32,7 +32,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, preflight
 from .comm import Comm
 from .config import RunConfig
 from .data import global_batch, shard
@@ -233,7 +233,7 @@ def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
 
 def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
-    cfg.validate()
+    preflight.check(cfg.validate())  # the values, then what this machine and disk allow
     t0 = time.perf_counter()
     if under_torchrun():
         init_from_env(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s)
