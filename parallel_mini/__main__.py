@@ -275,6 +275,10 @@ def main(argv=None) -> int:
         with _stop_signals_end_the_run():
             report = run(cfg)
     except RankError as e:
+        last = e.details.rstrip().splitlines()[-1:] or [""]
+        if last[0].startswith("FloatingPointError: "):  # a run that diverged (engine._train)
+            print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)
+            return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
     except _Stopped as e:
