@@ -1,9 +1,10 @@
 """Command line: `python -m parallel_mini run --dp 4 --reference --json -` (see DESIGN.md's run contract).
 
 Every RunConfig field is a flag (`--d-model`, `--bucket-mb`, ...). A bad value prints one line naming
-the field and the fix and exits 2 before any rank starts; a failed run prints the failing rank's
-error and exits 1; a run stopped by SIGINT, SIGTERM or SIGHUP ends every rank, says so in one line and
-exits 128 + the signal's number. Under torchrun every rank runs this and rank 0 prints the report.
+the field and the fix and exits 2 before any rank starts, without importing torch (config.py,
+preflight.py); a failed run prints the failing rank's error and exits 1 (a run that diverged, or
+a report that could not be written after the run: one line); a run stopped by SIGINT, SIGTERM or
+SIGHUP ends every rank, says so in one line and exits 128 + the signal's number. Under torchrun every rank runs this and rank 0 prints the report.
 """
 from __future__ import annotations
 
@@ -131,7 +132,8 @@ def _pipeline_defaults(values: dict) -> str:
     if values["layers"] is None and values.get("resume"):  # the checkpoint's model, any layout
         values["layers"] = preflight.saved_layers(values["resume"])
     if values["pp"] > 1 and values["virtual_stages"] >= 0:  # (a negative one is refused next)
-        from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers, virtual_stages
+        from .config import virtual_stages
+        from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers
         from .trace import PIPELINE_STEPS
         if values["layers"] is None:
             v = virtual_stages(values["schedule"], values["virtual_stages"])

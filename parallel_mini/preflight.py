@@ -171,9 +171,10 @@ def check_flags(cfg) -> None:
             raise CheckpointError(f"--steps {cfg.steps}: the checkpoint in {cfg.resume} was saved "
                                   f"after step {meta['step']}; --steps is the step to train up to, "
                                   f"give more than {meta['step']}")
-        mine = {"model": vars(GPTConfig.from_run(cfg)), "seed": cfg.seed, "optimizer": cfg.optimizer}
+        mine = {"model": vars(GPTConfig.from_run(cfg)), "seed": cfg.seed, "optimizer": cfg.optimizer,
+                "precision": cfg.precision}  # (fp32 master weights resumed as bf16: not the run)
         for k, v in mine.items():
-            if meta[k] != v:
+            if meta.get(k, v) != v:
                 diff = {f: (meta[k].get(f), v[f]) for f in v if meta[k].get(f) != v[f]} \
                     if k == "model" else (meta[k], v)
                 raise CheckpointError(f"--resume {cfg.resume}: saved with another {k} (saved, "

@@ -207,6 +207,8 @@ RESUME = {
     "saved at the step asked": (lambda d: _checkpoint(d, {**GOOD_META, "step": 3}), "--steps 3"),
     "another model": (lambda d: _checkpoint(d, {**GOOD_META, "model": {**GOOD_META["model"], "heads": 8}}),
                       "another model"),
+    "another precision": (lambda d: _checkpoint(d, {**GOOD_META, "precision": "bf16-mixed"}),
+                          "another precision"),
 }
 
 
