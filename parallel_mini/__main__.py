@@ -17,7 +17,7 @@ import sys
 import threading
 
 from . import preflight
-from .config import ConfigError, RunConfig, under_torchrun
+from .config import ConfigError, GPTConfig, RunConfig, under_torchrun
 
 _HELP = {
     "dp": "data-parallel degree", "tp": "tensor-parallel degree", "pp": "pipeline stages",
@@ -51,7 +51,10 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                         argument_default=argparse.SUPPRESS if explicit else None)
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train the tiny GPT on N ranks and report what was measured")
-    for f in dataclasses.fields(RunConfig):
+    model = {f.name for f in dataclasses.fields(GPTConfig)}
+    own = [f for f in dataclasses.fields(RunConfig) if f.name not in model]
+    at = next(i for i, f in enumerate(own) if f.name == "batch")  # layout, model, training, run
+    for f in own[:at] + [f for f in dataclasses.fields(RunConfig) if f.name in model] + own[at:]:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")

@@ -10,8 +10,11 @@ run in a fraction of a second; whoever launches ranks asks (the CLI, engine.run)
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import tempfile
 
 from .config import GPTConfig, ConfigError, under_torchrun
 
@@ -163,6 +166,16 @@ def check_flags(cfg) -> None:
         if os.path.isdir(os.path.join(cfg.save, f"step_{cfg.steps}")):
             raise CheckpointError(f"--save {cfg.save}: step_{cfg.steps} is already saved there; "
                                   f"choose another directory or remove it")
+        # Tried for real, as check_output does (a read-only file system, /proc): a uniquely named
+        # probe, since under torchrun every rank of the node asks at once.
+        where = cfg.save if os.path.isdir(cfg.save) else parent
+        try:
+            if len(os.fsencode(os.path.basename(os.path.abspath(cfg.save)))) > \
+                    os.pathconf(parent, "PC_NAME_MAX"):
+                raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+            os.rmdir(tempfile.mkdtemp(dir=where, prefix=".write-probe-"))
+        except OSError as e:
+            raise CheckpointError(f"--save {cfg.save}: cannot write there ({e.strerror})") from None
     if cfg.resume:
         if not os.path.isdir(cfg.resume):
             raise CheckpointError(f"--resume {cfg.resume}: no such directory")
@@ -210,4 +223,5 @@ def check_output(flag: str, path: str | None) -> None:
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot write a file there ({e.strerror})") from None
     if not existed:
-        os.remove(path)
+        with contextlib.suppress(FileNotFoundError):  # (torchrun: another rank's probe removed it)
+            os.remove(path)

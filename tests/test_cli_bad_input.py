@@ -125,12 +125,14 @@ BAD = [
     (["--save", "/proc/self/status"], "--save"), (["--resume", "/nonexistent/ckpt"], "--resume"),
     (["--resume", "/dev/null"], "--resume"), (["--resume", "/proc/self"], "--resume"),
     (["--pp", "2", "--schedule", "pipedream", "--save", "/tmp/pm_ckpt"], "PipeDream"),
+    (["--save", "/proc/ckpt"], "--save"), (["--save", LONG], "--save"),
 ]
 
 
 READ_ONLY = "/sys/parallel_mini_report.json"  # sysfs: no file can be created there, even by root
 if os.path.isdir("/sys/kernel"):  # (Linux)
-    BAD += [(["--json", READ_ONLY], "--json"), (["--trace", READ_ONLY], "--trace")]
+    BAD += [(["--json", READ_ONLY], "--json"), (["--trace", READ_ONLY], "--trace"),
+            (["--save", "/sys/parallel_mini_ckpt"], "--save")]
 if not torch.cuda.is_available():  # no GPU here
     BAD.append((["--backend", "nccl"], "--backend"))
 
