@@ -160,9 +160,13 @@ def check_flags(cfg) -> None:
                               f"the synchronous pipeline schedules")
     if cfg.save:
         parent = os.path.dirname(os.path.abspath(cfg.save))
-        if not os.path.isdir(parent) or (os.path.exists(cfg.save) and not os.path.isdir(cfg.save)):
+        if not os.path.isdir(parent) or (os.path.lexists(cfg.save) and not os.path.isdir(cfg.save)):
             raise CheckpointError(f"--save {cfg.save}: must be a directory inside an existing one "
-                                  f"({parent})")
+                                  f"({parent})")  # (lexists: a dangling link or a loop too)
+        latest = os.path.join(cfg.save, "latest")
+        if os.path.lexists(latest) and not os.path.isfile(latest):
+            raise CheckpointError(f"--save {cfg.save}: {latest} is not a file (the save ends by "
+                                  f"pointing it at the new step); remove it or choose another directory")
         if os.path.isdir(os.path.join(cfg.save, f"step_{cfg.steps}")):
             raise CheckpointError(f"--save {cfg.save}: step_{cfg.steps} is already saved there; "
                                   f"choose another directory or remove it")

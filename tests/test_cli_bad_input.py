@@ -223,6 +223,22 @@ def test_resume_of_what_is_not_a_checkpoint_is_one_line(case, tmp_path, capsys):
     assert word in line, line
 
 
+SAVE = {  # (what --save names, a word the line must contain)
+    "a link loop": (lambda d: (os.symlink("loop", d / "loop"), d / "loop")[-1], "must be a directory"),
+    "a dangling link": (lambda d: (os.symlink("nowhere", d / "gone"), d / "gone")[-1], "must be a directory"),
+    "a file": (lambda d: ((d / "f").write_text("x"), d / "f")[-1], "must be a directory"),
+    "latest a directory": (lambda d: ((d / "ck" / "latest").mkdir(parents=True), d / "ck")[-1], "not a file"),
+    "step already saved": (lambda d: ((d / "ck" / "step_3").mkdir(parents=True), d / "ck")[-1], "already saved"),
+}
+
+
+@pytest.mark.parametrize("case", list(SAVE))
+def test_save_where_no_checkpoint_can_go_is_one_line(case, tmp_path, capsys):
+    make, word = SAVE[case]
+    line = refused(["run", "--steps", "3", "--save", str(make(tmp_path))], capsys)
+    assert "--save" in line and word in line, line
+
+
 def test_a_good_meta_passes_the_checks(tmp_path):
     """The same reading accepts what checkpoint.py writes (so the cases above fail for their
     reason, not for any meta.json)."""
@@ -262,7 +278,7 @@ def test_bad_plan_exits_2_with_one_line(argv, word, capsys):
 
 
 def test_at_least_150_cases():
-    assert len(BAD) + len(RESUME) + len(PLAN) >= 150
+    assert len(BAD) + len(RESUME) + len(SAVE) + len(PLAN) >= 150
 
 
 # ---------------------------------------------------------------------------------------------
