@@ -17,7 +17,7 @@ import sys
 import threading
 
 from . import preflight
-from .config import ConfigError, GPTConfig, RunConfig, under_torchrun
+from .config import BIGGEST, ConfigError, GPTConfig, RunConfig, under_torchrun
 
 _HELP = {
     "dp": "data-parallel degree", "tp": "tensor-parallel degree", "pp": "pipeline stages",
@@ -134,7 +134,7 @@ def _pipeline_defaults(values: dict) -> str:
     chosen = []
     if values["layers"] is None and values.get("resume"):  # the checkpoint's model, any layout
         values["layers"] = preflight.saved_layers(values["resume"])
-    if values["pp"] > 1 and values["virtual_stages"] >= 0:  # (a negative one is refused next)
+    if 1 < values["pp"] <= BIGGEST and 0 <= values["virtual_stages"] <= BIGGEST:  # (else refused next)
         from .config import virtual_stages
         from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers
         from .trace import PIPELINE_STEPS

@@ -83,7 +83,8 @@ BAD = [
     # issue 26's hostile user: 400-digit numbers (were tracebacks: theory's floats overflowed)
     *[(["--" + f, HUGE], "--" + f) for f in ("seq", "vocab", "batch", "d-model", "layers", "heads",
                                              "dp", "steps", "grad-accum")],
-    (["--pp", "2", "--microbatches", HUGE], "--microbatches"),
+    (["--pp", "2", "--microbatches", HUGE], "--microbatches"), (["--pp", HUGE], "--pp"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", HUGE], "--virtual-stages"),
     (["--experts", HUGE], "--experts"), (["--dp", "2", "--dp-shard", HUGE], "--dp-shard"),
     (["--dp", HUGE, "--batch", HUGE], "--dp"), (["--dp", "2147483647", "--batch", "2147483647"], "world size"),
     # timeouts a run cannot meet or a clock cannot hold (1e-9 was a traceback in TCPStore)
@@ -263,7 +264,7 @@ PLAN = [
     (["--json", "/proc/plan.json"], "--json"), (["--json", ""], "--json"),
     (["--json", "/nonexistent/plan.json"], "--json"),
     (["--gpus", "0"], "--gpus"), (["--gpus", HUGE], "--gpus"), (["--gpus", "8", "--nodes-of", "3"], "--gpus"),
-    (["--layers", HUGE], "--layers"), (["--seq", "0"], "--seq"), (["--experts", "-1"], "--experts"),
+    (["--layers", HUGE], "--layers"), (["--layers", "100000"], "--layers"), (["--seq", "0"], "--seq"), (["--experts", "-1"], "--experts"),
     (["--d-model", "10", "--heads", "3"], "--d-model"), (["--gpu", "tpu-v5"], "--gpu"),
     (["--top", "-1"], "--top"), (["--gpus", "abc"], "--gpus"), (["--precision", "fp8"], "--precision"),
     (["--gpu", "cpu", "--gpus", "32"], "--gpus"),

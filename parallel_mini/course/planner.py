@@ -1226,9 +1226,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 # The largest values the command line takes: beyond them a plan is not a question anyone asks (the
-# largest published runs: 16k GPUs, 2k sequences a step), and theory's floats would overflow.
+# largest published runs: 16k GPUs, 2k sequences a step, 126 layers), theory's floats would
+# overflow, and every pipeline split of 10^5 layers takes minutes to try.
 MOST = {"gpus": 2 ** 20, "nodes_of": 2 ** 20, "global_batch": 2 ** 24,
-        **{k: 2 ** 31 - 1 for k in SHAPE_FLAGS}}
+        **{k: 2 ** 31 - 1 for k in SHAPE_FLAGS}, "layers": 1024}
 
 
 def spec_from_args(args) -> ModelSpec:
@@ -1268,7 +1269,7 @@ def _check_args(args, given: set) -> None:
         v = getattr(args, k)
         if v is not None and v > most:
             raise PlanError(f"--{k.replace('_', '-')} {v if len(str(v)) < 20 else str(v)[:12] + '...'}"
-                            f": must be at most {most:,}")
+                            f": must be at most {most:,} (far beyond any published run)")
     if args.gpu != "cpu" and args.gpu not in HARDWARE:
         raise PlanError(f"--gpu {args.gpu!r}: choose one of {', '.join(HARDWARE)}, cpu")
     if args.top < 0:
