@@ -11,6 +11,7 @@ run in a fraction of a second; whoever launches ranks asks (the CLI, engine.run)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -110,7 +111,7 @@ def resolve(path: str) -> tuple[str, dict]:
             raise _bad(path, f"{meta_file}: '{key}' should be a {typ.__name__}, found {got}")
     if meta["step"] < 0:
         raise _bad(path, f"{meta_file}: 'step' {meta['step']} is negative")
-    missing = [f.name for f in _model_fields() if f.name not in meta["model"]]
+    missing = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in meta["model"]]
     if missing:
         raise _bad(path, f"{meta_file}: the model lacks {missing}")
     return path, meta
@@ -132,11 +133,6 @@ def _read_text(path: str, file: str, most: int) -> str:
 
 def _bad(path: str, why: str) -> CheckpointError:
     return CheckpointError(f"--resume {path}: not a checkpoint this library wrote: {why}")
-
-
-def _model_fields():
-    import dataclasses
-    return dataclasses.fields(GPTConfig)
 
 
 def saved_layers(path: str) -> int | None:
