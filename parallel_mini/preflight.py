@@ -81,6 +81,8 @@ def _gb(nbytes: float) -> str:
 # checkpoints: what --resume reads before any rank starts (checkpoint.py writes them)
 # ---------------------------------------------------------------------------------------------
 META_TYPES = {"step": int, "world_size": int, "model": dict, "seed": int, "optimizer": str}
+_JSON_NAMES = {int: "whole number", dict: "JSON object", str: "string", list: "list",
+               float: "number", bool: "true/false", type(None): "null"}
 
 
 def resolve(path: str) -> tuple[str, dict]:
@@ -104,11 +106,11 @@ def resolve(path: str) -> tuple[str, dict]:
     except ValueError as e:
         raise _bad(path, f"{meta_file} is not JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(meta, dict):
-        raise _bad(path, f"{meta_file} holds a {type(meta).__name__}, not a JSON object")
+        raise _bad(path, f"{meta_file} holds a {_JSON_NAMES.get(type(meta), '?')}, not a JSON object")
     for key, typ in META_TYPES.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
-            got = "nothing" if key not in meta else type(meta[key]).__name__
-            raise _bad(path, f"{meta_file}: '{key}' should be a {typ.__name__}, found {got}")
+            got = "nothing" if key not in meta else _JSON_NAMES.get(type(meta[key]), "?")
+            raise _bad(path, f"{meta_file}: '{key}' should be a {_JSON_NAMES[typ]}, found {got}")
     if meta["step"] < 0:
         raise _bad(path, f"{meta_file}: 'step' {meta['step']} is negative")
     missing = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in meta["model"]]
@@ -205,7 +207,8 @@ def check_output(flag: str, path: str | None) -> None:
     if path is None:
         return
     if path == "":
-        raise ConfigError(f"{flag} '': give a file name (or - for standard output)")
+        raise ConfigError(f"{flag} '': give a file name" + (" (or - for standard output)"
+                                                             if flag == "--json" else ""))
     if path == "-":
         return
     folder = os.path.dirname(os.path.abspath(path))
