@@ -51,9 +51,11 @@ def on() -> bool:
 
 
 # both modes: inline code as large as the text around it (Streamlit draws it at 0.75 em),
-# and a chart's own controls (a slider, play, speed) on one row under it
+# a chart's own controls (a slider, play, speed) on one row under it, and less blank space above
+# the title (Run live and the main chart's top on the first screen)
 _CODE_CSS = """<style>
 [data-testid="stMain"] code, [data-testid="stSidebar"] code { font-size: 0.95em; }
+[data-testid="stMainBlockContainer"] { padding-top: 3rem; }
 .vega-bindings { display: flex; flex-wrap: wrap; column-gap: 2rem; align-items: center; }
 </style>"""
 

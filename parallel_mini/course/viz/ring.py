@@ -80,11 +80,11 @@ def ring_moves_text(exp: dict, columns: int = 1) -> list[str] | list[list[str]]:
         out = []
         for fr in exp["frames"]:
             if fr["phase"] == "start":
-                head = [f"step 0 of {total} · start", "every rank holds only its own data"]
+                head = [f"step 0 of {total} · start: every rank holds only its own data"]
                 lines = []
             else:
                 verb = "summed into" if fr["phase"] == "reduce-scatter" else "copied over"
-                head = [f"step {fr['step']} of {total} · {fr['phase']}",
+                head = [f"step {fr['step']} of {total} · {fr['phase']} "
                         f"(each received chunk is {verb} the local one)"]
                 lines = [f"rank {m['src']} → rank {m['dst']}: chunk {m['chunk']} of "
                          f"{ranks_label(m['mask'], n)}"
@@ -92,7 +92,7 @@ def ring_moves_text(exp: dict, columns: int = 1) -> list[str] | list[list[str]]:
             texts = []
             for i in range(columns):
                 part = lines[i * per:(i + 1) * per]
-                top = head if i == 0 else [" ", " "]
+                top = head if i == 0 else [" "]
                 texts.append("\n".join(top + part + [" "] * (per - len(part))))
             out.append(texts)
         return out
@@ -144,11 +144,12 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     lines = [line for label in cells["label"] for line in label.split("\n")]
     cell_width = cell_width or max(78, int(0.62 * drawn * max(map(len, lines))) + 12)
     line_px = 1.2 * drawn  # set on the mark: a restyle enlarges fonts, not line heights
-    cell_height = max(cell_height, int(line_px * (cells["label"].str.count("\n").max() + 1) + 10))
+    cell_height = max(cell_height, int(line_px * (cells["label"].str.count("\n").max() + 1)
+                                       + (4 if compact else 10)))
     width, height = max(cell_width * n, 330), cell_height * n  # room for the caption below
     if compact:  # the messages in `columns` columns under the grid: as wide as their longest line
         caption_drawn = (drawn_font or float)(12)
-        longest = max(len(line) for t in captions["caption"] for line in t.split("\n")[2:] + [""])
+        longest = max(len(line) for t in captions["caption"] for line in t.split("\n")[1:] + [""])
         width = max(width, int(columns * (0.58 * caption_drawn * longest + 16)))
 
     if not 0 <= frame < len(frames):
@@ -197,8 +198,9 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     return alt.layer(fill, received, sent, *text, *caption).add_params(step).properties(
         width=width, height=height, autosize=PAD,
         title=alt.TitleParams(
-            f"Ring all-reduce on {n} ranks, {exp['numel']} elements: what really moved (live run)"
-            + (": whose data each chunk holds" if compact else ""),
+            f"Ring all-reduce on {n} ranks, {exp['numel']} elements: "
+            + ("whose data each chunk holds (live run)" if compact else
+               "what really moved (live run)"),
             subtitle=[f"{_steps(1, n - 1)}: reduce-scatter · {_steps(n, 2 * (n - 1))}: all-gather "
                       f"(move the 'step' slider)"]
             + ([] if compact else
