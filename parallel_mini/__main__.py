@@ -1,9 +1,10 @@
 """Command line: `python -m parallel_mini run --dp 4 --reference --json -` (see DESIGN.md's run contract).
 
 Every RunConfig field is a flag (`--d-model`, `--bucket-mb`, ...). A bad value prints one line naming
-the field and the fix and exits 2 before any rank starts; a failed run prints the failing rank's
-error and exits 1; a run stopped by SIGINT, SIGTERM or SIGHUP ends every rank, says so in one line and
-exits 128 + the signal's number. Under torchrun every rank runs this and rank 0 prints the report.
+the field and the fix and exits 2 before any rank starts, without importing torch (config.py,
+preflight.py); a failed run prints the failing rank's error and exits 1 (a run that diverged, or
+a report that could not be written after the run: one line); a run stopped by SIGINT, SIGTERM or
+SIGHUP ends every rank, says so in one line and exits 128 + the signal's number. Under torchrun every rank runs this and rank 0 prints the report.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import signal
 import sys
 import threading
 
-from .config import ConfigError, RunConfig
+from . import preflight
+from .config import BIGGEST, ConfigError, GPTConfig, RunConfig, under_torchrun
 
 _HELP = {
     "dp": "data-parallel degree", "tp": "tensor-parallel degree", "pp": "pipeline stages",
@@ -49,7 +51,10 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
                         argument_default=argparse.SUPPRESS if explicit else None)
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train the tiny GPT on N ranks and report what was measured")
-    for f in dataclasses.fields(RunConfig):
+    model = {f.name for f in dataclasses.fields(GPTConfig)}
+    own = [f for f in dataclasses.fields(RunConfig) if f.name not in model]
+    at = next(i for i, f in enumerate(own) if f.name == "batch")  # layout, model, training, run
+    for f in own[:at] + [f for f in dataclasses.fields(RunConfig) if f.name in model] + own[at:]:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
@@ -67,7 +72,10 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
     run.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace of every op "
                      "and transfer (open in ui.perfetto.dev or chrome://tracing)")
     from .course.planner import add_parser as add_plan_parser  # `plan`: ranked layouts, theory only
-    add_plan_parser(sub)
+    plan = add_plan_parser(sub)
+    if explicit:
+        for action in plan._actions:
+            action.default = argparse.SUPPRESS
     return ap
 
 
@@ -125,10 +133,10 @@ def _pipeline_defaults(values: dict) -> str:
     from 4 timed steps); returns the note to print once the run is accepted."""
     chosen = []
     if values["layers"] is None and values.get("resume"):  # the checkpoint's model, any layout
-        from .checkpoint import saved_layers
-        values["layers"] = saved_layers(values["resume"])
-    if values["pp"] > 1 and values["virtual_stages"] >= 0:  # (a negative one is refused next)
-        from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers, virtual_stages
+        values["layers"] = preflight.saved_layers(values["resume"])
+    if 1 < values["pp"] <= BIGGEST and 0 <= values["virtual_stages"] <= BIGGEST:  # (else refused next)
+        from .config import virtual_stages
+        from .parallel.schedules import BLOCKS_PER_CHUNK, pipeline_layers
         from .trace import PIPELINE_STEPS
         if values["layers"] is None:
             v = virtual_stages(values["schedule"], values["virtual_stages"])
@@ -185,15 +193,15 @@ def _refuse_ignored(given: set[str], cfg: RunConfig) -> None:
             raise ConfigError(f"{flags}: this run would ignore {it}; only {who} {it} ({fix})")
 
 
-def _check_output(flag: str, path: str | None) -> None:
-    """An output file's directory must exist and be writable before the run, not after it."""
-    if not path or path == "-":
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist; create it first")
-    if not os.access(folder, os.W_OK) or os.path.isdir(path):
-        raise ConfigError(f"{flag} {path}: cannot write a file there")
+def _refuse_empty(given: set[str], args) -> None:
+    """An empty --save/--resume would mean "none" (RunConfig's default) and be silently ignored;
+    a trace is a file to open in a viewer, not a stream."""
+    for name in ("save", "resume"):
+        if name in given and not getattr(args, name):
+            raise ConfigError(f"--{name} '': give a directory name")
+    if args.trace == "-":
+        raise ConfigError("--trace -: a trace is a file to open in ui.perfetto.dev, not a stream; "
+                          "give a file name")
 
 
 def _check_backend(cfg: RunConfig) -> None:
@@ -204,7 +212,6 @@ def _check_backend(cfg: RunConfig) -> None:
     import torch
     import torch.distributed as dist
 
-    from .launch import under_torchrun
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ConfigError("--backend nccl: this machine has no GPU with NCCL; use --backend gloo "
                           "(CPU) or auto")
@@ -229,7 +236,6 @@ def _stop_signals_end_the_run():
     Signal handlers can only be set from the main thread (a caller may run `main` elsewhere). A
     signal the process was told to ignore stays ignored (`nohup` ignores SIGHUP, a shell's
     background job SIGINT): a closed terminal must not stop a run started with nohup."""
-    from .launch import under_torchrun
     if under_torchrun() or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -248,31 +254,36 @@ def _stop_signals_end_the_run():
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    given = set(vars(_parser(explicit=True).parse_args(argv)))  # the flags written out
     if args.command == "plan":  # theory only: no RunConfig, no ranks
         from .course.planner import cli
-        return cli(args)
-    given = set(vars(_parser(explicit=True).parse_args(argv)))
+        return cli(args, given)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
-    note = _pipeline_defaults(values)
-    try:
+    try:  # none of this imports torch: a bad value answers at once (--backend nccl aside)
+        _refuse_empty(given, args)
+        note = _pipeline_defaults(values)
         cfg = RunConfig(**values, extra={"progress": args.progress}).validate()
         _refuse_ignored(given, cfg)
-        _check_output("--json", args.json)
-        _check_output("--trace", args.trace)
+        preflight.check_output("--json", args.json)
+        preflight.check_output("--trace", args.trace)
+        preflight.check(cfg)
         _check_backend(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if note:  # only for a run that will start: a refused one gets its one line
         print(note, file=sys.stderr)
-    from .engine import run  # imported late: a bad flag answers without loading torch.distributed
+    from .engine import run  # imported late: a bad flag answers without loading torch
     from .launch import RankError
-    from .launch import under_torchrun
     try:
         with _stop_signals_end_the_run():
             report = run(cfg)
     except RankError as e:
+        last = e.details.rstrip().splitlines()[-1:] or [""]
+        if last[0].startswith("FloatingPointError: "):  # a run that diverged (engine._train)
+            print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)
+            return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
     except _Stopped as e:
@@ -282,17 +293,32 @@ def main(argv=None) -> int:
         import torch.distributed as dist
         if dist.get_rank() != 0:
             return 0
-    if args.trace:
-        from .trace import write_chrome_trace
-        write_chrome_trace(report, args.trace)
-    if args.json == "-":
-        _write_stdout(report.to_json() + "\n")
-    elif args.json:
-        with open(args.json, "w") as fh:
-            fh.write(report.to_json(indent=1))
-        print(_summary(report))
-    else:
-        print(_summary(report))
+    return _write_outputs(report, args)
+
+
+def _write_outputs(report, args) -> int:
+    """The trace, the report; a write that fails after the run (a disk that filled meanwhile) is
+    one line and exit 1: the run finished, its output did not."""
+    flag, path = "--trace", args.trace
+    try:
+        if args.trace:
+            from .trace import write_chrome_trace
+            write_chrome_trace(report, args.trace)
+        flag, path = "--json", args.json
+        if args.json == "-":
+            _write_stdout(report.to_json() + "\n")
+        elif args.json:
+            with open(args.json, "w") as fh:
+                fh.write(report.to_json(indent=1))
+            print(_summary(report))
+        else:
+            print(_summary(report))
+    except OSError as e:
+        if isinstance(e, BrokenPipeError):
+            raise
+        print(f"error: {flag} {path}: the run finished but its output could not be written "
+              f"({e.strerror or e})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -302,7 +328,6 @@ def _entry() -> None:
     except BrokenPipeError:  # e.g. `... --json - | head`: the reader left, nothing to report
         sys.stderr.close()
         sys.exit(0)
-    from .launch import under_torchrun
     if under_torchrun() or rc > 128:
         # Under torchrun, a gloo worker thread can drop its last tensor reference while the
         # interpreter shuts down and abort the process ("terminate called without an active

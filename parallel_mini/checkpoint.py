@@ -44,17 +44,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
 from .model import GPTConfig
 from .moe import Experts
 from .optim import MasterWeights
 from .parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+# What --resume reads before any rank starts (`latest`, meta.json) is read torch-free, without
+# trusting the files, by the CLI before it imports torch: preflight.py.
+from .preflight import CheckpointError, resolve
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state per element (SGD keeps none)
-
-
-class CheckpointError(ConfigError):
-    """A bad --save/--resume: one line, before any rank starts (or a checkpoint that lies)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +362,7 @@ def _fill(dst: torch.Tensor, kind, name, off, size, index, wanted) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. what a checkpoint says about itself, and what can resume from it
+# 5. what a checkpoint says about itself (preflight.py reads it back before a resume)
 # ---------------------------------------------------------------------------------------------
 LAYOUT = ("dp", "tp", "pp", "cp", "ep", "zero", "dp_shard", "sp", "schedule", "virtual_stages")
 
@@ -373,59 +371,3 @@ def _meta(cfg, step: int) -> dict:
     return {"step": step, "world_size": cfg.world_size, "model": vars(GPTConfig.from_run(cfg)),
             "seed": cfg.seed, "optimizer": cfg.optimizer, "precision": cfg.precision,
             "layout": {k: getattr(cfg, k) for k in LAYOUT}}
-
-
-def resolve(path: str) -> tuple[str, dict]:
-    """(the checkpoint folder, its meta.json) for DIR (through DIR/latest) or DIR/step_N."""
-    if os.path.isfile(os.path.join(path, "latest")):
-        with open(os.path.join(path, "latest")) as fh:
-            path = os.path.join(path, fh.read().strip())
-    meta_file = os.path.join(path, "meta.json")
-    if not os.path.isfile(meta_file):
-        raise CheckpointError(f"--resume {path}: no checkpoint there (neither DIR/latest nor "
-                              f"DIR/step_N/meta.json); give the --save directory of a finished run")
-    with open(meta_file) as fh:
-        return path, json.load(fh)
-
-
-def saved_layers(path: str) -> int | None:
-    """The checkpoint's --layers (the CLI's default with --resume), None if it cannot be read."""
-    try:
-        return resolve(path)[1]["model"]["layers"]
-    except (CheckpointError, OSError, ValueError, KeyError):
-        return None
-
-
-def check_flags(cfg) -> None:
-    """--save/--resume refused before any rank starts (raises CheckpointError, one line)."""
-    for flag, v in (("--save", cfg.save), ("--resume", cfg.resume)):
-        if not isinstance(v, str):
-            raise CheckpointError(f"{flag} {v!r}: must be a directory name (a string)")
-    if cfg.pp > 1 and cfg.schedule.startswith("pipedream"):
-        raise CheckpointError(f"--save/--resume with --schedule {cfg.schedule}: PipeDream's stashed "
-                              f"weight versions are not in a checkpoint yet; checkpoints work with "
-                              f"data parallel, ZeRO 1/2/3, tensor, context, expert parallel and "
-                              f"the synchronous pipeline schedules")
-    if cfg.save:
-        parent = os.path.dirname(os.path.abspath(cfg.save))
-        if not os.path.isdir(parent) or (os.path.exists(cfg.save) and not os.path.isdir(cfg.save)):
-            raise CheckpointError(f"--save {cfg.save}: must be a directory inside an existing one "
-                                  f"({parent})")
-        if os.path.isdir(os.path.join(cfg.save, f"step_{cfg.steps}")):
-            raise CheckpointError(f"--save {cfg.save}: step_{cfg.steps} is already saved there; "
-                                  f"choose another directory or remove it")
-    if cfg.resume:
-        if not os.path.isdir(cfg.resume):
-            raise CheckpointError(f"--resume {cfg.resume}: no such directory")
-        _, meta = resolve(cfg.resume)
-        if meta["step"] >= cfg.steps:
-            raise CheckpointError(f"--steps {cfg.steps}: the checkpoint in {cfg.resume} was saved "
-                                  f"after step {meta['step']}; --steps is the step to train up to, "
-                                  f"give more than {meta['step']}")
-        mine = {"model": vars(GPTConfig.from_run(cfg)), "seed": cfg.seed, "optimizer": cfg.optimizer}
-        for k, v in mine.items():
-            if meta[k] != v:
-                diff = {f: (meta[k][f], v[f]) for f in v if meta[k][f] != v[f]} if k == "model" \
-                    else (meta[k], v)
-                raise CheckpointError(f"--resume {cfg.resume}: saved with another {k} (saved, "
-                                      f"now: {diff}); resume with the same {k}")

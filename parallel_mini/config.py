@@ -2,6 +2,12 @@
 
 A bad value raises ConfigError (a ValueError) whose one-line message names the field and the fix.
 The CLI prints that line and exits 2; the app shows it; nothing is launched.
+
+`RunConfig.validate` computes from the values alone and returns: it writes nothing, reads no file
+and imports nothing of this package (this module is at the bottom of the house, torch-free, so
+that a bad flag is refused before torch is imported). What the machine and the disk allow (the
+memory estimate, a checkpoint to resume, files to write) is preflight.py's, asked by whoever
+launches the ranks (the CLI, engine.run). The model's shape is GPTConfig, which RunConfig extends.
 """
 from __future__ import annotations
 
@@ -10,11 +16,25 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .launch import MAX_LOCAL_RANKS, under_torchrun
-
 
 class ConfigError(ValueError):
     pass
+
+
+MAX_LOCAL_RANKS = 16  # beyond this a laptop only thrashes; torchrun has no such limit
+BIGGEST = 2 ** 31 - 1  # no whole-number flag goes beyond (torch's int32 sizes; 400 digits refused)
+
+
+def under_torchrun() -> bool:
+    """torchrun's environment (the launcher decides the world, not this machine's local cap)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def virtual_stages(schedule: str, v: int = 0) -> int:
+    """Model chunks per pipeline rank: v if given, else 2 for interleaved and zbv, 1 otherwise."""
+    if v:
+        return v
+    return 2 if schedule in ("interleaved", "zbv") else 1
 
 
 CHOICES = {
@@ -29,10 +49,50 @@ CHOICES = {
 # FSDP's sharding strategies are ZeRO stages under other names (HYBRID_SHARD: ZeRO-3 inside
 # groups of --dp-shard ranks, replicated across groups).
 FSDP_STRATEGIES = {"NO_SHARD": 0, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3, "HYBRID_SHARD": 3}
+# Finite, yet absurd: refused with the reason rather than trained to NaN. (flag: (most, why))
+AT_MOST = {
+    "lr": (10.0, "Adam moves each weight by about lr a step: the toy trains at 3e-3, and beyond 10 "
+                 "every run diverges to NaN"),
+    "aux_loss_weight": (100.0, "beyond it the balancing loss drowns the language-model loss it "
+                               "steers; typical is 0.01"),
+    "z_loss_weight": (100.0, "beyond it the router's z-loss drowns the language-model loss; "
+                             "typical is 0.001"),
+    "timeout_s": (7 * 24 * 3600.0, "a week"),
+    "bucket_mb": (2.0 ** 20, "a terabyte: one bucket already holds the whole toy model"),
+    "capacity_factor": (2.0 ** 20, "at E/k every token fits already"),
+}
 
 
 @dataclass
-class RunConfig:
+class GPTConfig:
+    """The model's shape (model.py builds the GPT from it; RunConfig extends it)."""
+    vocab: int = 128
+    seq: int = 32
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 4
+    # mixture of experts (moe.py): 0 = a dense MLP in every block; --ep shards them (parallel/expert.py)
+    experts: int = 0
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    moe_every: int = 1  # the MLP of every moe_every-th block (blocks moe_every-1, 2*moe_every-1...)
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+    @classmethod
+    def from_run(cls, cfg) -> "GPTConfig":
+        """The model's part of a RunConfig (or of anything with its shape's fields)."""
+        return GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)
+                            if hasattr(cfg, f.name)})
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and (layer + 1) % self.moe_every == 0
+
+
+@dataclass
+class RunConfig(GPTConfig):
+    """A run: the model (GPTConfig's fields: vocab, seq, d_model, heads, layers, experts, top_k,
+    capacity_factor, moe_every, aux_loss_weight, z_loss_weight), its layout and its training."""
     # layout: the rank grid
     dp: int = 1
     tp: int = 1
@@ -50,23 +110,10 @@ class RunConfig:
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
     sp: bool = False  # Megatron sequence parallel on top of tensor parallel
     cp_impl: str = "ring"  # context parallel: ring, zigzag (balanced ring) or ulysses (all-to-all)
-    # mixture of experts (moe.py); --ep shards the experts (parallel/expert.py)
-    experts: int = 0  # experts per MoE layer; 0 = a dense model
-    top_k: int = 1
-    capacity_factor: float = 1.0
-    moe_every: int = 1
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
     # pipeline
     schedule: str = "1f1b"
     microbatches: int = 4  # per step and data-parallel rank, with --pp > 1
     virtual_stages: int = 0  # model chunks per pipeline rank; 0 = 2 for interleaved, else 1
-    # model
-    layers: int = 4
-    d_model: int = 64
-    heads: int = 4
-    seq: int = 32
-    vocab: int = 128
     # training
     batch: int = 8
     steps: int = 3
@@ -102,12 +149,33 @@ class RunConfig:
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes).validate()
 
+    def __post_init__(self):
+        # --fsdp names a ZeRO stage: the config says it once, in `zero` (validate checks both)
+        if isinstance(self.fsdp, str) and self.fsdp in FSDP_STRATEGIES and self.zero == 0:
+            self.zero = FSDP_STRATEGIES[self.fsdp]
+
     def validate(self) -> "RunConfig":
+        """Returns self if every value and combination is one the library can run, else raises
+        ConfigError (one line naming the flag and the fix). A pure function of the values (and
+        of whether torchrun launched this process: the local cap on ranks)."""
         for name in ("dp", "tp", "pp", "cp", "ep", "layers", "d_model", "heads", "seq", "vocab",
                      "batch", "steps", "grad_accum", "microbatches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{_flag(name)} {v!r}: must be a whole number >= 1")
+                raise ConfigError(f"{_flag(name)} {_show(v)}: must be a whole number >= 1")
+        for name in ("experts", "top_k", "moe_every", "virtual_stages", "dp_shard", "zero", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigError(f"{_flag(name)} {_show(v)}: must be a whole number")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "seed" and isinstance(v, int) and not isinstance(v, bool) \
+                    and abs(v) > BIGGEST:
+                raise ConfigError(f"{_flag(f.name)} {_show(v)}: must be at most {BIGGEST:,} "
+                                  f"(far beyond anything local ranks can hold)")
+        if not 0 <= self.seed < 2 ** 32:
+            raise ConfigError(f"--seed {self.seed}: must be between 0 and 2**32 - 1 (the data's "
+                              f"generator is seeded with 1,000,003 x seed + step, a 64-bit number)")
         for name in ("bucket_mb", "lr", "timeout_s", "capacity_factor", "aux_loss_weight",
                      "z_loss_weight"):
             v = getattr(self, name)
@@ -116,23 +184,29 @@ class RunConfig:
             if not math.isfinite(v):
                 raise ConfigError(f"{_flag(name)} {v!r}: must be a finite number (training with "
                                   f"it would run to NaN or never end)")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"--seed {self.seed!r}: must be a whole number")
+            most, why = AT_MOST[name]
+            if v > most:
+                raise ConfigError(f"{_flag(name)} {v:g}: must be at most {most:g} ({why})")
+        for name in ("save", "resume", "fsdp"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: must be a string")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: choose one of "
                                   f"{', '.join(allowed)}")
+        if self.vocab < 2:
+            raise ConfigError(f"--vocab {self.vocab}: must be at least 2 (with one token there is "
+                              f"nothing to predict: the loss is 0 from the start)")
         if self.fsdp:
             if self.fsdp not in FSDP_STRATEGIES:
                 raise ConfigError(f"--fsdp {self.fsdp!r}: choose one of {', '.join(FSDP_STRATEGIES)}")
             stage = FSDP_STRATEGIES[self.fsdp]
-            if self.zero not in (0, stage):
+            if self.zero != stage:
                 raise ConfigError(f"--fsdp {self.fsdp} is ZeRO-{stage}; it contradicts --zero "
                                   f"{self.zero}: give one of them")
             if (self.fsdp == "HYBRID_SHARD") != (0 < self.dp_shard < self.dp):
                 raise ConfigError(f"--fsdp {self.fsdp}: HYBRID_SHARD (and only it) needs "
                                   f"--dp-shard S with S < --dp {self.dp} dividing it")
-            self.zero = stage
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"--zero {self.zero!r}: choose 0 (plain data parallel), 1, 2 or 3")
         if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
@@ -183,40 +257,19 @@ class RunConfig:
             raise ConfigError(f"--bucket-mb {self.bucket_mb!r}: must be > 0 (megabytes)")
         if not self.lr > 0:
             raise ConfigError(f"--lr {self.lr!r}: must be > 0")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--timeout-s {self.timeout_s!r}: must be > 0 seconds")
+        if not self.timeout_s >= 1:
+            raise ConfigError(f"--timeout-s {self.timeout_s!r}: must be at least 1 second (the "
+                              f"ranks alone take about a second to start)")
         if self.steps > 10_000 or self.layers * self.d_model ** 2 > 64 * 1024 ** 2:
             raise ConfigError("the model or run is far beyond toy scale for local ranks: keep "
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
-        if not under_torchrun():
-            self._validate_fits()
-        if self.save or self.resume:
-            from .checkpoint import check_flags  # (reads the checkpoint's meta.json)
-            check_flags(self)
         return self
-
-    def _validate_fits(self) -> None:
-        """Refuse a local run that would not fit in this machine's memory, with the estimate
-        (theory.local_run_bytes_estimate), instead of letting it swap, die or time out."""
-        from .theory import local_run_bytes_estimate
-        available = _available_memory()
-        if available is None:
-            return
-        est = local_run_bytes_estimate(self)
-        if est["total"] > available / 2:
-            parts = ", ".join(f"{k} {_gb(est[k])}" for k in ("activations", "logits", "states", "data")
-                              if est[k] > 2 ** 20)
-            raise ConfigError(f"this run needs about {_gb(est['total'])} of memory ({self.world_size} "
-                              f"rank{'s' * (self.world_size > 1)} x {_gb(est['per_rank'])}: {parts}), more than half of the "
-                              f"{_gb(available)} this machine has available; lower --batch, --seq, "
-                              f"--vocab, --d-model or --layers")
-
 
     def _validate_experts(self) -> None:
         E, P, k = self.experts, self.ep, self.top_k
-        for name in ("experts", "top_k", "moe_every"):
+        for name in ("experts", "top_k", "moe_every"):  # (whole numbers: validate checked)
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "experts" else 1):
+            if v < (0 if name == "experts" else 1):
                 raise ConfigError(f"{_flag(name)} {v!r}: must be a whole number >= "
                                   f"{0 if name == 'experts' else 1}")
         if E == 0:
@@ -268,8 +321,7 @@ class RunConfig:
                               f"{c * self.tp}, or --cp-impl ring")
 
     def _validate_pipeline(self) -> None:
-        from .parallel.schedules import virtual_stages
-        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 0:
+        if self.virtual_stages < 0:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: must be >= 1 (or 0 for the "
                               f"schedule's default)")
         v = virtual_stages(self.schedule, self.virtual_stages)
@@ -300,12 +352,6 @@ class RunConfig:
         if self.grad_accum != 1:
             raise ConfigError("--grad-accum: with --pp > 1 the pipeline's --microbatches already "
                               "accumulate gradients; leave --grad-accum at 1")
-        if self.extra.get("ops"):  # a schedule written out op by op (an exercise's)
-            from .parallel.schedules import for_config
-            try:
-                for_config(self)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"the schedule's ops: {e}") from None
         if self.zero and self.schedule.startswith("pipedream"):
             raise ConfigError(f"--zero {self.zero} with --schedule {self.schedule}: PipeDream steps "
                               f"each stage's own optimizer after every micro-batch; use --zero 0")
@@ -314,24 +360,11 @@ class RunConfig:
                               f"pipeline stages are not available yet; use one of them at a time")
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available to new processes (Linux MemAvailable), else the physical total."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 2 ** 30:.1f} GB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.0f} MB"
-
-
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _show(v) -> str:
+    """A value for a one-line message: a 400-digit number is not repeated in full."""
+    text = repr(v)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} characters)"

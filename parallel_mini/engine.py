@@ -25,6 +25,7 @@ engine calls nothing else on them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from contextlib import nullcontext
@@ -32,7 +33,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, preflight
 from .comm import Comm
 from .config import RunConfig
 from .data import global_batch, shard
@@ -215,6 +216,9 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
         with live if metered else nullcontext():
             local = runner.train_step(step, batch)  # mean loss over this rank's tokens
         losses.append(_mean_over(local, mesh, mesh.axis_for("loss")))
+        if not math.isfinite(losses[-1]):  # diverged: stop at once (the CLI says so in one line)
+            raise FloatingPointError(f"step {start + step + 1}: the loss is {losses[-1]}; the run "
+                                     f"diverged (lower --lr, --aux-loss-weight or --z-loss-weight)")
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {start + step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr,
                   flush=True)
@@ -233,7 +237,7 @@ def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
 
 def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
-    cfg.validate()
+    preflight.check(cfg.validate())  # the values, then what this machine and disk allow
     t0 = time.perf_counter()
     if under_torchrun():
         init_from_env(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s)

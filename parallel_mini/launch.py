@@ -29,6 +29,7 @@ import multiprocessing.connection as mpc
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,7 +41,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-MAX_LOCAL_RANKS = 16  # beyond this a laptop only thrashes; torchrun has no such limit
+from .config import MAX_LOCAL_RANKS, under_torchrun  # (torch-free: the CLI's checks use them)
+
 # Imported once by the forkserver so no rank pays for them. torch._dynamo is pulled in lazily by
 # the first TorchDispatchMode (the memory meter) and costs ~1 s per process otherwise.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "parallel_mini.engine"]
@@ -291,9 +293,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
 
 def _launch(payload: bytes, world_size: int, timeout: float, pg_timeout: float, backend: str,
             echo: bool) -> list[RankResult]:
-    # The parent hosts the rendezvous store on a free port: no port race, nothing to clean up.
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=pg_timeout))
+    store = loopback_store(pg_timeout)
     ctx = _context()
     oom_before = oom_kills()  # to tell a rank ended by the out-of-memory killer (see _why_it_died)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
@@ -311,6 +311,23 @@ def _launch(payload: bytes, world_size: int, timeout: float, pg_timeout: float, 
     finally:
         _kill(procs)
         del store
+
+
+def loopback_store(pg_timeout: float) -> dist.TCPStore:
+    """The rendezvous store, hosted by the parent on a free port of 127.0.0.1 only: no port race,
+    nothing to clean up, and nothing reachable from beyond this machine. (A TCPStore created for
+    "127.0.0.1" binds its server to every interface, and any client that reaches it can read and
+    write the peers' keys; so the socket is bound here, and the store serves on it.)"""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=pg_timeout), master_listen_fd=sock.detach())
 
 
 def oom_kills() -> int | None:
@@ -481,10 +498,6 @@ def _collect(procs, conns, timeout, oom_before=None) -> list[RankResult]:
 # ---------------------------------------------------------------------------------------------
 # under torchrun
 # ---------------------------------------------------------------------------------------------
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
 def init_from_env(backend: str | None = None, pg_timeout: float = 60.0) -> torch.device:
     """Initialise the default process group from torchrun's environment; returns this rank's device.
     The CPU affinity is left as the launcher set it (a cluster's job script pins, or not, on

@@ -24,38 +24,13 @@ Korthikanti et al. accounting the memory lesson uses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .config import GPTConfig  # the model's shape (torch-free: the CLI checks it before importing torch)
 from .moe import MoE, Experts, init_experts
-
-
-@dataclass
-class GPTConfig:
-    vocab: int = 128
-    seq: int = 32
-    d_model: int = 64
-    heads: int = 4
-    layers: int = 4
-    # mixture of experts (moe.py): 0 = a dense MLP in every block
-    experts: int = 0
-    top_k: int = 1
-    capacity_factor: float = 1.0
-    moe_every: int = 1  # the MLP of every moe_every-th block (blocks moe_every-1, 2*moe_every-1...)
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
-
-    @classmethod
-    def from_run(cls, cfg) -> "GPTConfig":
-        moe = {k: getattr(cfg, k) for k in ("experts", "top_k", "capacity_factor", "moe_every",
-                                             "aux_loss_weight", "z_loss_weight") if hasattr(cfg, k)}
-        return cls(cfg.vocab, cfg.seq, cfg.d_model, cfg.heads, cfg.layers, **moe)
-
-    def is_moe(self, layer: int) -> bool:
-        return self.experts > 0 and (layer + 1) % self.moe_every == 0
 
 
 class Linear(nn.Linear):

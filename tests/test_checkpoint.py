@@ -19,6 +19,7 @@ from parallel_mini.checkpoint import _meta, flat_boxes
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.launch import RankError
+from parallel_mini.preflight import check
 
 SMALL = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8)
 
@@ -47,24 +48,24 @@ def test_flat_boxes_tile_the_range_in_order(shape):
 # -- refused before any rank starts ---------------------------------------------------------------
 def test_refusals_name_the_flag(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--resume .*no such directory"):
-        RunConfig(resume=str(tmp_path / "nothing")).validate()
+        check(RunConfig(resume=str(tmp_path / "nothing")).validate())
     with pytest.raises(ConfigError, match="--resume .*no checkpoint there"):
-        RunConfig(resume=str(tmp_path)).validate()
+        check(RunConfig(resume=str(tmp_path)).validate())
     with pytest.raises(ConfigError, match="PipeDream"):
-        RunConfig(pp=2, schedule="pipedream", save=str(tmp_path / "c")).validate()
+        check(RunConfig(pp=2, schedule="pipedream", save=str(tmp_path / "c")).validate())
     with pytest.raises(ConfigError, match="--save .*existing"):
-        RunConfig(save=str(tmp_path / "no" / "such")).validate()
+        check(RunConfig(save=str(tmp_path / "no" / "such")).validate())
     saved = tmp_path / "saved"  # what resume reads before any rank starts: latest, meta.json
     (saved / "step_2").mkdir(parents=True)
     (saved / "step_2" / "meta.json").write_text(json.dumps(_meta(RunConfig(**SMALL), 2)))
     (saved / "latest").write_text("step_2\n")
     with pytest.raises(ConfigError, match="--steps 2: .*saved after step 2.*more than 2"):
-        RunConfig(steps=2, resume=str(saved), **SMALL).validate()
+        check(RunConfig(steps=2, resume=str(saved), **SMALL).validate())
     with pytest.raises(ConfigError, match="another model .*'d_model': \\(32, 64\\)"):
-        RunConfig(steps=3, resume=str(saved), **{**SMALL, "d_model": 64}).validate()
+        check(RunConfig(steps=3, resume=str(saved), **{**SMALL, "d_model": 64}).validate())
     with pytest.raises(ConfigError, match="another optimizer"):
-        RunConfig(steps=3, resume=str(saved), optimizer="sgd", **SMALL).validate()
-    RunConfig(steps=3, resume=str(saved), tp=2, pp=2, **SMALL).validate()  # any layout
+        check(RunConfig(steps=3, resume=str(saved), optimizer="sgd", **SMALL).validate())
+    check(RunConfig(steps=3, resume=str(saved), tp=2, pp=2, **SMALL).validate())  # any layout
     assert main(["run", "--dp", "2", "--resume", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --resume") and "Traceback" not in err[0]
@@ -85,7 +86,7 @@ def test_resume_same_layout_bit_identical_and_killed_save(tmp_path):
     assert open(os.path.join(b, "latest")).read().strip() == "step_2"
     assert os.path.isdir(os.path.join(b, "step_3.tmp")) and not os.path.exists(os.path.join(b, "step_3"))
     with pytest.raises(ConfigError, match="step_2 is already saved"):
-        RunConfig(dp=2, steps=2, save=b, **SMALL).validate()
+        check(RunConfig(dp=2, steps=2, save=b, **SMALL).validate())
     resumed = run(RunConfig(dp=2, steps=3, resume=b, save=b, **SMALL))
     assert resumed.extra["resumed_from_step"] == 2
     assert resumed.losses == straight.losses[2:]  # bit-identical

@@ -247,3 +247,30 @@ def test_pipeline_defaults_for_layers_and_steps(capsys):
     layers, steps, note = chosen(pp=4, layers=4, steps=3)
     assert (layers, steps, note) == (4, 3, "")
     assert chosen(pp=4, layers=8)[2].startswith("note: --steps 6 ")
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration without side effects (issue 28 item 3)
+# ---------------------------------------------------------------------------------------------
+def test_config_imports_nothing_of_the_package_and_validate_changes_nothing(tmp_path):
+    """config.py sits at the bottom: it imports no module of parallel_mini (so no cycle, and no
+    torch); validate reads no file (a --resume that does not exist is preflight's to refuse) and
+    leaves the config as it was; the model's fields are GPTConfig's, written once."""
+    import ast
+    import dataclasses
+
+    from parallel_mini import config, preflight
+    from parallel_mini.model import GPTConfig
+    tree = ast.parse(Path(config.__file__).read_text())
+    imported = [n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert {m.split(".")[0] for m in imported} <= {"__future__", "dataclasses", "math", "os"}, imported
+    cfg = RunConfig(dp=4, fsdp="FULL_SHARD", batch=8, resume=str(tmp_path / "nothing"))
+    before = cfg.to_dict()
+    assert cfg.validate() is cfg and cfg.to_dict() == before and cfg.zero == 3
+    with pytest.raises(ConfigError, match="no such directory"):
+        preflight.check(cfg)
+    model_fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    assert GPTConfig is config.GPTConfig and issubclass(RunConfig, GPTConfig)
+    assert [f.name for f in dataclasses.fields(RunConfig)][:len(model_fields)] == model_fields
+    assert vars(GPTConfig.from_run(cfg)) == {k: before[k] for k in model_fields}

@@ -183,6 +183,31 @@ def test_lambda_closure_and_notebook_function_run():
     assert [r.value for r in run_ranks(namespace["notebook_fn"], 2, 2)] == [[0, 0], [1, 1]]
 
 
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """The TCP addresses process `pid` listens on (read from a rank, during the run)."""
+    return sorted((c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("inet")
+                  if c.status == psutil.CONN_LISTEN)
+
+
+def test_the_rendezvous_store_listens_on_loopback_only(monkeypatch):
+    """The launcher's TCPStore, created for 127.0.0.1, used to listen on every interface (issue
+    26: a client reached it through the machine's external address and read the peers' keys).
+    Read during a run, from its ranks: the store's port is bound to 127.0.0.1 and nothing else.
+    (Never checked by connecting from outside: only the listening sockets are read.)"""
+    ports = []
+
+    def recording(pg_timeout):
+        store = real(pg_timeout)
+        ports.append(store.port)
+        return store
+    real = launch.loopback_store
+    monkeypatch.setattr(launch, "loopback_store", recording)
+    seen = [r.value for r in run_ranks(_listening, 2, os.getpid())]
+    assert len(ports) == 1
+    for addresses in seen:
+        assert [a for a in addresses if a[1] == ports[0]] == [("127.0.0.1", ports[0])], addresses
+
+
 def test_world_size_out_of_range():
     for n in (0, 17):
         with pytest.raises(ValueError, match="world_size"):

@@ -839,10 +839,12 @@ def plan(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int | None = No
 
 
 def _runnable(spec, lay, global_batch, precision, optimizer) -> bool:
-    """RunConfig accepts it (the layouts the library refuses are not ranked for the tiny GPT)."""
+    """RunConfig accepts it and it fits this machine's memory (the layouts the library refuses
+    are not ranked for the tiny GPT)."""
     from ..config import ConfigError
+    from ..preflight import check_fits
     try:
-        run_config(spec, lay, global_batch, precision, optimizer).validate()
+        check_fits(run_config(spec, lay, global_batch, precision, optimizer).validate())
         return True
     except ConfigError:
         return False
@@ -1223,54 +1225,90 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return ap
 
 
+# The largest values the command line takes: beyond them a plan is not a question anyone asks (the
+# largest published runs: 16k GPUs, 2k sequences a step, 126 layers), theory's floats would
+# overflow, and every pipeline split of 10^5 layers takes minutes to try.
+MOST = {"gpus": 2 ** 20, "nodes_of": 2 ** 20, "global_batch": 2 ** 24,
+        **{k: 2 ** 31 - 1 for k in SHAPE_FLAGS}, "layers": 1024}
+
+
 def spec_from_args(args) -> ModelSpec:
     given = {k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None}
     for k, v in given.items():
         if v < (0 if k == "experts" else 1):
             raise PlanError(f"--{k.replace('_', '-')} {v}: must be a whole number >= "
                             f"{0 if k == 'experts' else 1}")
-    if args.model:
+    if args.model is not None:
         if args.model not in MODELS:
             raise PlanError(f"--model {args.model!r}: choose one of {', '.join(MODELS)}, or give "
                             f"--layers --d-model --heads --seq --vocab for parallel_mini's GPT")
         if {"moe_every"} & set(given) or ("experts" in given and not MODELS[args.model].experts):
             raise PlanError(f"--experts/--moe-every with --model {args.model}: a named model keeps "
                             f"its own experts; drop them, or describe a GPT without --model")
-        return dataclasses.replace(MODELS[args.model], **given)
-    return toy_model(batch=8 if args.global_batch is None else args.global_batch, **given)
+        spec = dataclasses.replace(MODELS[args.model], **given)
+    else:
+        spec = toy_model(batch=8 if args.global_batch is None else args.global_batch, **given)
+    unread = [k for k in ("top_k", "moe_every") if k in given]
+    if unread and not spec.experts:
+        flags = " ".join(f"--{k.replace('_', '-')}" for k in unread)
+        raise PlanError(f"{flags}: a dense model has no experts to route to; add --experts E "
+                        f"or drop {flags}")
+    return spec
 
 
-def cli(args) -> int:
+def _check_args(args, given: set) -> None:
+    """What the parser cannot say: ranges, flags that would be ignored, where --json goes."""
+    from ..preflight import check_output
     if args.published:
-        rows = [check_published(e) for e in PUBLISHED]
-        if args.json == "-":
-            sys.stdout.write(json.dumps({"kind": "theory", "published": rows}, indent=1) + "\n")
-        else:
-            print(format_published(rows))
-        return 0
+        ignored = sorted(given - {"command", "published", "json"})
+        if ignored:
+            flags = " ".join("--" + k.replace("_", "-") for k in ignored)
+            raise PlanError(f"{flags}: --published checks the published runs' own models and "
+                            f"layouts and would ignore them; drop them (or --published)")
+    for k, most in MOST.items():
+        v = getattr(args, k)
+        if v is not None and v > most:
+            raise PlanError(f"--{k.replace('_', '-')} {v if len(str(v)) < 20 else str(v)[:12] + '...'}"
+                            f": must be at most {most:,} (far beyond any published run)")
+    if args.gpu != "cpu" and args.gpu not in HARDWARE:
+        raise PlanError(f"--gpu {args.gpu!r}: choose one of {', '.join(HARDWARE)}, cpu")
+    if args.top < 0:
+        raise PlanError(f"--top {args.top}: must be >= 0")
+    check_output("--json", args.json)
+
+
+def cli(args, given: set = frozenset()) -> int:
+    """`plan`; `given`: the flags written out on the command line (to refuse those ignored)."""
+    from ..config import ConfigError
     try:
-        if args.gpu != "cpu" and args.gpu not in HARDWARE:
-            raise PlanError(f"--gpu {args.gpu!r}: choose one of {', '.join(HARDWARE)}, cpu")
-        if args.top < 0:
-            raise PlanError(f"--top {args.top}: must be >= 0")
+        _check_args(args, set(given))
+        if args.published:
+            rows = [check_published(e) for e in PUBLISHED]
+            text = json.dumps({"kind": "theory", "published": rows}, indent=1)
+            return _write(args.json, text, format_published(rows), 0)
         spec = spec_from_args(args)
-        hw = hardware(args.gpu)
-        if args.json and args.json != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise PlanError(f"--json {args.json}: its directory does not exist")
-        result = plan(spec, args.gpus, hw, args.global_batch, args.nodes_of, args.precision,
-                      args.optimizer, args.top, args.variants)
-    except PlanError as e:
+        result = plan(spec, args.gpus, hardware(args.gpu), args.global_batch, args.nodes_of,
+                      args.precision, args.optimizer, args.top, args.variants)
+    except (PlanError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result.pop("all")
-    if args.json:
-        text = json.dumps({"kind": "theory", **result}, indent=1)
-        if args.json == "-":
+    rc = 0 if result["layouts"] or args.top == 0 and result["fit"] else 1
+    return _write(args.json, json.dumps({"kind": "theory", **result}, indent=1), format_plan(result), rc)
+
+
+def _write(path: str | None, text: str, table: str, rc: int) -> int:
+    """JSON to stdout ('-') or to a file (the table printed then), else the table; a write that
+    fails anyway (a disk that filled meanwhile) is one line and exit 1."""
+    try:
+        if path == "-":
             sys.stdout.write(text + "\n")
-        else:
-            with open(args.json, "w") as fh:
+            return rc
+        if path:
+            with open(path, "w") as fh:
                 fh.write(text)
-            print(format_plan(result))
-    else:
-        print(format_plan(result))
-    return 0 if result["layouts"] or args.top == 0 and result["fit"] else 1
+    except OSError as e:
+        print(f"error: --json {path}: could not write the plan ({e.strerror or e})", file=sys.stderr)
+        return 1
+    print(table)
+    return rc

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import virtual_stages  # what --virtual-stages 0 means: configuration
+
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv")  # synchronous; PipeDream: pipedream.py
 
 
@@ -186,13 +188,6 @@ def chunk_owner(name: str, pp: int, v: int) -> list[int]:
     if name == "zbv":
         return v_shape_owner(pp)
     return [c % pp for c in range(pp * v)]
-
-
-def virtual_stages(name: str, v: int = 0) -> int:
-    """Chunks per rank: v if given, else 2 for interleaved and zbv, 1 otherwise."""
-    if v:
-        return v
-    return 2 if name in ("interleaved", "zbv") else 1
 
 
 # The first stage also holds the embeddings and the last the final LayerNorm, LM head and loss.

@@ -1,0 +1,230 @@
+"""Before any rank starts: what this machine and the files on disk allow a run whose values
+RunConfig.validate accepted. Torch-free, like config.py, so that the command line refuses a bad
+run in a fraction of a second; whoever launches ranks asks (the CLI, engine.run).
+
+    check(cfg)          everything below that applies (raises ConfigError: one line)
+    check_fits(cfg)     theory's memory estimate against this machine's available memory
+    check_flags(cfg)    --save/--resume: the directories, and the checkpoint's meta.json
+    resolve(path)       a checkpoint's folder and meta.json, read without trusting either
+    check_output(f, p)  a report or trace file can be written at p (before the run, not after)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import tempfile
+
+from .config import GPTConfig, ConfigError, under_torchrun
+
+
+class CheckpointError(ConfigError):
+    """A bad --save/--resume: one line, before any rank starts (or a checkpoint that lies)."""
+
+
+def check(cfg) -> None:
+    """Every check of this module that applies to `cfg` (validated already)."""
+    if cfg.pp > 1 and cfg.extra.get("ops"):  # a schedule written out op by op (an exercise's)
+        from .parallel.schedules import for_config
+        try:
+            for_config(cfg)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"the schedule's ops: {e}") from None
+    if not under_torchrun():  # torchrun's nodes are not this machine
+        check_fits(cfg)
+    if cfg.save or cfg.resume:
+        check_flags(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+def check_fits(cfg) -> None:
+    """Refuse a local run that would not fit in this machine's memory, with the estimate
+    (theory.local_run_bytes_estimate), instead of letting it swap, die or time out."""
+    from .theory import local_run_bytes_estimate
+    available = available_memory()
+    if available is None:
+        return
+    est = local_run_bytes_estimate(cfg)
+    if est["total"] > available / 2:
+        parts = ", ".join(f"{k} {_gb(est[k])}" for k in ("activations", "logits", "states", "data")
+                          if est[k] > 2 ** 20)
+        raise ConfigError(f"this run needs about {_gb(est['total'])} of memory ({cfg.world_size} "
+                          f"rank{'s' * (cfg.world_size > 1)} x {_gb(est['per_rank'])}: {parts}), "
+                          f"more than half of the {_gb(available)} this machine has available; "
+                          f"lower --batch, --seq, --vocab, --d-model or --layers")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new processes (Linux MemAvailable), else the physical total."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 30:.1f} GB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:.0f} MB"
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: what --resume reads before any rank starts (checkpoint.py writes them)
+# ---------------------------------------------------------------------------------------------
+META_TYPES = {"step": int, "world_size": int, "model": dict, "seed": int, "optimizer": str}
+_JSON_NAMES = {int: "whole number", dict: "JSON object", str: "string", list: "list",
+               float: "number", bool: "true/false", type(None): "null"}
+
+
+def resolve(path: str) -> tuple[str, dict]:
+    """(the checkpoint folder, its meta.json) for DIR (through DIR/latest) or DIR/step_N. Every
+    way these files can be wrong (missing, binary, not JSON, the wrong shape, a `latest` that
+    points out of DIR) is a CheckpointError naming the file, never a traceback."""
+    latest = os.path.join(path, "latest")
+    if os.path.lexists(latest):
+        if not os.path.isfile(latest):
+            raise _bad(path, f"{latest} is not a file")
+        name = _read_text(path, latest, 256).strip()
+        if not name or "/" in name or name in (".", "..") or not name.isprintable():
+            raise _bad(path, f"{latest} does not name a step_N folder ({name[:40]!r})")
+        path = os.path.join(path, name)
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_file):
+        raise CheckpointError(f"--resume {path}: no checkpoint there (neither DIR/latest nor "
+                              f"DIR/step_N/meta.json); give the --save directory of a finished run")
+    try:
+        meta = json.loads(_read_text(path, meta_file, 2 ** 20))
+    except ValueError as e:
+        raise _bad(path, f"{meta_file} is not JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(meta, dict):
+        raise _bad(path, f"{meta_file} holds a {_JSON_NAMES.get(type(meta), '?')}, not a JSON object")
+    for key, typ in META_TYPES.items():
+        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+            got = "nothing" if key not in meta else _JSON_NAMES.get(type(meta[key]), "?")
+            raise _bad(path, f"{meta_file}: '{key}' should be a {_JSON_NAMES[typ]}, found {got}")
+    if meta["step"] < 0:
+        raise _bad(path, f"{meta_file}: 'step' {meta['step']} is negative")
+    missing = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in meta["model"]]
+    if missing:
+        raise _bad(path, f"{meta_file}: the model lacks {missing}")
+    return path, meta
+
+
+def _read_text(path: str, file: str, most: int) -> str:
+    try:
+        with open(file, "rb") as fh:
+            data = fh.read(most + 1)
+    except OSError as e:
+        raise _bad(path, f"cannot read {file} ({e.strerror})") from None
+    if len(data) > most:
+        raise _bad(path, f"{file} is larger than a checkpoint's ({most:,} bytes at most)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad(path, f"{file} is binary, not text") from None
+
+
+def _bad(path: str, why: str) -> CheckpointError:
+    return CheckpointError(f"--resume {path}: not a checkpoint this library wrote: {why}")
+
+
+def saved_layers(path: str) -> int | None:
+    """The checkpoint's --layers (the CLI's default with --resume), None if it cannot be read."""
+    try:
+        layers = resolve(path)[1]["model"]["layers"]
+    except (CheckpointError, OSError):
+        return None
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) else None
+
+
+def check_flags(cfg) -> None:
+    """--save/--resume refused before any rank starts (raises CheckpointError, one line)."""
+    for flag, v in (("--save", cfg.save), ("--resume", cfg.resume)):
+        if not isinstance(v, str):
+            raise CheckpointError(f"{flag} {v!r}: must be a directory name (a string)")
+    if cfg.pp > 1 and cfg.schedule.startswith("pipedream"):
+        raise CheckpointError(f"--save/--resume with --schedule {cfg.schedule}: PipeDream's stashed "
+                              f"weight versions are not in a checkpoint yet; checkpoints work with "
+                              f"data parallel, ZeRO 1/2/3, tensor, context, expert parallel and "
+                              f"the synchronous pipeline schedules")
+    if cfg.save:
+        parent = os.path.dirname(os.path.abspath(cfg.save))
+        if not os.path.isdir(parent) or (os.path.lexists(cfg.save) and not os.path.isdir(cfg.save)):
+            raise CheckpointError(f"--save {cfg.save}: must be a directory inside an existing one "
+                                  f"({parent})")  # (lexists: a dangling link or a loop too)
+        latest = os.path.join(cfg.save, "latest")
+        if os.path.lexists(latest) and not os.path.isfile(latest):
+            raise CheckpointError(f"--save {cfg.save}: {latest} is not a file (the save ends by "
+                                  f"pointing it at the new step); remove it or choose another directory")
+        if os.path.isdir(os.path.join(cfg.save, f"step_{cfg.steps}")):
+            raise CheckpointError(f"--save {cfg.save}: step_{cfg.steps} is already saved there; "
+                                  f"choose another directory or remove it")
+        # Tried for real, as check_output does (a read-only file system, /proc): a uniquely named
+        # probe, since under torchrun every rank of the node asks at once.
+        where = cfg.save if os.path.isdir(cfg.save) else parent
+        try:
+            if len(os.fsencode(os.path.basename(os.path.abspath(cfg.save)))) > \
+                    os.pathconf(parent, "PC_NAME_MAX"):
+                raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+            os.rmdir(tempfile.mkdtemp(dir=where, prefix=".write-probe-"))
+        except OSError as e:
+            raise CheckpointError(f"--save {cfg.save}: cannot write there ({e.strerror})") from None
+    if cfg.resume:
+        if not os.path.isdir(cfg.resume):
+            raise CheckpointError(f"--resume {cfg.resume}: no such directory")
+        _, meta = resolve(cfg.resume)
+        if meta["step"] >= cfg.steps:
+            raise CheckpointError(f"--steps {cfg.steps}: the checkpoint in {cfg.resume} was saved "
+                                  f"after step {meta['step']}; --steps is the step to train up to, "
+                                  f"give more than {meta['step']}")
+        mine = {"model": vars(GPTConfig.from_run(cfg)), "seed": cfg.seed, "optimizer": cfg.optimizer,
+                "precision": cfg.precision}  # (fp32 master weights resumed as bf16: not the run)
+        for k, v in mine.items():
+            if meta.get(k, v) != v:
+                diff = {f: (meta[k].get(f), v[f]) for f in v if meta[k].get(f) != v[f]} \
+                    if k == "model" else (meta[k], v)
+                raise CheckpointError(f"--resume {cfg.resume}: saved with another {k} (saved, "
+                                      f"now: {diff}); resume with the same {k}")
+
+
+# ---------------------------------------------------------------------------------------------
+# output files
+# ---------------------------------------------------------------------------------------------
+def check_output(flag: str, path: str | None) -> None:
+    """A report or trace file can be written at `path`: refused now, in one line, rather than
+    after the ranks have run. Tried for real (opened for appending, then the probe removed if it
+    was not there before): the only way to know for a read-only file system, /proc, a name too
+    long or a directory one may not write, whoever runs it (root passes every access() test)."""
+    if path is None:
+        return
+    if path == "":
+        raise ConfigError(f"{flag} '': give a file name" + (" (or - for standard output)"
+                                                             if flag == "--json" else ""))
+    if path == "-":
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{flag} {path}: the directory {folder} does not exist; create it first")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name inside it")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: not a regular file (a device, a pipe or a socket); give "
+                          f"a file name" + (" or - for standard output" if flag == "--json" else ""))
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write a file there ({e.strerror})") from None
+    if not existed:
+        with contextlib.suppress(FileNotFoundError):  # (torchrun: another rank's probe removed it)
+            os.remove(path)
