@@ -1,0 +1,206 @@
+"""One placement (parallel_mini/placement.py): which box of every full tensor each rank holds and
+owns, said once.
+
+- the torch-free twin of the tiny GPT (gpt_tensors, gpt_held) equals what the live model and its
+  parallel modules say (placement.held_by), on every tp x ep cut;
+- on every layout of the composition matrix, the boxes all ranks own tile every full tensor, each
+  element the same number of times (once per replica), parameters and optimizer states alike,
+  and each rank's padding is theory's;
+- a few layouts run live: every rank's strategy lists exactly the twin's boxes (`owned`), with
+  Adam's two moments per owned element; the whole matrix of those live runs is `-m slow`.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parallel_mini import placement, theory
+from parallel_mini.config import ConfigError, RunConfig
+from parallel_mini.engine import run
+from parallel_mini.model import build_model
+from parallel_mini.parallel.expert import apply_expert_parallel
+from parallel_mini.parallel.tensor import apply_tensor_parallel
+
+SMALL = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8)
+
+
+# -- the twin of the model and its parallel modules ----------------------------------------------
+def _stub_comm(sizes: dict, ranks: dict):
+    """What the parallel modules read of a Comm while they cut: sizes and ranks, no group."""
+    return SimpleNamespace(size=lambda a: sizes.get(a, 1), rank=lambda a: ranks.get(a, 0), step=0)
+
+
+@pytest.mark.parametrize("experts,moe_every", [(0, 1), (4, 1), (4, 2)])
+def test_twin_tensors_and_cuts_are_the_live_modules(experts, moe_every):
+    cfg = RunConfig(**{**SMALL, "layers": 2}, experts=experts, moe_every=moe_every)
+    shapes = {n: tuple(p.shape) for n, p in build_model(cfg, seed=0).named_parameters()}
+    assert placement.gpt_tensors(cfg) == shapes
+    for tp, ep in itertools.product((1, 2, 4), (1, 2, 4) if experts else (1,)):
+        for t, e in itertools.product(range(tp), range(ep)):
+            comm = _stub_comm({"tp": tp, "ep": ep}, {"tp": t, "ep": e})
+            model = build_model(cfg, seed=0)
+            apply_tensor_parallel(model, comm, axis="tp")
+            apply_expert_parallel(model, comm, "ep" if ep > 1 else None)
+            live = dict(placement.held_by(model).values())
+            assert live == placement.gpt_held(cfg, (tp, t), (ep, e)), (tp, t, ep, e)
+            for name, p in model.named_parameters():  # the cut tensor is what the blocks say
+                assert tuple(p.shape) == placement.local_shape(live[name])
+
+
+def test_a_module_cut_holds_its_blocks_of_the_full_tensor():
+    """QKV under tp 2: rank 1's rows are [q_1 | k_1 | v_1], three blocks of the full [q | k | v]."""
+    cfg = RunConfig(**SMALL)
+    full = build_model(cfg, seed=0).state_dict()
+    model = build_model(cfg, seed=0)
+    apply_tensor_parallel(model, _stub_comm({"tp": 2}, {"tp": 1}), axis="tp")
+    for p, (name, blocks) in placement.held_by(model).items():
+        for b in blocks:
+            local = placement.Box(b.local, b.full.sizes)
+            assert p.detach()[local.index()].equal(full[name][b.full.index()]), name
+    qkv = placement.held_by(model)[model.blocks[0].attn.qkv.weight][1]
+    h = cfg.d_model
+    assert [b.full.offsets[0] for b in qkv] == [h // 2, h + h // 2, 2 * h + h // 2]
+
+
+# -- tiling, on every layout of the matrix -------------------------------------------------------
+def matrix(slow: bool) -> list[dict]:
+    """The composition matrix up to 8 ranks: dp (with HYBRID_SHARD), tp (with sp), pp (three kinds
+    of schedule), cp, expert parallel, ZeRO 0-3; what RunConfig refuses is left out."""
+    out = []
+    tps = (1, 2, 4) if slow else (1, 2)
+    for dp, tp, pp, cp, zero, moe in itertools.product((1, 2, 4), tps, (1, 2), (1, 2), range(4),
+                                                        (None, 1, 2, 4)):
+        if dp * tp * pp * cp > 8 or (moe is not None and moe > dp * cp):
+            continue
+        shards = [0] + ([2] if dp == 4 and zero else [])
+        scheds = (["1f1b", "interleaved", "zbv"] if slow else ["1f1b", "zbv"]) if pp > 1 else ["1f1b"]
+        for dp_shard, schedule in itertools.product(shards, scheds):
+            kw = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, schedule=schedule, d_model=24, heads=2,
+                      seq=16, vocab=40, layers=4 * pp, microbatches=2 * pp, batch=4 * dp * pp)
+            if dp_shard:
+                kw.update(fsdp="HYBRID_SHARD", dp_shard=dp_shard)
+            if moe is not None:
+                kw.update(experts=4, top_k=2, moe_every=2, ep=moe)
+            try:
+                RunConfig(**kw).validate()
+            except ConfigError:
+                continue
+            out.append(kw)
+    return out
+
+
+def check_tiling(cfg) -> None:
+    """Every element of every full tensor owned by the same number of ranks (> 0), as parameter
+    and as optimizer state (states live with the pieces they belong to); each rank's boxes are
+    disjoint; each rank's padding is theory's."""
+    tensors = placement.gpt_tensors(cfg)
+    cover = {name: torch.zeros(shape, dtype=torch.int32) for name, shape in tensors.items()}
+    th = theory.run_theory(cfg, theory.gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
+                                                      cfg.experts, cfg.moe_every))
+    for rank in range(cfg.world_size):
+        mine = {name: torch.zeros(shape, dtype=torch.int32) for name, shape in tensors.items()}
+        padding = 0
+        for piece in placement.owned_by_rank(cfg, rank):
+            for reg in piece:
+                if reg.name == placement.PADDING:
+                    padding += reg.box.numel
+                else:
+                    mine[reg.name][reg.box.index()] += 1
+        for name, t in mine.items():
+            assert t.max() <= 1, (cfg, rank, name)  # a rank owns an element once
+            cover[name] += t
+        stage = th["stages"][placement._members(cfg, rank)["pp"].index(rank)] if cfg.pp > 1 else th
+        assert padding == stage["padding_elements"], (cfg, rank)
+    for name, t in cover.items():
+        assert t.min() >= 1 and t.min() == t.max(), (cfg, name, t.min(), t.max())
+
+
+def _cfg(kw):
+    return RunConfig(**kw).validate()
+
+
+def test_owned_boxes_tile_every_tensor_on_the_matrix():
+    """Every 8th layout of the matrix (~5 s); the whole of it (456 layouts) is `-m slow`."""
+    layouts = matrix(slow=False)[::8]
+    assert len(layouts) > 40
+    for kw in layouts:
+        check_tiling(_cfg(kw))
+
+
+@pytest.mark.slow
+def test_owned_boxes_tile_every_tensor_on_the_whole_matrix():
+    layouts = matrix(slow=True)
+    assert len(layouts) > 400
+    for kw in layouts:
+        check_tiling(_cfg(kw))
+
+
+def test_tiling_check_can_fail():
+    """A rank that owned one element too many (or one too few) breaks the tiling."""
+    cfg = _cfg(dict(dp=2, zero=1, **SMALL))
+    real = placement.owned_by_rank
+
+    def one_too_many(c, rank):
+        out = real(c, rank)
+        if rank == 1:
+            out.append([placement.Region("head.out.weight", placement.Box((0, 0), (1, 1)))])
+        return out
+    placement.owned_by_rank = one_too_many
+    try:
+        with pytest.raises(AssertionError):
+            check_tiling(cfg)
+    finally:
+        placement.owned_by_rank = real
+
+
+def test_theory_unit_sizes_are_the_placements():
+    """theory.gpt_unit_sizes is derived from the placement: the elements each unit's tensors hold."""
+    for tp, experts, ep in [(1, 0, 1), (2, 0, 1), (4, 4, 2), (2, 4, 4)]:
+        cfg = SimpleNamespace(vocab=64, seq=16, d_model=32, layers=4, experts=experts, moe_every=2)
+        held = placement.gpt_held(cfg, (tp, 0), (ep, 0))
+        want = [sum(math.prod(placement.local_shape(held[n])) for n in names)
+                for _, names in placement.gpt_units(held)]
+        assert theory.gpt_unit_sizes(64, 16, 32, 4, tp, experts, 2, ep) == want
+
+
+# -- live: the strategies list the twin's boxes --------------------------------------------------
+LIVE = {
+    "dp2xtp2-zero2-ep2": dict(dp=2, tp=2, zero=2, ep=2, experts=4, top_k=2),
+    "dp2xpp2-zero3-zbv": dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=2, layers=4),
+}
+LIVE_SLOW = {
+    "dp2-zero0-bf16": dict(dp=2, precision="bf16-mixed"),
+    "dp4-hybrid-zero1": dict(dp=4, zero=1, fsdp="HYBRID_SHARD", dp_shard=2),
+    "dp2xcp2-zero3-ep4": dict(dp=2, cp=2, zero=3, ep=4, experts=4, top_k=2),
+    "tp2xpp2-zero1-interleaved": dict(dp=2, tp=2, pp=2, zero=1, schedule="interleaved",
+                                      microbatches=2, layers=4),
+    "dp2-zero2-offload": dict(dp=2, zero=2, offload=True),
+    "ep2-zero0": dict(dp=2, ep=2, experts=4),
+}
+
+
+def check_live(kw) -> None:
+    cfg = RunConfig(steps=1, **{**SMALL, **kw}, extra={"owned": True})
+    report = run(cfg)
+    for rank in report.ranks:
+        twin = [[[r.name, r.box.offsets, r.box.sizes] for r in piece]
+                for piece in placement.owned_by_rank(cfg, rank["rank"])]
+        live = rank["owned"]
+        assert [[[n, tuple(o), tuple(s)] for n, o, s in p["regions"]] for p in live] == twin
+        for p in live:  # Adam: two moments per element of every owned piece, after a step
+            assert p["states"] == [p["numel"]] * 2, (rank["rank"], p["regions"])
+
+
+@pytest.mark.parametrize("name", LIVE)
+def test_live_strategies_own_the_twins_boxes(name):
+    check_live(LIVE[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LIVE_SLOW)
+def test_live_strategies_own_the_twins_boxes_slow(name):
+    check_live(LIVE_SLOW[name])
