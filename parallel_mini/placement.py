@@ -124,8 +124,10 @@ PADDING = ""  # the name of a flat buffer's padding: elements of no tensor
 
 @dataclass(frozen=True)
 class Region:
-    """Elements [start, start + box.numel) of a flat piece are the box `box` of tensor `name`;
-    in the local tensor they are the box `local` (cut from the contiguous run `run`)."""
+    """Part of a flat piece that is the box `box` of the full tensor `name`: the piece's elements
+    [start, start + run.numel) are the contiguous box `run` of the local tensor, and its box
+    `local` (inside run) is that box of the full tensor. Padding: name PADDING, box its elements
+    of the slice, no run."""
     name: str
     box: Box
     start: int = 0
@@ -262,10 +264,9 @@ def gpt_units(held: dict[str, list[Block]], experts_apart: bool = False
     return [(u, units[u]) for u in order]
 
 
-def unit_sizes(held: dict[str, list[Block]], experts_apart: bool = False) -> list[int]:
-    """Elements one rank holds per ZeRO-3 unit (theory.gpt_unit_sizes)."""
-    return [sum(sum(b.full.numel for b in held[n]) for n in names)
-            for _, names in gpt_units(held, experts_apart)]
+def held_numel(blocks: list[Block]) -> int:
+    """Elements a rank holds of one tensor."""
+    return sum(b.full.numel for b in blocks)
 
 
 # ---------------------------------------------------------------------------------------------

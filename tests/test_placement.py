@@ -3,11 +3,13 @@ owns, said once.
 
 - the torch-free twin of the tiny GPT (gpt_tensors, gpt_held) equals what the live model and its
   parallel modules say (placement.held_by), on every tp x ep cut;
-- on every layout of the composition matrix, the boxes all ranks own tile every full tensor, each
-  element the same number of times (once per replica), parameters and optimizer states alike,
-  and each rank's padding is theory's;
+- on the composition matrix (every 8th layout here, all 456 under `-m slow`), the boxes all ranks
+  own tile every full tensor, each element the same number of times (once per replica); a
+  piece's optimizer states are its boxes too; each rank's padding is theory's; the planner's twin
+  (_stages, stage_states) gives every rank its units and its stage theory's model states;
+- theory's unit sizes count the placement, and agree with their closed form;
 - a few layouts run live: every rank's strategy lists exactly the twin's boxes (`owned`), with
-  Adam's two moments per owned element; the whole matrix of those live runs is `-m slow`.
+  Adam's two moments per owned element (more live layouts under `-m slow`).
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import torch
 
 from parallel_mini import placement, theory
 from parallel_mini.config import ConfigError, RunConfig
+from parallel_mini.course import planner
 from parallel_mini.engine import run
 from parallel_mini.model import build_model
 from parallel_mini.parallel.expert import apply_expert_parallel
+from parallel_mini.parallel.schedules import virtual_stages
 from parallel_mini.parallel.tensor import apply_tensor_parallel
 
 SMALL = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8)
@@ -119,6 +123,36 @@ def check_tiling(cfg) -> None:
         assert t.min() >= 1 and t.min() == t.max(), (cfg, name, t.min(), t.max())
 
 
+def check_planner(cfg) -> None:
+    """The planner's torch-free twin (planner._stages, stage_states, written for any ModelSpec)
+    equals the placement on the tiny GPT: every rank's parameters per unit and routed-expert
+    parameters per unit are its pipeline stage's, and the stage's model states are theory's
+    (which counts the placement). HYBRID_SHARD is not a planner layout: skipped."""
+    if 0 < cfg.dp_shard < cfg.dp:
+        return
+    spec = planner.toy_model(cfg.layers, cfg.d_model, cfg.heads, cfg.seq, cfg.vocab, cfg.batch,
+                             cfg.experts, cfg.top_k, cfg.moe_every)
+    v = virtual_stages(cfg.schedule, cfg.virtual_stages) if cfg.pp > 1 else 1
+    stages = planner._stages(spec, cfg.tp, cfg.pp, cfg.schedule if cfg.pp > 1 else "-", v, cfg.ep)
+    th = theory.run_theory(cfg, theory.gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
+                                                      cfg.experts, cfg.moe_every))
+    lay = planner.Layout(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.zero,
+                         cfg.schedule if cfg.pp > 1 else "-", v, cfg.microbatches, 1, "none", cfg.sp)
+    for rank in range(cfg.world_size):
+        stage = placement._members(cfg, rank)["pp"].index(rank)
+        held = placement.rank_held(cfg, rank)
+        units = placement.gpt_units(held)
+        sizes = [sum(placement.held_numel(held[n]) for n in names) for _, names in units]
+        experts = [sum(placement.held_numel(held[n]) for n in names if ".experts." in n)
+                   for _, names in units]
+        assert (list(stages[stage][0]), list(stages[stage][1])) == (sizes, experts), (cfg, rank)
+    for stage, (units, experts, *_rest) in enumerate(stages):
+        memory, _ = planner.stage_states(units, experts, planner._states_layout(lay), cfg.precision,
+                                         cfg.optimizer)
+        want = (th["stages"][stage] if cfg.pp > 1 else th)["memory"]
+        assert memory == {k: want[k] for k in memory}, (cfg, stage)
+
+
 def _cfg(kw):
     return RunConfig(**kw).validate()
 
@@ -129,6 +163,7 @@ def test_owned_boxes_tile_every_tensor_on_the_matrix():
     assert len(layouts) > 40
     for kw in layouts:
         check_tiling(_cfg(kw))
+        check_planner(_cfg(kw))
 
 
 @pytest.mark.slow
@@ -137,6 +172,7 @@ def test_owned_boxes_tile_every_tensor_on_the_whole_matrix():
     assert len(layouts) > 400
     for kw in layouts:
         check_tiling(_cfg(kw))
+        check_planner(_cfg(kw))
 
 
 def test_tiling_check_can_fail():
@@ -157,14 +193,20 @@ def test_tiling_check_can_fail():
         placement.owned_by_rank = real
 
 
-def test_theory_unit_sizes_are_the_placements():
-    """theory.gpt_unit_sizes is derived from the placement: the elements each unit's tensors hold."""
-    for tp, experts, ep in [(1, 0, 1), (2, 0, 1), (4, 4, 2), (2, 4, 4)]:
-        cfg = SimpleNamespace(vocab=64, seq=16, d_model=32, layers=4, experts=experts, moe_every=2)
-        held = placement.gpt_held(cfg, (tp, 0), (ep, 0))
-        want = [sum(math.prod(placement.local_shape(held[n])) for n in names)
-                for _, names in placement.gpt_units(held)]
-        assert theory.gpt_unit_sizes(64, 16, 32, 4, tp, experts, 2, ep) == want
+def test_theory_unit_sizes_count_the_placement_as_the_formula_says():
+    """theory.gpt_unit_sizes counts the placement's blocks; its docstring's closed form agrees:
+    v h/t + s h, per dense block (12h^2 + 7h)/t + 6h, per MoE block (4h^2 + 3h)/t + 5h + h E plus
+    E/ep experts of 8h^2 + 5h (none when apart), the head 2h + h v/t."""
+    v, s, h, L = 64, 16, 32, 4
+    for tp, E, ep, apart in [(1, 0, 1, False), (2, 0, 1, False), (4, 4, 2, False), (2, 4, 4, True)]:
+        moe = set(theory.moe_blocks(L, E, 2))
+        expert = 0 if apart else E // ep * (8 * h * h + 5 * h)
+        blocks = [(4 * h * h + 3 * h) // tp + 5 * h + h * E + expert if i in moe
+                  else (12 * h * h + 7 * h) // tp + 6 * h for i in range(L)]
+        want = [v * h // tp + s * h] + blocks + [2 * h + h * v // tp]
+        assert theory.gpt_unit_sizes(v, s, h, L, tp, E, 2, ep, apart) == want
+        cfg = SimpleNamespace(vocab=v, seq=s, d_model=h, layers=L, experts=E, moe_every=2, ep=ep)
+        assert theory.expert_unit_sizes(cfg, range(L)) == [E // ep * (8 * h * h + 5 * h)] * len(moe)
 
 
 # -- live: the strategies list the twin's boxes --------------------------------------------------

@@ -296,7 +296,8 @@ class ParallelLMHead(nn.Module):
 # ---------------------------------------------------------------------------------------------
 def qkv_rows_by_rank(n):
     """QKV's weight rows are [q (h) | k (h) | v (h)]: reorder so that chunk r holds q, k and v of
-    rank r's heads (then any contiguous row split, ours or DTensor's, gives each rank whole heads)."""
+    rank r's heads, the rows ColumnParallelLinear(parts=3) cuts (placement.split). Then a
+    contiguous row split, DTensor's (course/peers.py), gives each rank whole heads too."""
     def order(t):
         q, k, v = t.chunk(3, dim=0)
         return torch.cat([torch.cat([a.chunk(n, 0)[r] for a in (q, k, v)]) for r in range(n)])
