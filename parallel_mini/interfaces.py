@@ -32,7 +32,7 @@ class Piece:
     """One tensor this rank's optimizer steps, `values` [numel] (a whole parameter, or a slice of
     a flat buffer; fp32: the master copy under bf16-mixed), and the boxes of full tensors it is
     (`regions`; a padding piece has one region named placement.PADDING). Its optimizer states are
-    optimizer.state[index], shaped like values. `saved` False: a replica held beside the owner's
+    optimizer.state[index], as many elements as values. `saved` False: a replica beside the owner's
     piece (ZeRO-1/2's gathered parameters): filled on resume, never written."""
     regions: list[Region]
     values: torch.Tensor | None = None

@@ -15,7 +15,7 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 from .mesh import role_names  # axis names, grid arithmetic only (mesh.py imports no torch here)
-from .placement import gpt_held, gpt_units, held_numel  # which box of each tensor a rank holds (no torch)
+from .placement import gpt_held, gpt_units, held_numel, stage_blocks  # which box of each tensor a rank holds (no torch)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8}
 
@@ -178,7 +178,10 @@ def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1,
     cuts the parallel modules make), grouped into zero3's units (placement.gpt_units)."""
     model = SimpleNamespace(vocab=vocab, seq=seq, d_model=d_model, layers=layers, experts=experts,
                             moe_every=moe_every)
-    held = gpt_held(model, (tp, 0), (ep, 0))
+    return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0)), experts_apart)
+
+
+def _unit_sizes(held: dict, experts_apart: bool) -> list[int]:
     return [sum(held_numel(held[n]) for n in names) for unit, names in gpt_units(held, experts_apart)
             if ".experts" not in unit]
 
@@ -449,8 +452,7 @@ def _pipeline_theory(cfg) -> dict:
     for r in range(cfg.pp):
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
                                      cfg.tp, **_moe(cfg), experts_apart=apart)
-        per = cfg.layers // len(schedule.owner)
-        mine = [i for c, o in enumerate(schedule.owner) if o == r for i in range(c * per, (c + 1) * per)]
+        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r)[0])  # the stage's blocks
         stage = _rank_theory(cfg, units, expert_unit_sizes(cfg, mine) if apart else [])
         if getattr(cfg, "ep", 1) > 1:
             stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
@@ -647,17 +649,12 @@ def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner:
                          ep: int = 1, experts_apart: bool = False) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
-    one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier."""
-    units = gpt_unit_sizes(vocab, seq, d_model, layers, tp, experts, moe_every, ep, experts_apart)
-    embeddings, blocks, head = units[:1], units[1:1 + layers], units[1 + layers:]
-    n_chunks, per = len(owner), layers // len(owner)
-    mine = []
-    for c in range(n_chunks):
-        if owner[c] != rank:
-            continue
-        mine += (embeddings if c == 0 else []) + blocks[c * per:(c + 1) * per]
-        mine += head if c == n_chunks - 1 else []
-    return mine
+    one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier.
+    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes."""
+    model = SimpleNamespace(vocab=vocab, seq=seq, d_model=d_model, layers=layers, experts=experts,
+                            moe_every=moe_every)
+    stage = stage_blocks(owner, layers, rank)
+    return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0), stage), experts_apart)
 
 
 def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int) -> int:
