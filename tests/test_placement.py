@@ -3,7 +3,7 @@ owns, said once.
 
 - the torch-free twin of the tiny GPT (gpt_tensors, gpt_held) equals what the live model and its
   parallel modules say (placement.held_by), on every tp x ep cut;
-- on the composition matrix (every 8th layout here, all 456 under `-m slow`), the boxes all ranks
+- on the composition matrix (every 8th layout here, all 504 under `-m slow`), the boxes all ranks
   own tile every full tensor, each element the same number of times (once per replica); a
   piece's optimizer states are its boxes too; each rank's padding is theory's; the planner's twin
   (_stages, stage_states) gives every rank its units and its stage theory's model states;
@@ -72,7 +72,7 @@ def test_a_module_cut_holds_its_blocks_of_the_full_tensor():
 
 # -- tiling, on every layout of the matrix -------------------------------------------------------
 def matrix(slow: bool) -> list[dict]:
-    """The composition matrix up to 8 ranks: dp (with HYBRID_SHARD), tp (with sp), pp (three kinds
+    """The composition matrix up to 8 ranks: dp (dp_shard 2 of 4: HYBRID_SHARD), tp, pp (three kinds
     of schedule), cp, expert parallel, ZeRO 0-3; what RunConfig refuses is left out."""
     out = []
     tps = (1, 2, 4) if slow else (1, 2)
@@ -86,7 +86,7 @@ def matrix(slow: bool) -> list[dict]:
             kw = dict(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, schedule=schedule, d_model=24, heads=2,
                       seq=16, vocab=40, layers=4 * pp, microbatches=2 * pp, batch=4 * dp * pp)
             if dp_shard:
-                kw.update(fsdp="HYBRID_SHARD", dp_shard=dp_shard)
+                kw.update(dp_shard=dp_shard)  # (ZeRO-3: HYBRID_SHARD)
             if moe is not None:
                 kw.update(experts=4, top_k=2, moe_every=2, ep=moe)
             try:
@@ -158,7 +158,7 @@ def _cfg(kw):
 
 
 def test_owned_boxes_tile_every_tensor_on_the_matrix():
-    """Every 8th layout of the matrix (~5 s); the whole of it (456 layouts) is `-m slow`."""
+    """Every 8th layout of the matrix (~5 s); the whole of it (504 layouts) is `-m slow`."""
     layouts = matrix(slow=False)[::8]
     assert len(layouts) > 40
     for kw in layouts:
@@ -216,7 +216,7 @@ LIVE = {
 }
 LIVE_SLOW = {
     "dp2-zero0-bf16": dict(dp=2, precision="bf16-mixed"),
-    "dp4-hybrid-zero1": dict(dp=4, zero=1, fsdp="HYBRID_SHARD", dp_shard=2),
+    "dp4-shard2-zero1": dict(dp=4, zero=1, dp_shard=2),
     "dp2xcp2-zero3-ep4": dict(dp=2, cp=2, zero=3, ep=4, experts=4, top_k=2),
     "tp2xpp2-zero1-interleaved": dict(dp=2, tp=2, pp=2, zero=1, schedule="interleaved",
                                       microbatches=2, layers=4),
@@ -232,6 +232,7 @@ def check_live(kw) -> None:
         twin = [[[r.name, r.box.offsets, r.box.sizes] for r in piece]
                 for piece in placement.owned_by_rank(cfg, rank["rank"])]
         live = rank["owned"]
+        assert live and len(live) == len(twin), rank["rank"]
         assert [[[n, tuple(o), tuple(s)] for n, o, s in p["regions"]] for p in live] == twin
         for p in live:  # Adam: two moments per element of every owned piece, after a step
             assert p["states"] == [p["numel"]] * 2, (rank["rank"], p["regions"])
