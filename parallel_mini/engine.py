@@ -114,11 +114,11 @@ def gather_full_parameters(model, local: dict[str, torch.Tensor], mesh: Mesh) ->
     parts = [None] * mesh.world_size
     dist.all_gather_object(parts, mine)
     got: dict[str, list] = {}
-    for part in parts:
+    for part in reversed(parts):  # a replicated box: the lowest rank's copy is written last
         for name, boxes in part.items():
             got.setdefault(name, []).extend(boxes)
     full = {}
-    for name, boxes in got.items():  # (replicas write the same values twice)
+    for name, boxes in got.items():
         shape = [max(b.offsets[d] + b.sizes[d] for b, _ in boxes) for d in range(boxes[0][1].dim())]
         full[name] = boxes[0][1].new_empty(shape)
         for box, t in boxes:

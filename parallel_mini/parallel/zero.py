@@ -85,8 +85,8 @@ class FlatLayout:
         """Slice r as boxes of the full tensors: one Piece per piece, stepped by
         optimizer.params[first + j] (the padding piece too: its region is named PADDING)."""
         cuts = flat_owned([held[p] for p in self.params], self.n, r)
-        return [Piece(regions, optimizer.params[first + j], optimizer, first + j)
-                for j, regions in enumerate(cuts)]
+        return [Piece(cut, optimizer.params[first + j], optimizer, first + j)
+                for j, cut in enumerate(cuts)]
 
 
 def piece_views(slice_: torch.Tensor, pieces) -> list[torch.Tensor]:
