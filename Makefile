@@ -56,9 +56,10 @@ test: $(VENV)/.dev chromium
 	$(PY) tools/make_lessons.py --check
 	$(PY) -m pytest -q
 
-# The suite SOAK_N times (default 3), each from a fresh clone of HEAD; prints every failure
+# The suite SOAK_N times (default 3), each from a fresh clone of HEAD, with SOAK_LOAD busy loops
+# beside it (default 0); prints every failure
 soak:
-	SOAK_N=$(or $(SOAK_N),3) tools/soak.sh
+	SOAK_N=$(or $(SOAK_N),3) SOAK_LOAD=$(or $(SOAK_LOAD),0) tools/soak.sh
 
 test-fast: $(VENV)/.dev
 	$(PY) -m pytest -q -m "not browser and not notebooks"

@@ -2,8 +2,7 @@
 when you leave a page and come back, and the one call that draws a chart.
 
 Presentation mode (a sidebar toggle, on every page): the navigation moves to the top bar, each
-page's controls and its "Run live" button move to the sidebar, the page's introduction folds into
-an expander, and every chart is drawn with text of at least 16 px and as wide as the page
+page's controls and its "Run live" button move to the sidebar, and every chart is drawn with text of at least 16 px and as wide as the page
 (`parallel_mini.course.viz.style.presentation`): controls and their result on one 1440 × 900 screen.
 
 Kept values: Streamlit forgets a widget's value when a page that does not draw it runs (a page
@@ -17,9 +16,14 @@ import streamlit as st
 
 MODE_KEY = "presentation_mode"
 _KEPT = "_kept_widget_keys"
-# the plot width a chart fills in presentation mode: the main column is about 980 px at 1440 px
-# with the sidebar open; axes and a legend take the rest
+# the main column is about 980 px wide at 1440 px with the sidebar open (in presentation mode, 820
+# with the wide sidebar): charts are built to fit it, so that they fit any wider screen too
+MAIN_PX = 980
+COLUMN_GAP_PX = 16  # between st.columns
+# the plot width a compound chart fills in presentation mode; axes and a legend take the rest
 PAGE_CHART_PX = 680
+MIN_FONT_PX = 16  # presentation mode: every text on the page
+NORMAL_FONT_PX = 12  # chart text outside presentation mode (Vega-Lite's defaults are 10-11 px)
 SIDEBAR_PX, WIDE_SIDEBAR_PX = 300, 460
 _CHART_PX = "_presentation_chart_px"  # this page's chart width (Controls sets it on every run)
 _WIDE_SIDEBAR_CSS = f"""<style>
@@ -32,6 +36,12 @@ _CSS = """<style>
 h1 { font-size: 2.2rem !important; padding-top: 0 !important; }
 [data-testid="stSidebarUserContent"] { padding-top: 0.5rem; }
 [data-testid="stSidebarUserContent"] [data-testid="stVerticalBlock"] { gap: 0.35rem; }
+/* every text at least 16 px, but headings, metric values and formulas (scaled as a whole) */
+:is([data-testid="stMain"], [data-testid="stSidebar"], header)
+  :is(p, span, label, li, code, small, strong, em, a, div, input, textarea, button):not(
+  :is(h1, h2, h3, h4, h5, h6, [data-testid="stMetricValue"], .katex) *):not(
+  h1, h2, h3, h4, h5, h6, [data-testid="stMetricValue"], .katex) { font-size: 16px !important; }
+.katex { font-size: 1.5em !important; }
 </style>"""
 
 
@@ -40,8 +50,19 @@ def on() -> bool:
     return bool(st.session_state.get(MODE_KEY, False))
 
 
+# both modes: inline code as large as the text around it (Streamlit draws it at 0.75 em),
+# a chart's own controls (a slider, play, speed) on one row under it, and less blank space above
+# the title (Run live and the main chart's top on the first screen)
+_CODE_CSS = """<style>
+[data-testid="stMain"] code, [data-testid="stSidebar"] code { font-size: 0.95em; }
+[data-testid="stMainBlockContainer"] { padding-top: 3rem; }
+.vega-bindings { display: flex; flex-wrap: wrap; column-gap: 2rem; align-items: center; }
+</style>"""
+
+
 def mode_toggle() -> None:
     """The sidebar toggle; the entry script draws it on every page, so its value is kept."""
+    st.html(_CODE_CSS)
     if on():
         st.html(_CSS)
     st.sidebar.toggle("Presentation mode", key=MODE_KEY,
@@ -71,11 +92,9 @@ def reset(key: str, value) -> None:
 
 
 def intro(markdown: str) -> None:
-    """A page's introduction: in full, or folded in presentation mode."""
-    if on():
-        st.expander("What this page shows").markdown(markdown)
-    else:
-        st.markdown(markdown)
+    """A page's introduction, folded under its title (both modes): the controls, Run live and the
+    top of the page's main chart on the first screen of 1440 x 900."""
+    st.expander("What this page shows").markdown(markdown)
 
 
 class Controls:
@@ -83,47 +102,61 @@ class Controls:
     `area` for a control outside the columns, and `run_button`, drawn at the top of the sidebar in
     presentation mode so that it is on the first screen, with `run_area` under it: where run_live
     draws the run's status box and progress bar (None outside presentation mode: where run_live is
-    called), so that they do not push the page's first chart below the first screen. A page with more controls than one
+    called), so that they do not push the page's first chart below the first screen. Outside
+presentation mode, `area` and Run live come right under the columns (and the run's status under
+Run live), wherever the page calls run_button: Run live stays on the first screen. A page with more controls than one
     sidebar column holds on 900 px asks for `sidebar_columns=2`: a wider sidebar, the page's
     columns dealt alternately into two (and its charts a little narrower)."""
 
     def __init__(self, spec: int | list, sidebar_columns: int = 1):
         n = spec if isinstance(spec, int) else len(spec)
-        st.session_state[_CHART_PX] = PAGE_CHART_PX
+        st.session_state[_CHART_PX] = MAIN_PX
         self.run_area = None
         if on():
             self._slot = st.sidebar.container()
             self.area = st.sidebar
             if sidebar_columns == 2:
                 st.html(_WIDE_SIDEBAR_CSS)
-                st.session_state[_CHART_PX] = PAGE_CHART_PX - (WIDE_SIDEBAR_PX - SIDEBAR_PX)
+                st.session_state[_CHART_PX] = MAIN_PX - (WIDE_SIDEBAR_PX - SIDEBAR_PX)
                 pair = st.sidebar.columns(2)
                 self.columns = [pair[i % 2] for i in range(n)]
             else:
                 self.columns = [st.sidebar] * n
-        else:
-            self._slot = None
-            self.area = st
+        else:  # under the columns: what the page puts in `area`, then Run live, on the first screen
             self.columns = st.columns(spec)
+            self.area = st.container()
+            self._slot = st.container()
 
     def run_button(self, label: str = "Run live", **kwargs) -> bool:
-        if self._slot is None:
-            return st.button(label, type="primary", **kwargs)
         pressed = self._slot.button(label, type="primary", **kwargs)
         self.run_area = self._slot.container()
         return pressed
 
 
-def chart(chart, where=st, share: float = 1.0) -> None:
-    """Draw a viz chart: as built, or in presentation mode with text >= 16 px and widths scaled to
-    fill `share` of the page's width (e.g. 0.5 in one of two columns)."""
-    if on():
-        # imported here: the entry script imports this module on every page, Home included, and
-        # altair costs seconds on a cold server
-        from parallel_mini.course.viz.style import presentation
+def drawn_font():
+    """The size a chart text of f px is drawn at on this page (`chart` enlarges every text after a
+    chart is built): for builders that size cells for their labels (`drawn_font=`)."""
+    from parallel_mini.course.viz.style import scaled_font
 
-        width = st.session_state.get(_CHART_PX, PAGE_CHART_PX)
-        where.vega_lite_chart(presentation(chart, width_px=round(width * share)),
-                              width="content")
+    least = MIN_FONT_PX if on() else NORMAL_FONT_PX
+    return lambda size: scaled_font(size, least)
+
+
+def chart(chart, where=st, share: float = 1.0) -> None:
+    """Draw a viz chart (an Altair chart or a Vega-Lite spec) so that it fits its column: `share`
+    of the page's main column (e.g. 0.5 in one of two columns). A single or layered view takes its
+    column's width; side-by-side panels are narrowed or stacked to fit (viz.style.fit_width). Chart
+    text is at least NORMAL_FONT_PX, and in presentation mode at least 16 px, the panels of a
+    compound chart widened to fill the page."""
+    # imported here: the entry script imports this module on every page, Home included, and
+    # altair costs seconds on a cold server
+    from parallel_mini.course.viz.style import fit_width, presentation
+
+    main = st.session_state.get(_CHART_PX, MAIN_PX)
+    column = round(main * share) - (COLUMN_GAP_PX if share < 1 else 0)
+    if on():
+        spec = presentation(chart, width_px=round((main - (MAIN_PX - PAGE_CHART_PX)) * share))
     else:
-        where.altair_chart(chart, width="content")
+        spec = presentation(chart, min_font_px=NORMAL_FONT_PX)
+    spec, stretch = fit_width(spec, column)
+    where.vega_lite_chart(spec, width="stretch" if stretch else "content")

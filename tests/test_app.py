@@ -3,6 +3,7 @@ numbers of a real run on the page (checked against values computed here from the
 from __future__ import annotations
 
 import io
+import re
 import json
 import sys
 from pathlib import Path
@@ -211,3 +212,21 @@ def test_rank_error_summary_keeps_the_last_line():
 
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: shapes differ\n"
     assert rank_error_summary(RankError(2, tb)) == "Rank 2 failed: ValueError: shapes differ"
+
+
+def test_home_lists_every_page_once_without_a_port_and_icons_are_material():
+    sys.path.insert(0, str(ROOT / "app"))
+    import streamlit_app  # main() runs only as a script: importing it draws nothing
+
+    at = _app()
+    _assert_clean(at)
+    text = "\n".join(m.value for m in at.markdown)
+    bullets = [ln for ln in text.splitlines() if ln.startswith("- **")]
+    titles = [title for _, title, _, _ in streamlit_app.TOPICS]
+    assert [b.split("**")[1] for b in bullets] == titles  # every page, one line each, in order
+    assert not re.search(r":\d{4}\b|localhost|127\.0\.0\.1", text), "a hard-coded address"
+    assert "about a second" not in text and "instant" not in text
+    assert all(icon.startswith(":material/") and icon.endswith(":")
+               for _, _, icon, _ in streamlit_app.TOPICS)
+    source = (ROOT / "app" / "streamlit_app.py").read_text()
+    assert not re.search("[\U0001F300-\U0001FAFF\u2600-\u27BF]", source), "an emoji icon"

@@ -33,7 +33,10 @@ def _fresh_cache():
 
 
 def _titles(at) -> list[str]:
-    return [c["spec"]["title"]["text"] for c in _charts(at)]
+    """Each chart's title, whole (a title wider than its column is wrapped on the page: its whole
+    text is kept in the spec's usermeta, viz.style.fit_width)."""
+    return [c["spec"].get("usermeta", {}).get("title") or c["spec"]["title"]["text"]
+            for c in _charts(at)]
 
 
 def _subtitle(chart: dict) -> str:

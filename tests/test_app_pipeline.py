@@ -15,7 +15,7 @@ import pytest
 import streamlit as st
 
 from parallel_mini import theory, trace
-from test_app import (_app, _assert_clean, _chart, _charts, _rows_with, _widget, assert_steps,
+from test_app import (_app, _assert_clean, _charts, _rows_with, _widget, assert_steps,
                       record_steps)
 
 PAGE = "app_pages/pipeline.py"
@@ -39,8 +39,19 @@ def _percent(at, label_start: str) -> float:
     return float(_widget(at.metric, label_start).value.rstrip("%"))
 
 
+def _chart(at, title_start: str) -> dict:
+    """The one chart whose whole title starts so (wrapped titles: see _titles)."""
+    found = [c for c in _charts(at) if (c["spec"].get("usermeta", {}).get("title")
+                                        or str(c["spec"]["title"]["text"])).startswith(title_start)]
+    assert len(found) == 1, _titles(at)
+    return found[0]
+
+
 def _titles(at) -> list[str]:
-    return [c["spec"]["title"]["text"] for c in _charts(at)]
+    """Each chart's title, whole (a title wider than its column is wrapped on the page: its whole
+    text is kept in the spec's usermeta, viz.style.fit_width)."""
+    return [c["spec"].get("usermeta", {}).get("title") or c["spec"]["title"]["text"]
+            for c in _charts(at)]
 
 
 def _timeline_rows(chart: dict) -> list[dict]:
@@ -97,7 +108,7 @@ def test_pipeline_page_draws_the_plans_before_any_run():
     _assert_clean(at)
     crowded = _chart(at, "Planned: interleaved (v = 3)")
     assert crowded["spec"]["layer"][1]["encoding"]["color"]["field"] == "microbatch"
-    assert "colour is the micro-batch" in crowded["spec"]["title"]["subtitle"][-1]
+    assert "colour is the micro-batch" in " ".join(crowded["spec"]["title"]["subtitle"])
     assert len([r for r in _timeline_rows(crowded) if r["kind"] == "F"]) == 4 * 16 * 3
     assert _idle_share(_timeline_rows(crowded)) == pytest.approx(3 / (3 * 16 + 3), abs=1e-12)
 
@@ -160,8 +171,8 @@ def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference(monkeypatch):
         assert bars[s, OWN] == pytest.approx(own, abs=1e-9)
     # each timeline its own time axis; the toggle puts both on one
     def domains():
-        return {c["spec"]["title"]["text"]: c["spec"]["layer"][0]["encoding"]["x"].get("scale")
-                for c in _charts(at) if OWN in c["spec"]["title"]["text"]}
+        titles = [t for t in _titles(at) if OWN in t]
+        return {t: _chart(at, t)["spec"]["layer"][0]["encoding"]["x"].get("scale") for t in titles}
     assert list(domains().values()) == [None, None]
     _set(at, "toggle", "Same time axis", True)
     shared = [tuple(d["domain"]) for d in domains().values()]

@@ -137,8 +137,8 @@ def test_ranked_layouts_the_guide_a_live_toy_run_and_bad_input():
     top = planner.plan(spec, 64, slow, 1024, 8, top=1)["layouts"][0]
     chart = _chart(at, RANKED)
     assert next(iter(_bar_sums(chart, "bytes"))) == vplan.layout_label(top)
-    assert "nodes of 8: 25 Gb Ethernet 3.12 GB/s per GPU between them" in chart["spec"]["title"][
-        "subtitle"]
+    assert "nodes of 8: 25 Gb Ethernet 3.12 GB/s per GPU between them" in " ".join(
+        chart["spec"]["title"]["subtitle"])
     suggested = [c.value for c in at.caption]
     assert "The numbers suggest: slow: Ethernet, a few GB/s per GPU." in suggested
 

@@ -1,17 +1,15 @@
 """The Long sequences page in a real browser (Debian's chromium via playwright, server from
 test_browser): "Run live" draws the K/V ring from the run's sends; moving its frame slider redraws
-which block each rank holds; "Play" (app/player.py) steps it frame by frame and "Pause" holds the
-frame; the tile maps, the two message timelines and the activation curve are drawn with their axis
+which block each rank holds; it plays by itself in the browser (a timer in its spec) and
+unticking "play" holds the frame; the tile maps, the two message timelines and the activation curve are drawn with their axis
 titles. A full-page screenshot is left
 in /tmp/long_sequences_page.png for a look at the labels, legends and axis titles."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
-                          wait_for_the_rerun)
+from test_browser import (CHROMIUM, CHROMIUM_ARGS, _wait_for_ticks,  # noqa: F401
+                          app_url, wait_for_the_rerun)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/long_sequences_page.png"
@@ -44,10 +42,13 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             charts = page.locator('[data-testid="stVegaLiteChart"]')
             ring = charts.filter(has=page.locator("svg text",
                                                   has_text="K/V blocks around the ring"))
-            ring.locator("svg text", has_text="frame 0 of 7").wait_for(timeout=90_000)
+            ring.locator("svg text", has_text=" of 7").first.wait_for(timeout=90_000)
             ring.scroll_into_view_if_needed()
+            ring.locator(".vega-bind", has_text="play").locator("input").uncheck()  # it plays
             slider = ring.locator('input[type="range"]')
             expect(slider).to_have_attribute("max", "7")  # 2C - 1 frames for the default C = 4
+            slider.fill("0")
+            ring.locator("svg text", has_text="frame 0 of 7").wait_for(timeout=10_000)
             assert _discs(ring) == ["K/V 0", "K/V 1", "K/V 2", "K/V 3"]  # everyone its own block
             texts = ring.locator("svg text").all_text_contents()
             # the caption lists every hop as recorded: K and V of [4, 4, 8, 16] fp32 = 16,384 B
@@ -80,24 +81,15 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             expect(page.get_by_text("equal to the formula").first).to_be_visible()
             assert page.locator('[data-testid="stException"]').count() == 0
 
-            # Play: the server redraws the chart one frame at a time; Pause holds it. The press
-            # reruns the whole page first (its eight charts: seconds on a loaded machine), and the
-            # frames tick after it: wait for that rerun before timing the frames (frame 2 may
-            # already be past by then)
+            # it plays by itself in the browser (viz.animate): play on, the frame moves on with no
+            # click; untick play and it holds while the chart's own timer ticks on
             ring.scroll_into_view_if_needed()
-            page.get_by_role("button", name="▶ Play").click()
-            page.get_by_role("button", name="⏸ Pause").wait_for(timeout=30_000)
-            wait_for_the_rerun(page)
-            deadline = time.monotonic() + 15
-            while _frame(ring) < 2:
-                assert time.monotonic() < deadline, "Play did not reach frame 2 in 15 s"
-                page.wait_for_timeout(100)
-            page.get_by_role("button", name="⏸ Pause").click()
-            page.get_by_role("button", name="▶ Play").wait_for(timeout=10_000)
-            wait_for_the_rerun(page)  # a frame already on its way is drawn before the pause
+            play = ring.locator(".vega-bind", has_text="play").locator("input")
+            play.check()  # from frame 7 on: 0, then 1
+            ring.locator("svg text", has_text="frame 1 of 7").first.wait_for(timeout=30_000)
+            play.uncheck()
             held = _frame(ring)
-            assert 2 <= held < 7, held
-            page.wait_for_timeout(2_000)  # more than two frames at the default speed
+            _wait_for_ticks(page, ring, 3 * 3)  # three frames' worth at the normal speed
             assert _frame(ring) == held
             assert page.locator('[data-testid="stException"]').count() == 0
 

@@ -29,10 +29,10 @@ def test_plan_page_guide_and_toy_run(app_url):  # noqa: F811
             page.goto(f"{app_url}/plan")
             chart = page.locator('[data-testid="stVegaLiteChart"]').filter(
                 has=page.locator("svg text", has_text="Ranked layouts"))
-            chart.locator("svg text", has_text="memory per GPU (GB)").first.wait_for(timeout=60_000)
+            chart.locator("svg text", has_text="memory per GPU (GiB)").first.wait_for(timeout=60_000)
             texts = chart.locator("svg text").all_text_contents()
             for label in ("predicted step time (s)", "model states", "activations", "compute",
-                          "GPU memory 85.9 GB"):
+                          "GPU memory 80 GiB"):
                 assert any(t.startswith(label) for t in texts), (label, texts)
             assert sum(t.startswith("#") for t in texts) >= 8  # a row per ranked layout
 

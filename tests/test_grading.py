@@ -754,6 +754,12 @@ def test_bucketed_checker_measures_overlap_and_accepts_the_answer():
     assert grade.status == "correct", grade
     run = grade.details["runs"][0]
     assert run["all_reduces_per_step"] > 1 and run["launched_in_backward"] >= 1
+    # measured: in flight while backward ran, the share overlapped, backward without the hooks
+    assert 1 <= run["in_flight_in_backward"] <= run["all_reduces"]
+    assert 0 < run["overlapped_share"] <= 1 and run["plain_backward_ms"] > 0
+    assert run["written_bytes"] is None or 0 < run["written_bytes"] <= run["explained_bytes"]
+    assert "none waited for inside a hook, and all-reduces in flight while backward still ran " \
+           "(measured)" in grade.message
 
 
 @pytest.mark.parametrize("wrong,message", [
@@ -772,7 +778,16 @@ def test_compare_prediction_says_right_off_or_only_the_value():
     assert compare_prediction(None, 24, "bytes", "counted", "2(N-1)/N x S").startswith(
         "bytes: counted 24 (2(N-1)/N x S). Write your prediction")
     assert compare_prediction(24, 24.0, "bytes").endswith("You predicted 24: right.")
-    assert "off, 0.5 x the measured value" in compare_prediction(12, 24, "bytes")
+    assert compare_prediction(12, 24, "bytes").endswith("You predicted 12, off: 0.5 times the "
+                                                        "value above.")
+    # plain words whatever the source says (no "x the your ... says value")
+    assert "x the" not in compare_prediction(2, 4, "bytes", "theory")
+    line = compare_prediction("faster", "about the same", "ring against gloo", "measured",
+                              "within 10%: about the same", choices=("slower", "about the same",
+                                                                     "faster"))
+    assert line.startswith("ring against gloo: 'about the same', by what the run measured (the "
+                           "rule: within 10%: about the same)"), line
+    assert "measured about the same" not in line
     choices = ("slower", "about the same", "faster")
     assert compare_prediction("Slower", "slower", "ring", choices=choices).endswith("right.")
     assert compare_prediction("faster", "slower", "ring", choices=choices).endswith("not what happened.")

@@ -1,11 +1,25 @@
 """Lessons: the generator (stubs, solved copies, --check), the %%ranks magic, and every notebook
-executed by nbval, learner copy and solved copy.
+executed by nbval.
 
-nbval runs with --nbval-lax: every cell must run without error, and cells marked
-`# NBVAL_CHECK_OUTPUT` must reproduce their stored output after lessons/nbval_sanitize.cfg. The
-stored grade of a learner copy is "[not attempted]" and of a solved copy "[correct]", so the learner
-notebook fails if its exercise stops being a stub, and the solved one fails unless every checker
-passes (a wrong answer raises AssertionError in the cell).
+What nbval checks, and why the solved copy is enough. The learner copies (lessons/NN_*.ipynb) hold
+no outputs: a stored output under a prediction would answer it before it is asked. Checked cells
+carry the cell tag `nbval-check-output`; nbval runs with --nbval-lax, so every cell must run
+without error and every tagged cell must reproduce its stored output after
+lessons/nbval_sanitize.cfg. It runs on the solved copies (lessons/solutions/NN_*.ipynb), and that
+is the same as running "the learner copy with the solutions' answers filled in" and comparing
+with the solutions' outputs, because:
+- tools/make_lessons.py writes both copies from one source, cell for cell: same ids, tags, order
+  and markdown; their code differs only inside the solution blocks (a stub in one, the solution
+  in the other). `make_lessons.py --check` (test_generated_copies_are_current) proves the files on
+  disk are exactly that, and test_copies_hold_stub_and_solution that only exercise cells differ;
+- so the learner copy with each stub replaced by its solution *is* the solved copy (less the
+  solved copy's first markdown note), and its tagged cells' stored outputs are the source's,
+  produced by `make_lessons.py --execute`, where a grade cell must print "[correct]".
+nbval's strictness is unchanged: every tagged cell, every line, the same sanitizer.
+
+The learner copies themselves (stubs in place) run only under `-m slow`
+(test_learner_copy_runs_with_its_stubs): every cell runs and each grade cell says
+"[not attempted]"; the graders' answer to a stub is tested cheaply in tests/test_grading*.py.
 """
 from __future__ import annotations
 
@@ -102,10 +116,19 @@ def test_a_grade_cell_without_its_correct_line_is_refused():
     tool = _tool()
     nb = nbformat.read(SOURCES[0], as_version=4)
     check_cell = next(c for c in nb.cells if c.cell_type == "code" and "check_" in c.source
-                      and "# NBVAL_CHECK_OUTPUT" in c.source)
+                      and tool.is_checked(c))
     tool.make_copies(nb, "src")  # as stored: fine
     check_cell.outputs = []      # e.g. the source was never run with its solutions
     with pytest.raises(tool.LessonError, match="--execute"):
+        tool.make_copies(nb, "src")
+
+
+def test_the_old_comment_marker_is_refused():
+    tool = _tool()
+    nb = nbformat.read(SOURCES[0], as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and tool.is_checked(c))
+    cell.source = "# NBVAL_CHECK_OUTPUT\n" + cell.source
+    with pytest.raises(tool.LessonError, match="tag 'nbval-check-output'"):
         tool.make_copies(nb, "src")
 
 
@@ -171,13 +194,53 @@ def test_copies_hold_stub_and_solution(src):
     # only the exercise cells differ between the copies
     differing = [(a, b) for a, b in zip(_code(learner), _code(solved)) if a != b]
     assert len(differing) == sum("### BEGIN SOLUTION" in s for s in _code(source))
-    # stored outputs: only in checked cells; the grade each copy must reproduce under nbval
-    for nb in (learner, solved):
-        for c in nb.cells:
-            if c.cell_type == "code" and c.outputs:
-                assert "# NBVAL_CHECK_OUTPUT" in c.source
-    assert "[not attempted]" in _stored_text(learner) and "[correct]" not in _stored_text(learner)
+    # the learner copy is an exercise release: no outputs, no execution counts, no comment markers
+    for c in learner.cells:
+        if c.cell_type == "code":
+            assert not c.outputs and c.execution_count is None, c.source[:80]
+            assert "NBVAL_CHECK_OUTPUT" not in c.source
+    # the solved copy stores outputs only in tagged cells and, as the answer key, what the cells
+    # that check a prediction printed (text only); its tags are the learner's
+    tool = _tool()
+    tags = [c.metadata.get("tags", []) for c in learner.cells]
+    assert tags == [c.metadata.get("tags", []) for c in solved.cells[1:]]
+    checked = [c for c in solved.cells if tool.is_checked(c)]
+    assert checked, "every lesson checks some output"
+    for c in solved.cells:
+        if c.cell_type == "code" and c.outputs and not tool.is_checked(c):
+            assert tool.is_answer_key(c), c.source[:80]
+            assert all(o.output_type == "stream" for o in c.outputs)
     assert "[correct]" in _stored_text(solved) and "[not attempted]" not in _stored_text(solved)
+
+
+WIDGETS = ("ring_player", "memory_explorer", "bubble_explorer", "tiles_explorer")
+
+
+def test_widget_cells_are_ignored_by_nbval_and_come_after_their_predictions():
+    """Lessons 01, 03, 05 and 06 each show one live widget (parallel_mini.course.widgets): its cell
+    is tagged nbval-ignore-output and stores nothing (a widget's state is not an output to compare),
+    and it comes after every prediction of its lesson whose answer the widget could show: after
+    the last check of the section it explores."""
+    spec = importlib.util.spec_from_file_location("lesson_spoilers",
+                                                  ROOT / "tests" / "test_lesson_spoilers.py")
+    spoilers = sys.modules.setdefault("lesson_spoilers", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(spoilers)  # registered first: its dataclass looks its module up
+    after_checks = {"01": ("predict_steps", "predict_bytes_per_rank"),
+                    "03": ("predict_zero2_n4", "predict_hybrid", "predict_full"),
+                    "05": ("predict_gpipe_bubble", "predict_interleaved", "predict_wall"),
+                    "06": ("my_imbalance", "my_calls")}
+    for src in SOURCES:
+        learner = nbformat.read(ROOT / "lessons" / src.name, as_version=4)
+        solved = nbformat.read(ROOT / "lessons" / "solutions" / src.name, as_version=4)
+        cells = [i for i, c in enumerate(learner.cells) if c.cell_type == "code"
+                 and any(f"{w}(" in c.source for w in WIDGETS)]
+        assert bool(cells) == (src.name[:2] in after_checks), src.name
+        for i in cells:
+            assert "nbval-ignore-output" in learner.cells[i].metadata.get("tags", [])
+            assert not solved.cells[i + 1].outputs
+            checked = {p.name: p.checked for p in spoilers.predictions(learner, solved)}
+            for name in after_checks[src.name[:2]]:
+                assert checked[name] < i, f"{src.name}: the widget (cell {i}) shows {name} before its check"
 
 
 def test_sanitizer_keeps_the_grade_status_apart():
@@ -305,8 +368,9 @@ def test_magic_deadlock_names_the_line_each_rank_waited_on(ipython_shell, capsys
 # ---------------------------------------------------------------------------------------------
 # the notebooks, executed
 # ---------------------------------------------------------------------------------------------
-NOTEBOOKS = [pytest.param(ROOT / "lessons" / kind / src.name, id=f"{kind or 'learner'}-{src.stem}")
-             for src in SOURCES for kind in ("", "solutions")]
+# the solved copies only: see the module docstring for why that checks the learner copies too
+NOTEBOOKS = [pytest.param(ROOT / "lessons" / "solutions" / src.name, id=f"solutions-{src.stem}")
+             for src in SOURCES]
 # Notebooks run in separate kernels, two at a time: much of a notebook's time is single-threaded
 # (kernel start, imports, the forkserver), so two overlap well on two cores.
 NBVAL_JOBS = int(os.environ.get("PARALLEL_MINI_NBVAL_JOBS", "2"))
@@ -340,3 +404,26 @@ def test_notebook_runs_and_checks_hold(notebook, nbval_results):
     assert res.returncode == 0, (f"nbval failed on {notebook.relative_to(ROOT)}:\n"
                                  + res.stdout[-6000:] + res.stderr[-2000:])
     assert re.search(r"\d+ passed", res.stdout) and " failed" not in res.stdout
+
+
+@pytest.mark.notebooks
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_learner_copy_runs_with_its_stubs(src):
+    """The learner copy as a learner first opens it: every cell runs (a stub does not break the
+    cells after it) and every grade cell says "[not attempted]". Slow: a whole lesson's kernel."""
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "lessons" / src.name, as_version=4)
+    solved = nbformat.read(ROOT / "lessons" / "solutions" / src.name, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT / "lessons")}}).execute()
+    # the grade cells: those whose solved copy says "[correct]" (not the cells that show what the
+    # checker says to a wrong answer, which say the same in both copies)
+    grades = [c for c, s in zip(nb.cells, solved.cells[1:])
+              if c.cell_type == "code" and "[correct]" in "".join(o.get("text", "") for o in s.outputs)]
+    assert grades
+    for c in grades:
+        text = "".join(o.get("text", "") for o in c.outputs)
+        assert "[not attempted]" in text and "[correct]" not in text, (c.source[:200], text)

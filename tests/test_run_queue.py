@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing.forkserver as mp_forkserver
 import os
+import re
 import sys
 import threading
 import time
@@ -293,8 +294,8 @@ def test_run_live_waits_in_the_queue_and_says_how_long(live_runs, monkeypatch):
     assert not at.exception and not at.error, [e.value for e in at.exception]
     assert at.metric[0].value == "2"
     label = at.status[0].label
-    assert "waiting for rank processes" in label, label
-    waited = float(label.split("of which ")[1].split(" s waiting")[0])
+    assert "measured now on this machine" in label and "waiting for rank processes" in label, label
+    waited = float(label.split("after ")[1].split(" s waiting")[0])
     assert 0.5 <= waited <= 10, label
     assert q.in_use == 0 and q.granted == 2
     assert notes and notes[0].startswith("Waiting for 2 rank processes: number 1 in the queue, 0 s")
@@ -307,6 +308,7 @@ def test_progress_is_drawn_outside_the_collapsed_status_box(live_runs, monkeypat
     assert not at.status[0].children, "something was drawn inside the collapsed box"
     assert [p.proto.text for p in at.get("progress")] == ["Step 1 of 1: done"]
     at.session_state["own_progress"] = True
+    at.session_state["n"] = 1  # a setting not measured yet (n = 2 is read from the cache now)
     at.button[0].click().run()  # a page function that draws its own bar: run_live adds none
     assert not at.status[0].children
     assert [p.proto.text for p in at.get("progress")] == ["step 1 of 2 (the page's own bar)"]
@@ -338,3 +340,97 @@ def test_a_run_abandoned_by_a_control_change_is_said_and_frees_its_slots(live_ru
     assert not at.warning  # said once
     at.button[0].click().run()
     assert not at.warning and at.metric[0].value == "3"
+
+
+def test_the_wait_is_estimated_by_replaying_the_queue():
+    """Holders' remaining estimates, then every request ahead, first come first served: a request
+    starts when it fits; an oversize one alone; no estimate where one of them has none."""
+    q = RunQueue(2)
+    before = time.monotonic()
+    assert q.try_acquire(1, est_s=10.0) and q.try_acquire(1, est_s=4.0)  # both slots, 10 s and 4 s
+    order: list = []
+    a = Waiter(q, 2, order)           # needs both slots: after the 10 s holder
+    a.start(); _queued(q, 1)
+    ticket_a = list(q._waiting)[0]
+    q._ests[ticket_a] = (2, 3.0)      # as if asked with est_s=3
+    b = Waiter(q, 1, order)
+    b.start(); _queued(q, 2)
+    ticket_b = list(q._waiting)[1]
+    q._ests[ticket_b] = (1, 5.0)
+    now = time.monotonic()
+    wait_a, wait_b = q.estimate_wait(ticket_a, now), q.estimate_wait(ticket_b, now)
+    assert 10.0 - (now - before) <= wait_a <= 10.0  # when the longer holder should end
+    assert wait_b == pytest.approx(wait_a + 3.0)     # then a's 3 s on both slots
+    q._ests[ticket_a] = (2, None)                    # a run ahead without a measured similar run
+    assert q.estimate_wait(ticket_b) is None
+    assert q.estimate_wait(object()) is None         # not waiting: nothing to estimate
+    q._ests[ticket_a] = (4, 3.0)                     # oversize: alone, after both holders
+    assert q.estimate_wait(ticket_b, now) == pytest.approx(q.estimate_wait(ticket_a, now) + 3.0)
+    q.release(1); q.release(1)
+    for w in (a, b):
+        assert w.granted.wait(5)
+        w.done.set(); w.join(5)
+    assert q.in_use == 0 and not q._holders and not q._ests
+
+
+def test_results_are_kept_by_bytes_per_page():
+    """One page's big results evict that page's oldest, never another page's; the newest stays even
+    when it alone is over the budget."""
+    from live_runs import SharedResults
+
+    shared = SharedResults(budget_bytes=10_000)
+    for page, tag in (("dp", "a"), ("cp", "1"), ("cp", "2"), ("cp", "3")):
+        flight, leader = shared.begin(page, tag, "session")
+        assert leader
+        shared.finish(page, tag, flight, {"x": "y" * 4_000}, took_s=1.0, ranks=2)
+    assert shared.get("dp", "a").result() == {"x": "y" * 4_000}  # cp's three did not evict it
+    assert shared.get("cp", "1") is None and shared.get("cp", "3") is not None
+    assert shared.get("cp", "2") is not None
+    flight, _ = shared.begin("cp", "big", "session")
+    shared.finish("cp", "big", flight, "z" * 20_000, took_s=3.0, ranks=4)
+    assert shared.get("cp", "big") is not None and shared.get("cp", "3") is None
+    assert shared.bytes_by_page()["dp"] < 10_000
+    assert shared.estimate("cp", 2) == 1.0 and shared.estimate("cp", 4) == 3.0
+    assert shared.estimate("cp", 8) == 1.0  # no run on 8: the page's median
+    assert shared.estimate("ring", 2) is None
+
+
+def test_identical_presses_join_one_flight():
+    from live_runs import SharedResults
+
+    shared = SharedResults()
+    flight, leader = shared.begin("ring", "k", "session")
+    joined, second = shared.begin("ring", "k", "session")
+    assert leader and not second and joined is flight
+    other, third = shared.begin("ring", "other", "session")
+    assert third and other is not flight
+    shared.abandon("ring", "k", flight)  # the leader's session left: the next asker leads
+    assert flight.done.is_set() and flight.entry is None
+    again, leads = shared.begin("ring", "k", "session")
+    assert leads and again is not flight
+
+
+def test_the_status_line_says_measured_now_or_from_the_cache(live_runs, monkeypatch):
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", RunQueue(2))
+    at = _page(2)
+    at.button[0].click().run()
+    first = at.status[0].label
+    assert "measured now on this machine in " in first and "cache" not in first, first
+    at.button[0].click().run()  # the same setting again (any session): read, not run
+    again = at.status[0].label
+    assert "taken from the cache: measured on this machine at " in again, again
+    assert "measured now" not in again and at.metric[0].value == "2"
+    stamp = re.search(r"machine at (\d\d:\d\d:\d\d), in (\d+\.\d) s", again)
+    assert stamp and time.strptime(stamp[1], "%H:%M:%S"), again
+
+
+def test_the_pages_to_warm_come_from_the_environment():
+    from live_runs import WARM_ENV, warm_pages
+
+    pages = [("Ring all-reduce", "ring", "ring.py"), ("Data parallel", "data_parallel", "dp.py")]
+    assert warm_pages(pages, {}) == pages and warm_pages(pages, {WARM_ENV: "all"}) == pages
+    assert warm_pages(pages, {WARM_ENV: "none"}) == []
+    assert warm_pages(pages, {WARM_ENV: "data_parallel"}) == pages[1:]
+    with pytest.raises(ValueError, match=r"PARALLEL_MINI_WARM='rings': rings is not a page; give "
+                                         r"'all', 'none' or some of ring, data_parallel"):
+        warm_pages(pages, {WARM_ENV: "rings"})

@@ -3,7 +3,7 @@
     python tools/make_lessons.py            regenerate lessons/NN_topic.ipynb and lessons/solutions/
     python tools/make_lessons.py --check    exit 1, naming the file, if any generated copy is stale
     python tools/make_lessons.py --execute  run each source notebook first (solutions in place) and
-                                            store the outputs of its `# NBVAL_CHECK_OUTPUT` cells
+                                            store the outputs of its checked cells
     python tools/make_lessons.py --execute --only 05
                                             the same for lesson 05 alone (execute and regenerate
                                             only lessons/src/05_*.ipynb; --check always checks all)
@@ -14,23 +14,34 @@ Sources live in lessons/src/NN_topic.ipynb: the lesson with the solutions in it,
 - Learner copy (lessons/NN_topic.ipynb): each solution block becomes
   `raise NotImplementedError("exercise: ...")` at the indentation of its BEGIN line, so the function
   signature, docstring and any hints above the block stay. The message is the text after
-  `### BEGIN SOLUTION` if there is any, else "exercise: write <enclosing function>".
-- Solved copy (lessons/solutions/NN_topic.ipynb): the marker lines are removed, nothing else.
+  `### BEGIN SOLUTION` if there is any, else "exercise: write <enclosing function>". It holds no
+  outputs at all, as an exercise release does: a stored output under a prediction cell would
+  answer it before the learner is asked.
+- Solved copy (lessons/solutions/NN_topic.ipynb): the marker lines are removed, nothing else; the
+  outputs of its checked cells are the source's, and so is what each cell that checks a prediction
+  (calls `compare_prediction`) printed: the answer key, from which tests/test_lesson_spoilers.py
+  reads each prediction's answer (nbval does not compare those unless they are tagged).
 
-Outputs: both copies are written without outputs, except cells containing `# NBVAL_CHECK_OUTPUT`,
-which keep the outputs stored in the source. These are the only cells nbval compares (the tests run
-it with --nbval-lax and lessons/nbval_sanitize.cfg); every other cell only has to run without
-error. So a checked cell must print something deterministic: a grade line, a measured byte count
-that theory predicts exactly, an equality. In the learner copy a stored output line that starts
-with "[correct]" becomes "[not attempted] ...": that is what the grader says to an untouched stub,
-and what nbval then demands of the learner copy, while the solved copy must say "[correct]". A
-grade cell (one that calls a `check_*` grader) must therefore `print(grade)`, and its stored
-output in the source must hold the "[correct]" line: `--execute` produces it, and the script
-refuses to generate without it.
+Checked cells carry the cell tag `nbval-check-output` (nbval reads tags; no comment line in the
+learner's code). They are the only cells nbval compares (the tests run it on the solved copies with
+--nbval-lax and lessons/nbval_sanitize.cfg); every other cell only has to run without error. So a
+checked cell must print something deterministic: a grade line, a byte count that theory predicts
+exactly, an equality. Cells whose output is a widget or a timing may say so with the tag
+`nbval-ignore-output` (never compared either way). A grade cell (one that calls a `check_*`
+grader) must `print(grade)`, and its stored output in the source must hold the "[correct]" line:
+`--execute` produces it, and the script refuses to generate without it. A source cell that still
+holds the old `# NBVAL_CHECK_OUTPUT` comment line is refused (use the tag).
 
-Everything is deterministic (execution counts only on checked cells, numbered as in a top-to-bottom
-run, because nbval refuses stored outputs of a cell that never ran; no timestamps), so --check can compare the files
-on disk with what this script would write (as parsed JSON, so formatting does not matter).
+Why the solved copy stands for "the learner copy with the solutions filled in": both are written
+here from one source, cell for cell, with the same ids, tags and order; the only difference in code
+is the solution blocks (stubs in one, solutions in the other), which `--check` proves on every run
+of the tests. So nbval on the solved copy checks every checked cell's output as a learner who
+wrote the solutions would see it.
+
+Everything is deterministic (execution counts only on the solved copy's checked cells, numbered as
+in a top-to-bottom run, because nbval refuses stored outputs of a cell that never ran; no
+timestamps), so --check can compare the files on disk with what this script would write (as parsed
+JSON, so formatting does not matter).
 """
 from __future__ import annotations
 
@@ -45,12 +56,12 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-CHECK_MARK = "# NBVAL_CHECK_OUTPUT"
-CORRECT, NOT_ATTEMPTED = "[correct]", "[not attempted]"
-LEARNER_GRADE_LINE = (f"{NOT_ATTEMPTED} (the grader's answer while the exercise above is a stub; "
-                      f"run the cell once you have written it)\n")
+OLD_MARK = "NBVAL_CHECK_OUTPUT"           # the comment marker that the tags replaced
+CHECK_TAG, IGNORE_TAG = "nbval-check-output", "nbval-ignore-output"
+CORRECT = "[correct]"
 KEEP_CELL_METADATA = ("tags",)
 GRADER_CALL = re.compile(r"\bcheck_\w+\(")  # a grader from parallel_mini.course.grading
+ANSWER_CALL = re.compile(r"\bcompare_prediction\(")  # prints a prediction's answer
 
 
 class LessonError(ValueError):
@@ -103,14 +114,27 @@ def split_solution(source: str, where: str = "cell") -> tuple[str, str]:
     return "\n".join(learner), "\n".join(solved)
 
 
-def _learner_outputs(outputs: list) -> list:
-    """Stored outputs of a checked cell as the learner copy must show them (see module doc)."""
-    out = copy.deepcopy(outputs)
-    for o in out:
-        if o.get("output_type") == "stream":
-            o["text"] = "".join(LEARNER_GRADE_LINE if ln.startswith(CORRECT) else ln
-                                for ln in o["text"].splitlines(True))
-    return out
+def is_checked(cell) -> bool:
+    """A cell whose output nbval compares: tagged `nbval-check-output`."""
+    return CHECK_TAG in cell.get("metadata", {}).get("tags", [])
+
+
+def is_answer_key(cell) -> bool:
+    """A cell that checks a prediction (calls compare_prediction) but is not compared by nbval:
+    the solved copy keeps what it printed (its stream outputs), the course's answer key, which
+    tests/test_lesson_spoilers.py reads each prediction's answer from."""
+    return (cell.cell_type == "code" and not is_checked(cell)
+            and bool(ANSWER_CALL.search(cell.source)))
+
+
+def _answer_key_outputs(outputs) -> list:
+    return [_strip_output(o) for o in outputs if o.get("output_type") == "stream"]
+
+
+def _refuse_old_marker(cell, where: str) -> None:
+    if any(line.strip().lstrip("#").strip() == OLD_MARK for line in cell.source.splitlines()):
+        raise LessonError(f"{where}: the comment line '# {OLD_MARK}' is gone from the lessons; "
+                          f"delete it and give the cell the tag '{CHECK_TAG}' instead")
 
 
 def _clean_metadata(meta: dict) -> dict:
@@ -145,10 +169,10 @@ def make_copies(src_nb, src_rel: str) -> tuple[dict, dict]:
                 new.source = learner_src if kind == "learner" else solved_src
                 code_number += 1
                 new.execution_count = None
-                if CHECK_MARK in cell.source:
+                _refuse_old_marker(cell, where)
+                if is_checked(cell):
                     # nbval refuses stored outputs of a cell that was never run: give the
                     # checked cells the number they would get in a top-to-bottom run
-                    new.execution_count = code_number
                     outs = [_strip_output(o) for o in cell.get("outputs", [])]
                     if GRADER_CALL.search(cell.source) and not any(
                             o.get("output_type") == "stream" and o["text"].startswith(CORRECT)
@@ -157,7 +181,13 @@ def make_copies(src_nb, src_rel: str) -> tuple[dict, dict]:
                             f"{where}: this check cell has no stored '{CORRECT} ...' line. Grade "
                             f"cells must print(grade), and the source must have been run with its "
                             f"solutions: python tools/make_lessons.py --execute")
-                    new.outputs = _learner_outputs(outs) if kind == "learner" else outs
+                    if kind == "solved":
+                        new.execution_count, new.outputs = code_number, outs
+                    else:  # an exercise release: nothing answered before it is asked
+                        new.execution_count, new.outputs = None, []
+                elif is_answer_key(cell) and kind == "solved":
+                    new.execution_count = code_number
+                    new.outputs = _answer_key_outputs(cell.get("outputs", []))
                 else:
                     new.outputs = []
             elif BEGIN in cell.source or END in cell.source:
@@ -269,8 +299,10 @@ def execute_sources(root: Path, timeout: int = 300, only: str | None = None) -> 
         for cell in nb.cells:
             if cell.cell_type == "code":
                 cell.execution_count = None
-                if CHECK_MARK in cell.source:
+                if is_checked(cell):
                     cell.outputs = [_strip_output(o) for o in cell.outputs]
+                elif is_answer_key(cell):
+                    cell.outputs = _answer_key_outputs(cell.outputs)
                 else:
                     cell.outputs = []
                 cell.metadata = _clean_metadata(cell.metadata)

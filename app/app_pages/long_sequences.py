@@ -9,11 +9,11 @@ import json
 import streamlit as st
 
 import presentation as pm
-from player import player
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                        training_run)
 from parallel_mini import theory
 from parallel_mini.course import viz
+from parallel_mini.course.viz.animate import autoplay
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel.context import hidden_fraction
 
@@ -108,24 +108,23 @@ def _framing(report: dict) -> tuple[float, int] | None:
 # the live sections
 # ---------------------------------------------------------------------------------------------
 def show_ring(result: dict) -> None:
-    """Section 1: the layout to animate beside Play/Pause and the speed, the animation, its
-    bytes. In presentation mode the animation's controls join the page's in the sidebar and the
-    chart's own title stands for the section's: the chart (650 px tall) then fits the first
-    screen."""
+    """Section 1: the layout to animate, the animation (it plays in the browser), its bytes. In
+    presentation mode the layout control joins the page's in the sidebar and the chart's own title
+    stands for the section's: the chart (650 px tall) then fits the first screen."""
     k, runs = result["key"], result["runs"]
     c = k["cp"]
     if pm.on():
-        layout_at = player_at = st.sidebar.container(border=True)
+        layout_at = st.sidebar.container(border=True)
     else:
         st.subheader("1 · K/V blocks around the ring (measured)")
-        layout_at, player_at = st.columns([2, 3])
+        layout_at = st
     layout = layout_at.radio("Layout in the animation", list(LAYOUTS), horizontal=True,
                              help="Both were run; switching starts nothing.")
     rep = runs[LAYOUTS[layout]]
-    player("cp_ring", 2 * c, lambda frame: pm.chart(viz.ring_kv_animation(rep, frame=frame)),
-           help="Steps through the frames, forward then backward, one per Speed interval; Pause "
-                "holds the frame. The 'frame' slider under the chart moves through them too.",
-           where=player_at)
+    # plays by itself in the browser (viz.animate: Vega's own timer, no server round-trip a frame)
+    pm.chart(autoplay(viz.ring_kv_animation(rep), "frame", 2 * c))
+    st.caption("It plays by itself, forward then backward: untick **play** under the chart to hold "
+               "a frame, or move the **frame** slider; **speed** sets the pace.")
     sent = viz.cp_sent_bytes(rep)
     written = viz.cp_sent_bytes(rep, "measured")
     predicted = theory.cp_wire_bytes_per_step(RunConfig.from_dict(rep["config"]))

@@ -211,7 +211,7 @@ if tp * pp > 1:
     split = f" TP × PP = {tp} × {pp} leaves **{n_rank:,}** parameters per GPU, {how}."
 if toy:
     where = (f"runs live here on {world} rank(s) (N × TP × PP = {gpus} × {tp} × {pp}): press "
-             f"**Run live** below" if live_possible else
+             f"**Run live** above" if live_possible else
              f"{not_live}; the bars below come from theory alone")
     st.info(f"**{model}**: Ψ = {n_params:,} parameters; {where}.{split}")
 else:
@@ -226,20 +226,6 @@ states_total = {k: sum(v for c, v in pred[k].items() if c in ("params", "grads",
                 for k in STAGES}
 gpu_total = {k: sum(v for c, v in pred[k].items() if c != "host") for k in STAGES}
 fits = {k: gpu_total[k] <= capacity for k in STAGES}
-if not pm.on():  # presentation mode: the metrics below say it, and the chart needs the room
-    st.markdown("Model states per GPU, ZeRO-0 → 1 → 2 → 3: **"
-                + " → ".join(size_text(states_total[k]) for k in STAGES) + "**"
-                + (" (on the GPU: ZeRO-1/2's offloaded optimizer lives in CPU RAM, the brown bars)"
-                   if offload else ""))
-cols = st.columns(4)
-for k, col in zip(STAGES, cols):
-    col.metric(f"ZeRO-{k} model states" + (" (highlighted)" if k == highlight else ""),
-               size_text(states_total[k]),
-               delta=f"{'fits' if fits[k] else 'does not fit'} ({size_text(gpu_total[k])})",
-               delta_color="green" if fits[k] else "red", delta_arrow="off",
-               help="model states = params + grads + optimizer on the GPU (offloaded bytes are in "
-                    "CPU RAM). In brackets: the GPU's total with activations; it fits when that "
-                    "total ≤ the GPU's capacity.")
 rows = [{"stage": stage_name[k], "category": c, "bytes": float(v)}
         for k in STAGES for c, v in pred[k].items()]
 subtitle = [f"{model}, Ψ = {n_params:,}, {precision}, {optimizer}, micro-batch {micro_batch} × "
@@ -256,6 +242,20 @@ pm.chart(viz.memory_stages(
     rows, None if toy else capacity, selected=stage_name[highlight], decimal=not toy,
     title=f"Memory per GPU by ZeRO stage ({'theory' if not live_possible else 'predicted'})",
     subtitle=subtitle))
+if not pm.on():  # presentation mode: the metrics below say it, and the chart needs the room
+    st.markdown("Model states per GPU, ZeRO-0 → 1 → 2 → 3: **"
+                + " → ".join(size_text(states_total[k]) for k in STAGES) + "**"
+                + (" (on the GPU: ZeRO-1/2's offloaded optimizer lives in CPU RAM, the brown bars)"
+                   if offload else ""))
+cols = st.columns(4)
+for k, col in zip(STAGES, cols):
+    col.metric(f"ZeRO-{k} model states" + (" (highlighted)" if k == highlight else ""),
+               size_text(states_total[k]),
+               delta=f"{'fits' if fits[k] else 'does not fit'} ({size_text(gpu_total[k])})",
+               delta_color="green" if fits[k] else "red", delta_arrow="off",
+               help="model states = params + grads + optimizer on the GPU (offloaded bytes are in "
+                    "CPU RAM). In brackets: the GPU's total with activations; it fits when that "
+                    "total ≤ the GPU's capacity.")
 for k in STAGES:
     if fits[k]:
         st.markdown(f"**ZeRO-{k}**: :green[fits] in {capacity_label} "

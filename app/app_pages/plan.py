@@ -129,8 +129,8 @@ def show_guide_result(rec, entry: dict | None, first: dict | None, usable: float
                   delta=f"{t['step_s'] / f['step_s'] - 1:+.1%} vs the planner's first",
                   delta_color="inverse")
     m3.metric("Its memory per GPU (theory)",
-              format_bytes(t["memory_bytes_per_gpu"]["total"], decimal=True),
-              help=f"usable per GPU: {format_bytes(usable, decimal=True)}")
+              format_bytes(t["memory_bytes_per_gpu"]["total"]),
+              help=f"usable per GPU: {format_bytes(usable)}")
     st.caption(f"Guide's layout in full: {entry['describe']}. The planner's first: "
                f"{first['describe']}.")
 
@@ -258,7 +258,7 @@ if res is not None:
     if not res["layouts"]:
         c = res["closest"]
         if c:
-            least = format_bytes(c["theory"]["memory_bytes_per_gpu"]["total"], decimal=True)
+            least = format_bytes(c["theory"]["memory_bytes_per_gpu"]["total"])
             st.warning(f"No layout fits: the least memory is {least} per GPU ({c['describe']}); "
                        f"add GPUs or take a GPU with more memory.")
         else:
@@ -274,7 +274,7 @@ if res is not None:
         highlight = vplan.layout_label(entry) if entry else None
         m, between = res["model"], res["hardware"]["inter_node"]
         pm.chart(vplan.ranked_layouts(
-            shown, res["hardware"]["memory_bytes"], usable, highlight=highlight,
+            shown, res["hardware"]["memory_bytes"], usable, highlight=highlight, decimal=False,
             subtitle=[f"{m['parameters'] / 1e9:,.1f}B parameters, seq {m['seq']:,}, global batch "
                       f"{res['global_batch']:,}, {res['precision']}; {res['fit']:,} of "
                       f"{res['considered']:,} layouts fit; each degree tuple at its best variant",

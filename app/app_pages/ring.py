@@ -3,11 +3,10 @@ import pandas as pd
 import streamlit as st
 
 import presentation as pm
-from player import player
 from live_runs import fmt_bytes, fmt_count, fmt_rate, last_result, ring_experiment, run_live
 from parallel_mini import theory
 from parallel_mini.course import viz
-from parallel_mini.course.viz.style import scaled_font
+from parallel_mini.course.viz.animate import autoplay
 
 st.title("Ring all-reduce")
 pm.intro("""
@@ -82,17 +81,15 @@ def what_the_ranks_did() -> None:
                    "describes a large tensor well, where the framing is small beside each chunk.")
 
 
-if not pm.on():  # presentation mode: the animation first, on the first screen with the controls
-    what_the_ranks_did()
-drawn_font = scaled_font if pm.on() else None  # presentation mode enlarges the text: room for it
-player("ring", len(exp["frames"]),
-       lambda frame: pm.chart(viz.ring_animation(exp, frame=frame, drawn_font=drawn_font)),
-       help="Steps through the ring's frames, one per Speed interval; Pause holds the frame.")
-st.caption("**▶ Play** steps through the frames (Pause holds one; Speed sets the pace); the **step** "
-           "slider under the chart moves through them too. Every frame is decoded from the messages "
-           "of the live run: each message carries, in its values, which ranks' data it holds.")
-if pm.on():
-    what_the_ranks_did()
+# the animation first, under the controls: it plays by itself in the browser (viz.animate: Vega's
+# own timer, no server round-trip per frame), the whole grid and its messages on the first screen
+frames = len(exp["frames"])
+pm.chart(autoplay(viz.ring_animation(exp, drawn_font=pm.drawn_font(), compact=True), "step",
+                  frames))
+st.caption("It plays by itself: untick **play** under the chart to hold a step, or move the "
+           "**step** slider; **speed** sets the pace. Every frame is decoded from the messages of "
+           "the live run: each message carries, in its values, which ranks' data it holds.")
+what_the_ranks_did()
 
 with st.expander("Bytes sent per rank"):
     st.dataframe(pd.DataFrame({"rank": range(n), "bytes sent (counted)": sent,

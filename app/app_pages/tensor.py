@@ -136,14 +136,6 @@ def show_shards(res: dict) -> None:
     k, shards = res["key"], res["shards"]
     t, h = k["tp"], MODELS[k["model"]]["d_model"]
     st.subheader("1 · The weight shards, as the ranks hold them")
-    st.latex(r"\textbf{fc (column-parallel): } Y=\mathrm{GELU}(XA),\ A=[A_0\,|\,A_1\,|\cdots]"
-             r"\ \Rightarrow\ Y_r=\mathrm{GELU}(XA_r)\ \text{(no communication)}")
-    st.latex(r"\textbf{proj (row-parallel): } Z=YB,\ "
-             r"B=\begin{bmatrix}B_0\\ B_1\\ \vdots\end{bmatrix}"
-             r"\ \Rightarrow\ Z=\textstyle\sum_r Y_r B_r\ \text{(all-reduce } g\text{)}")
-    st.caption("PyTorch stores a Linear's weight as [out, in] = Aᵀ: a column of A is a *row* of "
-               "fc.weight, so the column-parallel fc is split by rows of fc.weight, and the "
-               "row-parallel proj by columns of proj.weight.")
     layers = len(shards[0]["blocks"])
     block = st.selectbox("Block shown", list(range(layers)), index=0,
                          format_func=lambda i: f"block {i}")
@@ -161,10 +153,19 @@ def show_shards(res: dict) -> None:
                              - full["proj_full"]).max())
     pm.chart(viz.tp_weight_shards(
         parts, title=f"MLP weight shards of block {block} on {t} rank(s) (live run)",
+        proj_columns=2 if t > 2 else None,  # 4 panels in 2 rows: the chart fits the page
         subtitle=["each rank built the full model from one seed, then kept its slice "
                   "(apply_tensor_parallel); axes: the full matrix's indices",
                   f"laid together the shards are the full weights: max |concat − W| = "
                   f"{max(fc_diff, proj_diff):g}"]))
+    st.latex(r"\textbf{fc (column-parallel): } Y=\mathrm{GELU}(XA),\ A=[A_0\,|\,A_1\,|\cdots]"
+             r"\ \Rightarrow\ Y_r=\mathrm{GELU}(XA_r)\ \text{(no communication)}")
+    st.latex(r"\textbf{proj (row-parallel): } Z=YB,\ "
+             r"B=\begin{bmatrix}B_0\\ B_1\\ \vdots\end{bmatrix}"
+             r"\ \Rightarrow\ Z=\textstyle\sum_r Y_r B_r\ \text{(all-reduce } g\text{)}")
+    st.caption("PyTorch stores a Linear's weight as [out, in] = Aᵀ: a column of A is a *row* of "
+               "fc.weight, so the column-parallel fc is split by rows of fc.weight, and the "
+               "row-parallel proj by columns of proj.weight.")
     table = []
     for s in shards:
         b = s["blocks"][block]
@@ -418,8 +419,8 @@ else:
     chosen = variants["SP on"] if (sp and "SP on" in variants) else next(iter(variants.values()))
     st.markdown(f"Numbers below: **{'SP on' if chosen['config']['sp'] else 'SP off'}** "
                 f"(tick *Sequence parallel* to switch; both were run).")
+    show_shards(result)  # the main chart first: on the first screen under Run live
     show_correctness(chosen)
-    show_shards(result)
     show_comm(chosen, variants)
     show_memory(variants, extra)
     show_links(chosen)

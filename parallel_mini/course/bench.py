@@ -11,6 +11,7 @@
     python -m parallel_mini.bench ep      # (h) expert parallel vs experts replicated; a2a split
     python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
     python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
+    python -m parallel_mini.bench app     # (k) the classroom app in a real browser: click -> chart
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -55,6 +56,14 @@
 (j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny
     GPT (planner.validate_on_toy_runs) is run; each rank's model states against the prediction,
     to the byte, and Spearman's rank correlation of the predicted and measured step times.
+(k) The app as a class meets it: a Streamlit server of its own (`streamlit run app/streamlit_app.py`,
+    its warm-up off, so that the first press of each page is measured, not read) and Debian's
+    chromium at 1440 x 900 (playwright). For every page at its default controls: cold = the first
+    press of "Run live" on the fresh server (the page's runs measured, the server's imports paid
+    by the first page), then warm = a new browser session's press of the same setting, repeated
+    (the server's shared result read), as p50 and p90. Each time runs from the click to the page's
+    first chart drawn in the browser (the page's first `stVegaLiteChart` with an SVG or canvas).
+    The status line of the cold press says how long the ranks' run itself took.
 (a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
@@ -63,11 +72,14 @@ PyTorch's versions is built on our GPT) are in `peers.py`, shared with the peer 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -789,11 +801,130 @@ def _print_wire(rows):
                   for r in rows]))
 
 
+# ---------------------------------------------------------------------------------------------
+# (k) the app in a real browser
+# ---------------------------------------------------------------------------------------------
+APP_PAGES = ["ring", "data_parallel", "memory", "tensor", "pipeline", "long_sequences", "experts",
+             "plan"]
+
+
+@contextlib.contextmanager
+def app_server(env: dict, log_path: str | None = None, start_timeout_s: float = 120.0):
+    """A `streamlit run` of the app on a free port with `env` added to this environment; yields its
+    URL; at the end the server, its forkserver and any rank (one process group) are killed. Its
+    output goes to `log_path` (by default a temporary file), named when it fails to start."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
+    if log_path is None:
+        log_path = tempfile.NamedTemporaryFile(prefix="app_server_", suffix=".log",
+                                               delete=False).name
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [streamlit, "run", "app/streamlit_app.py", "--server.address", "127.0.0.1",
+             "--server.port", str(port), "--server.headless", "true",
+             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
+            cwd=root, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            start_new_session=True)  # its own process group: the ranks' forkserver goes with it
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.read().strip() == b"ok":
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"streamlit did not start: {Path(log_path).read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:  # nothing in it to keep: no graceful shutdown to wait for
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+_ALL_CHARTS_DRAWN = """() => {
+  const charts = [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')];
+  return charts.length > 0 && charts.every(c => c.querySelector('svg, canvas'));
+}"""
+
+
+def _click_to_chart(page, url: str) -> tuple[float, str]:
+    """Open `url` in a new session (a fresh load), press Run live, and time the click to the run's
+    charts drawn: its status line says it is done, the script has finished, and every chart of the
+    page has its SVG or canvas (pages that draw theory charts before any run would otherwise count
+    those); (seconds, the run's status line)."""
+    idle = '[data-testid="stApp"][data-test-script-state="notRunning"]'
+    page.goto(url)
+    button = page.get_by_role("button", name="Run live")
+    button.wait_for(timeout=180_000)
+    page.locator(idle).wait_for(timeout=180_000)
+    t0 = time.perf_counter()
+    button.click()
+    status = page.locator('[data-testid="stExpander"] summary').filter(
+        has_text=re.compile(r"done in|did not complete"))
+    status.first.wait_for(timeout=300_000)
+    page.locator(idle).wait_for(timeout=300_000)
+    page.wait_for_function(_ALL_CHARTS_DRAWN, timeout=300_000)
+    took = time.perf_counter() - t0
+    line = " ".join(status.first.inner_text().split())
+    return took, line[line.find(" ") + 1:] if line.startswith(("check ", "error ")) else line
+
+
+def bench_app(pages=tuple(APP_PAGES), repeats: int = 5, width: int = 1440, height: int = 900,
+              chromium: str = "/usr/bin/chromium") -> list[dict]:
+    from playwright.sync_api import sync_playwright
+
+    rows = []
+    with app_server({"PARALLEL_MINI_WARM": "none"}) as url, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium)
+        try:
+            for name in pages:
+                ctx = browser.new_context(viewport={"width": width, "height": height})
+                page = ctx.new_page()
+                cold, cold_status = _click_to_chart(page, f"{url}/{name}")
+                warm = []
+                for _ in range(repeats):  # a new session each time, as a class's browsers are
+                    page.close()
+                    ctx.close()
+                    ctx = browser.new_context(viewport={"width": width, "height": height})
+                    page = ctx.new_page()
+                    warm.append(_click_to_chart(page, f"{url}/{name}")[0])
+                ctx.close()
+                rows.append({"page": name, "cold_s": cold, "cold_status": cold_status,
+                             "warm_s": warm, "warm_p50_s": _quantile(warm, 0.5),
+                             "warm_p90_s": _quantile(warm, 0.9)})
+        finally:
+            browser.close()
+    return rows
+
+
+def _print_app(rows):
+    print("(k) the app in chromium at its default controls: click -> first chart drawn")
+    print(_table(["page", "cold s", "warm p50 s", "warm p90 s", "cold press: the status line"],
+                 [[r["page"], f"{r['cold_s']:.2f}", f"{r['warm_p50_s']:.2f}",
+                   f"{r['warm_p90_s']:.2f}", r["cold_status"]] for r in rows]))
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "wire", "plan", "all"])
+                                     "ep", "wire", "plan", "app", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -809,6 +940,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline ranks x micro-batches for (f)")
     ap.add_argument("--bubble-schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb"],
                     help="schedules for (f)")
+    ap.add_argument("--app-repeats", type=int, default=5, help="warm presses per page for (k)")
+    ap.add_argument("--app-pages", nargs="+", default=APP_PAGES, choices=APP_PAGES,
+                    help="pages for (k)")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     return ap
 
@@ -851,6 +985,9 @@ def main(argv=None) -> int:
     if args.what in ("plan", "all"):
         out["plan"] = bench_plan()
         show(_print_plan, out["plan"])
+    if args.what == "app":  # not in "all": it needs chromium and a server of its own
+        out["app"] = bench_app(tuple(args.app_pages), args.app_repeats)
+        show(_print_app, out["app"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])

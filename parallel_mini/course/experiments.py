@@ -172,22 +172,29 @@ def step_times(report, warmup: int = 1) -> list[dict]:
 
 
 def allreduce_overlap(records: list[dict], step: int, backward_start: float,
-                      backward_end: float) -> list[dict]:
+                      backward_end: float, blocked=()) -> list[dict]:
     """One row per all-reduce of `step` in `records` (one rank's comm records): when it was launched
-    and when it finished (as the backend reported it: the completion callback, not the wait),
-    both in ms relative to the end of backward (negative: before backward ended), its duration,
-    and how much of it fell within backward's wall-clock span [backward_start, backward_end]: on a
-    machine whose ranks share cores, backward may be waiting for a core during part of it."""
+    and when it finished (as the backend reported it: the completion callback, or the wait that
+    returned first), both in ms relative to the end of backward (negative: before backward ended),
+    its duration, and how much of it fell within backward's wall-clock span [backward_start,
+    backward_end] while backward was not itself held up in a collective (`blocked`: (start, end)
+    intervals in which the rank's backward waited, e.g. a wait() inside a gradient hook: backward
+    computed nothing then, so that time is no overlap). On a machine whose ranks share cores,
+    backward may also be waiting for a core during part of it."""
     rows = []
     for c in records:
         if c.get("step") != step or c["op"] != "all_reduce" or "end" not in c:
             continue
-        inside = max(0.0, min(c["end"], backward_end) - max(c["start"], backward_start))
+        done = min(c["end"], c.get("waited_until", c["end"]))
+        lo, hi = max(c["start"], backward_start), min(done, backward_end)
+        inside = max(0.0, hi - lo)
+        for b0, b1 in blocked:  # (the intervals do not overlap each other: one thread's calls)
+            inside -= max(0.0, min(hi, b1) - max(lo, b0))
         rows.append({"bucket": c.get("bucket"), "grads_pending": c.get("grads_pending"),
                      "launch_ms": 1e3 * (c["start"] - backward_end),
-                     "finish_ms": 1e3 * (c["end"] - backward_end),
-                     "allreduce_ms": 1e3 * (c["end"] - c["start"]),
-                     "overlapped_ms": 1e3 * inside,
+                     "finish_ms": 1e3 * (done - backward_end),
+                     "allreduce_ms": 1e3 * (done - c["start"]),
+                     "overlapped_ms": 1e3 * max(0.0, inside),
                      "backward_ms": 1e3 * (backward_end - backward_start)})
     return rows
 

@@ -13,11 +13,22 @@ code, as lessons 06 and 07's merge and route do, in that code and whether the ra
 learner's function), so a deadlock is reported as who waited in which call, not as gloo's text.
 `compare_prediction` prints a lesson's prediction cell against what the live cell got.
 
+What the checks cannot be fooled by (issue 21): the bytes each rank really wrote to its sockets
+while the learner's code ran are measured and must be explained by the calls recorded through
+`comm` (a collective called on the process group behind it, with a decoy through comm, is
+refused: lessons 01-04); a function that is the library's own (its code object, a copy of its
+bytecode, its source pasted in) is refused before anything runs; the expected answer is computed
+after the learner's function returns or in another process, so no frame the learner's code can
+read holds it; the in-process checks add cases drawn anew every check and stop an answer that does
+not return within 10 s (ANSWER_TIMEOUT).
+
 One module per lesson, to read beside it; every public name is imported here, so lessons and
 tests write `from parallel_mini.course.grading import check_...`:
 
     core                      what every checker shares: Grade, _on_ranks, _RankTrace (deadlocks
-                              explained), _CodeSwapped (the library's own version disabled)
+                              explained, bytes explained), _CodeSwapped (the library's own
+                              version disabled), _wire_verdict (bytes written against bytes
+                              recorded), _library_copy, _call_in_time (10 s for an answer)
     lesson01_ring             01_collectives          check_ring_all_reduce
     lesson02_data_parallel    02_data_parallel        check_average_gradients,
                                                       check_bucketed_grad_sync

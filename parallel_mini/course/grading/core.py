@@ -1,12 +1,19 @@
 """What every lesson's checker shares: the Grade a check returns; `_on_ranks`, which runs the
 learner's code on real ranks and turns a stub or a failure into a Grade or a one-line
 AssertionError; `_RankTrace`, which records each rank's calls in the learner's code so that a
-deadlock is reported as who waited in which call; and `_CodeSwapped`, which disables the library's
-own version of an exercise (its functions' code swapped for a raiser) while the learner's runs.
+deadlock is reported as who waited in which call, and counts the bytes the learner's recorded
+calls explain against what the process wrote to its sockets meanwhile (`_wire_verdict` refuses
+the rest: traffic around comm); `_CodeSwapped`, which disables the library's own version of an
+exercise (its functions' code swapped for a raiser) while the learner's runs; `_library_copy`,
+which refuses an answer that is the library's function (code object, bytecode, source); and
+`_call_in_time`, which stops a single-process answer that does not return within ANSWER_TIMEOUT.
 """
 from __future__ import annotations
 
 import html
+import os
+import sys
+import time
 from dataclasses import dataclass, field
 
 from ...launch import RankError, RunTimeout
@@ -124,6 +131,13 @@ class _RankTrace:
         # when the library's code runs with a learner's function inside it (lessons 06, 07):
         # the function running now ("your merge"), and how often each was entered on this rank
         self.inside, self.entered = None, {}
+        # the bytes the learner's comm calls explain (_wire_allowance of each record a real Comm
+        # call made, taken when the call returned), and what this process wrote meanwhile
+        self.explained, self.comm_calls = 0, 0
+        self.written = _SocketBytes()
+        # while `in_backward` is set (lesson 02: loss.backward() runs the learner's hooks), a
+        # wait() or a blocking collective is logged here as (what, start, end)
+        self.in_backward, self.blocked = False, []
 
     def publish(self) -> None:
         import json
@@ -171,10 +185,23 @@ class _RankTrace:
                 self.calls -= 1  # a wait is no call of its own: ranks may wait differently
             self.waiting, self.depth = True, 1
             self.publish()
+            comm = args[0] if where == "comm" else None
+            before = len(comm.records) if comm is not None else 0
+            t0 = time.perf_counter()
             try:
                 out = fn(*args, **kwargs)
             finally:
                 self.depth = 0
+            if comm is not None:  # the records this real call made, read before anyone edits them
+                for rec in comm.records[before:]:
+                    self.explained += _wire_allowance(rec, comm.size(rec["group"])
+                                                      if rec["group"] in comm.mesh.groups else 1)
+                    self.comm_calls += 1
+            made = comm.records[before:] if comm is not None else []
+            if self.in_backward and (where == "handle" or (
+                    where == "dist" and not kwargs.get("async_op")) or any(
+                    not rec.get("async_op") for rec in made)):
+                self.blocked.append((self.last, t0, time.perf_counter()))
             self.waiting = False
             self.publish()
             return out
@@ -191,9 +218,11 @@ class _RankTrace:
                     self.saved.append((owner, name, fn))
                     setattr(owner, name, self._wrap(where, name, fn))
         self.done, self.round = False, self.round + 1
+        self.written.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self.written.__exit__(exc_type, exc, tb)
         for owner, name, fn in self.saved:
             setattr(owner, name, fn)
         if exc_type is None:
@@ -348,3 +377,266 @@ class _CodeSwapped:
         for fn, code in reversed(self.saved):
             fn.__code__ = code
         return False
+
+
+# ---------------------------------------------------------------------------------------------
+# the bytes a rank really wrote against what its recorded calls explain (the bypass of `comm`)
+# ---------------------------------------------------------------------------------------------
+# What gloo (torch 2.13, TCP) writes besides the payload, measured on 2 and 4 ranks (every op
+# alone after a barrier, 4 B to 1 MiB, bytes read from /proc/self/io's wchar, which counts what
+# every thread of the process passed to write()/send(); the TCPStore's traffic is not counted
+# there: measured 0): 144 bytes per message. A send is one message; an all-reduce, 2(N-1) to
+# 4(N-1) (gloo's ring cuts small tensors unevenly: at N = 4 ranks wrote 688 to 1,088 B for a 16 B
+# tensor); gloo's reduce-scatter is an all-reduce of the whole input (it writes 2(N-1)/N x S,
+# twice the ring model's (N-1)/N x S); its broadcast is a tree (the root writes more than the
+# chain model, a leaf nothing), whose sum over the ranks is the chain's. So the allowance is a
+# record's gloo bytes plus GLOO_HEADER per message it may send, and it is compared with the sum
+# over the ranks. A bypass of the payload (the collective called on the process group behind
+# `comm`, with a decoy of zeros through `comm` to keep the records right) writes the payload a
+# second time: at least its ring bytes beyond the allowance, never within it.
+GLOO_HEADER = 160  # bytes per message allowed for gloo's framing (measured: 144)
+GLOO_CONNECT = 64  # bytes per rank allowed for connecting pairs on first use (measured: 1 to 16)
+
+
+def _messages(op: str, n: int) -> int:
+    return {"send": 1, "all_reduce": 4 * (n - 1), "reduce_scatter": 4 * (n - 1),
+            "all_gather": 2 * (n - 1), "broadcast": 2 * (n - 1),
+            "all_to_all": 2 * (n - 1)}.get(op, 0)
+
+
+def _wire_allowance(rec: dict, n: int) -> int:
+    """The most bytes gloo writes for one record of `comm` on a group of n ranks."""
+    op, model = rec.get("op"), int(rec.get("wire_bytes_model") or 0)
+    if n <= 1 or op in ("recv", "d2h", "h2d"):
+        return 0
+    if op == "reduce_scatter":  # gloo's: an all-reduce of the input, 2(N-1)/N x S
+        model = 2 * (n - 1) * int(rec.get("payload_bytes") or 0) // n + 1
+    return model + GLOO_HEADER * _messages(op, n)
+
+
+class _SocketBytes:
+    """What this process wrote to its sockets (wchar of /proc/self/io) over the windows it is
+    entered for, summed; `total` None where that cannot be read (off Linux). Meanwhile Python
+    writes no bytecode (a .pyc written by an import inside the learner's code would count) and
+    what goes to sys.stderr (a warning) is held and written after the window."""
+
+    def __init__(self):
+        try:
+            self.fd = os.open("/proc/self/io", os.O_RDONLY)
+        except OSError:
+            self.fd = None
+        self.total = 0 if self.fd is not None else None
+        self.start = None
+
+    def read(self) -> int:
+        for line in os.pread(self.fd, 1024, 0).splitlines():
+            if line.startswith(b"wchar:"):
+                return int(line.split()[1])
+        return 0
+
+    def __enter__(self):
+        if self.fd is not None:
+            import io
+            self.saved_flag, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+            self.saved_err, sys.stderr = sys.stderr, io.StringIO()
+            self.start = self.read()
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None and self.start is not None:
+            self.total += self.read() - self.start
+            self.start = None
+            sys.dont_write_bytecode = self.saved_flag
+            held, sys.stderr = sys.stderr.getvalue(), self.saved_err
+            if held:
+                sys.stderr.write(held)
+        return False
+
+
+def _wire_summary(trace: "_RankTrace") -> dict:
+    """A rank's side of the wire check, for the parent: written while the learner's code ran,
+    and what its recorded calls explain."""
+    return {"written": trace.written.total, "explained": trace.explained,
+            "calls": trace.comm_calls}
+
+
+def _wire_verdict(per_rank: list[dict], where: str, label: str) -> dict:
+    """Every rank's `_wire_summary` (the "wire" entry of its result): AssertionError when the ranks
+    wrote more to their sockets than the calls recorded by `comm` explain (their gloo bytes with
+    headers); else the figures, measured, for the Grade."""
+    wires = [p["wire"] for p in per_rank]
+    written = [w["written"] for w in wires]
+    explained = sum(w["explained"] for w in wires) + GLOO_CONNECT * len(wires)
+    if any(w is None for w in written):
+        return {"written": None, "explained": explained}
+    total = sum(written)
+    if total > explained:
+        raise AssertionError(
+            f"{where}: while {label} ran, the ranks wrote {total:,} bytes to their sockets "
+            f"(measured), but the calls recorded by comm explain at most {explained:,} (their "
+            f"gloo bytes, headers included): {total - explained:,} bytes went around comm, e.g. a "
+            f"collective called on the process group behind comm (comm.mesh.groups[...]) or on "
+            f"torch.distributed directly. Make every transfer through comm, so it is recorded")
+    return {"written": total, "explained": explained}
+
+
+# ---------------------------------------------------------------------------------------------
+# a learner's function that is the library's: the same code object, bytecode or source
+# ---------------------------------------------------------------------------------------------
+def _functions_of(obj) -> list:
+    """The plain functions a learner's answer consists of: a function, a method's function, a
+    partial's function, or every function defined in a class's own namespace."""
+    import functools
+    import inspect
+
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    if inspect.isclass(obj):
+        out = []
+        for value in vars(obj).values():
+            out += _functions_of(getattr(value, "__func__", value)) if callable(
+                getattr(value, "__func__", value)) else []
+        return out
+    obj = getattr(obj, "__func__", obj)
+    return [obj] if hasattr(obj, "__code__") else []
+
+
+def _library_functions(modules) -> list:
+    """Every function and method defined in `modules` (module objects), nested classes included."""
+    import inspect
+
+    out, seen = [], set()
+
+    def walk(ns, mod_name):
+        for value in list(vars(ns).values()):
+            value = getattr(value, "__func__", value)
+            if inspect.isfunction(value) and value.__module__ == mod_name and id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+            elif inspect.isclass(value) and value.__module__ == mod_name and id(value) not in seen:
+                seen.add(id(value))
+                walk(value, mod_name)
+    for m in modules:
+        walk(m, m.__name__)
+    return out
+
+
+def _bytecode_key(code) -> tuple:
+    """A code object without its names: the instructions, the globals and attributes it names, its
+    constants (a docstring dropped, nested code compared the same way)."""
+    consts = []
+    for i, c in enumerate(code.co_consts):
+        if hasattr(c, "co_code"):
+            consts.append(_bytecode_key(c))
+        elif not (i == 0 and isinstance(c, str)):
+            consts.append(repr(c))
+    return (code.co_code, code.co_names, tuple(consts))
+
+
+def _source_key(fn) -> tuple | None:
+    """(the function's syntax tree without its name, docstring and comments, its docstring, its
+    node count); None without source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    node = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
+                                                             ast.AsyncFunctionDef))), None)
+    if node is None:
+        return None
+    doc = ast.get_docstring(node, clean=True) or ""
+    body = node.body[1:] if doc else node.body
+    node = ast.FunctionDef(name="f", args=node.args, body=body, decorator_list=[], returns=None,
+                           type_params=[])
+    return (ast.dump(node, annotate_fields=False, include_attributes=False), doc,
+            sum(1 for _ in ast.walk(node)))
+
+
+_SOURCE_NODES = 40  # below this, the same tree written independently is likely (a one-line formula)
+
+
+def _library_copy(answer, modules, what: str) -> None:
+    """AssertionError when a function of `answer` (the learner's function or class) is one of the
+    library's functions in `modules` (module names under parallel_mini, e.g. "comm"): the same code
+    object; a copy of it (the same bytecode, and the library's file and lines in it, which a
+    function written anywhere else does not carry); or its source pasted in (the same syntax tree,
+    names included, comments not: with the library's docstring, or long enough, at least
+    _SOURCE_NODES nodes, that writing it independently is not plausible). A learner's one-line
+    formula that happens to compile to the library's bytecode is not refused. Run before the
+    checker disables the library (its code objects are then swapped)."""
+    import importlib
+
+    mods = [importlib.import_module(f"parallel_mini.{m}") for m in modules]
+    library = [f for f in _library_functions(mods) if f.__code__.co_code]
+    for fn in _functions_of(answer):
+        code, key, src = fn.__code__, None, None
+        for lib in library:
+            lc, how = lib.__code__, None
+            if code is lc:
+                how = "the same code object"
+            elif code.co_filename == lc.co_filename and code.co_firstlineno == lc.co_firstlineno:
+                key = key or _bytecode_key(code)
+                if key == _bytecode_key(lc):
+                    how = "the same bytecode (a copy of its __code__)"
+            else:
+                src = src if src is not None else (_source_key(fn) or ())
+                if src:
+                    lib_src = _source_key(lib)
+                    if lib_src and src[0] == lib_src[0] and (
+                            (src[1] and src[1] == lib_src[1]) or src[2] >= _SOURCE_NODES):
+                        how = "the same source (the library's code pasted in)"
+            if how:
+                raise AssertionError(
+                    f"{what} {fn.__name__} is the library's own {lib.__module__}."
+                    f"{lib.__qualname__}: {how}. The checker grades code you wrote: write it "
+                    f"yourself")
+
+
+# ---------------------------------------------------------------------------------------------
+# a single-process check that an endless answer cannot hold up
+# ---------------------------------------------------------------------------------------------
+ANSWER_TIMEOUT = 10.0  # seconds a single-process check waits for one call of the learner's code
+
+
+class _Stopped(BaseException):
+    """Raised inside a learner's function that ran past ANSWER_TIMEOUT (thread stopped)."""
+
+
+def _call_in_time(fn, *args, what: str, timeout: float | None = None):
+    """fn(*args) in a thread of this process, waited for at most `timeout` seconds (ANSWER_TIMEOUT):
+    its value; an AssertionError or NotImplementedError it raised, raised again here; any other
+    exception as an AssertionError saying what `what` raised; past the time an AssertionError
+    says so, and the thread is stopped (an exception raised into it at its next Python instruction)."""
+    import ctypes
+    import threading
+
+    timeout = ANSWER_TIMEOUT if timeout is None else timeout
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="learner-answer", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(t.ident),
+                                                   ctypes.py_object(_Stopped))
+        t.join(1.0)
+        raise AssertionError(f"{what} did not return within {timeout:g} s: a loop that never "
+                             f"ends? (stopped by the checker)")
+    err = box.get("error")
+    if isinstance(err, (AssertionError, NotImplementedError)):
+        raise err.with_traceback(None)
+    if err is not None:  # the learner's code failed: say what it raised, one line
+        raise AssertionError(f"{what} raised {type(err).__name__}: {err}") from None
+    return box.get("value")

@@ -8,8 +8,8 @@ named. The library's ring and the backend's collectives raise meanwhile.
 from __future__ import annotations
 
 from ... import theory
-from .core import (CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks,
-                   _stuck_after)
+from .core import (CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace,
+                   _library_copy, _on_ranks, _stuck_after, _wire_summary, _wire_verdict)
 
 
 _RING_STUB = ("ring_all_reduce still raises NotImplementedError: fill in the two phases, then run "
@@ -132,7 +132,8 @@ def _ring_check_rank(n: int, numel: int, fn) -> dict:
                     and returned.shape == x.shape and torch.equal(returned.to(x.dtype), expected))
     return {"rank": r, "calls": calls, "final": x.tolist(), "expected": expected.tolist(),
             "returned_sum": returned_sum, "starts": starts,
-            "sent_bytes": sum(rec["wire_bytes_model"] for rec in comm.records if rec["op"] == "send")}
+            "sent_bytes": sum(rec["wire_bytes_model"] for rec in comm.records if rec["op"] == "send"),
+            "wire": _wire_summary(trace)}
 
 
 def _ring_call_problem(n: int, r: int, s: int, call: dict) -> str | None:
@@ -241,9 +242,14 @@ def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grad
     missing all-gather, a chunk added twice and a division by N. Throughout, the library's own
     ring_all_reduce and the backend's collectives raise while the learner's code runs: an answer
     calling them is refused, saying so. A deadlock stops after CHECK_PG_TIMEOUT seconds of
-    waiting with what every rank waited on."""
+    waiting with what every rank waited on. Measured: the bytes each rank wrote to its sockets
+    while the learner's ring ran, against what its recorded sendrecv calls explain (gloo's
+    headers included), so a transfer around comm (the process group behind it called directly,
+    beside decoy sendrecv calls) is refused; so is a function that is the library's ring (its
+    code object, bytecode or source)."""
     from ...launch import run_ranks
 
+    _library_copy(fn, ("comm", "course.collectives", "course.grading.lesson01_ring"), "your")
     runs = []
     for n, numel in cases:
         results = _on_ranks(lambda: run_ranks(_ring_check_rank, n, n, numel, fn,
@@ -256,9 +262,12 @@ def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grad
         why = _ring_diagnosis(n, numel, per_rank)
         if why:
             raise AssertionError(why)
-        runs.append({"world_size": n, "numel": numel,
+        wire = _wire_verdict(per_rank, f"at N={n}, numel={numel}", "your ring_all_reduce")
+        runs.append({"world_size": n, "numel": numel, "written_bytes": wire["written"],
+                     "explained_bytes": wire["explained"],
                      "sent_bytes_per_rank": [p["sent_bytes"] for p in per_rank],
                      "steps_per_rank": [len(p["calls"]) for p in per_rank]})
     return Grade("correct", f"equal to dist.all_reduce at N,numel = {list(cases)}, in 2(N-1) "
-                 f"steps, sending 2(N-1)/N*X per rank on average; the library's ring and the "
+                 f"steps, sending 2(N-1)/N*X per rank on average (counted), and no bytes written "
+                 f"to the sockets beyond those steps' (measured); the library's ring and the "
                  f"backend's collectives disabled while yours ran", {"runs": runs})

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from ... import theory
 from ...config import RunConfig
-from .core import CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
+from .core import (CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace,
+                   _library_copy, _on_ranks, _wire_summary, _wire_verdict)
 
 
 # The check model: small and with a padded flat buffer at N = 4 (P = 77,322 = 4 * 19,330 + 2), so
@@ -95,16 +96,19 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
         loss = model(x, y)
         loss.backward()
         losses.append(loss.item())
-        local = layout.shard(flat_grads, r).clone()  # this rank's own, unreduced slice
-        expected = flat_grads.clone()  # the answer, by an all-reduce the records do not see
-        if n > 1:
-            dist.all_reduce(expected, group=group)
-        expected = layout.shard(expected, r) / n
+        own = flat_grads.clone()  # this rank's own gradients, before the learner's code
+        local = layout.shard(own, r)  # this rank's own, unreduced slice
         received.clear()
         updated.clear()
         with _LibraryZeroDisabled(), trace:
             fn(flat_params, flat_grads, step_shard, comm)
         trace.agree()  # every rank made the same calls: the checks' own collectives may follow
+        # the answer, only now (no frame held it while fn ran), by an all-reduce the records
+        # do not see
+        expected = own.clone()
+        if n > 1:
+            dist.all_reduce(expected, group=group)
+        expected = layout.shard(expected, r) / n
         at = f"at dp={n}, step {step}"
         if len(received) != 1:
             raise AssertionError(f"{at}: step_shard was called {len(received)} times; call it "
@@ -145,7 +149,8 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
     full = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     return {"rank": r, "losses": losses, "params": full, "comm": comm.records,
             "n_params": layout.numel, "padding": layout.padding,
-            "optimizer_bytes": sum(t.numel() * t.element_size() for t in optimizer.state_tensors())}
+            "optimizer_bytes": sum(t.numel() * t.element_size() for t in optimizer.state_tensors()),
+            "wire": _wire_summary(trace)}
 
 
 def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
@@ -158,11 +163,15 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     every step; losses and final parameters against the single-process reference (1e-5); losses
     against the library's ZeroDataParallel(stage=1); bytes on the wire per step against
     2(N-1)/N x padded Psi (reduce-scatter + all-gather, what one all-reduce moves) and against the
-    library's measured bytes."""
+    library's, both counted from the calls' records; and the bytes each rank really wrote to its
+    sockets while `fn` ran (measured) against what those recorded calls explain, so a transfer
+    around comm (torch.distributed or the process group called directly, with decoy calls
+    through comm) is refused; so is a function that is the library's (code, bytecode or source)."""
     from ...engine import run  # late: engine imports the launcher stack
     from ...launch import run_ranks
     from ...reference import max_abs_diff, train_reference
 
+    _library_copy(fn, ("parallel.zero", "course.grading.lesson03_zero"), "your")
     summary = []
     for n in world_sizes:
         cfg = RunConfig(dp=n, zero=1, batch=2 * n, steps=steps, **ZERO1_CHECK_SHAPE)
@@ -190,26 +199,30 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
         library_bytes = library.wire_bytes_per_step().get("dp", 0)
         s = 4 * theory.padded(p, n)  # padded flat buffer, fp32
         for r in per_rank:
-            measured = sum(c["wire_bytes_model"] for c in r["comm"] if c["step"] >= 0) / steps
-            if measured != predicted or measured != library_bytes:
+            counted = sum(c["wire_bytes_model"] for c in r["comm"] if c["step"] >= 0) / steps
+            if counted != predicted or counted != library_bytes:
                 hint = ""
-                if measured == 0:
+                if counted == 0:
                     hint = (" Nothing went through comm: use comm.reduce_scatter and "
                             "comm.all_gather (torch.distributed directly is not recorded).")
-                elif measured == theory.wire_bytes("all_reduce", s, n) + theory.wire_bytes(
+                elif counted == theory.wire_bytes("all_reduce", s, n) + theory.wire_bytes(
                         "all_gather", s, n):
                     hint = (" That is an all-reduce of the gradients plus an all-gather: each "
                             "rank needs only its own slice, so reduce-scatter it.")
-                raise AssertionError(f"at dp={n}: rank {r['rank']} sent {measured:,.0f} bytes "
-                                     f"per step; reduce-scatter + all-gather of the padded flat "
-                                     f"buffer send 2(N-1)/N x {s:,} = {predicted:,} (the "
-                                     f"library's ZeRO-1 measured {library_bytes:,.0f}).{hint}")
+                raise AssertionError(f"at dp={n}: rank {r['rank']} sent {counted:,.0f} bytes "
+                                     f"per step (counted from its calls); reduce-scatter + "
+                                     f"all-gather of the padded flat buffer send 2(N-1)/N x "
+                                     f"{s:,} = {predicted:,} (the library's ZeRO-1, counted the "
+                                     f"same way: {library_bytes:,.0f}).{hint}")
+        wire = _wire_verdict(per_rank, f"at dp={n}", "your zero1_step")
         summary.append({"dp": n, "n_params": p, "padding": per_rank[0]["padding"],
                         "wire_bytes_per_step": predicted, "max_abs_diff": max(diff.values()),
                         "losses": losses, "reference_losses": ref_losses,
                         "library_losses": library.losses,
-                        "optimizer_bytes": per_rank[0]["optimizer_bytes"]})
+                        "optimizer_bytes": per_rank[0]["optimizer_bytes"],
+                        "written_bytes": wire["written"], "explained_bytes": wire["explained"]})
     worst = max(row["max_abs_diff"] for row in summary)
     return Grade("correct", f"equal to the single-process reference (max |diff| {worst:.1e}) and "
                  f"to the library's ZeRO-1 at dp = {list(world_sizes)} (padding included), moving "
-                 f"exactly 2(N-1)/N x padded Psi bytes per step", {"runs": summary})
+                 f"exactly 2(N-1)/N x padded Psi bytes per step (counted), and no bytes written "
+                 f"to the sockets beyond those calls' (measured)", {"runs": summary})

@@ -7,7 +7,10 @@ The library's schedule builders raise while the learner's code runs.
 from __future__ import annotations
 
 from ...config import RunConfig
-from .core import _CodeSwapped, Grade
+import os
+import random
+
+from .core import _CodeSwapped, Grade, _call_in_time, _library_copy
 
 
 def _parse_ops(ops, rank: int) -> list[list]:
@@ -46,7 +49,15 @@ class _LibrarySchedulesDisabled(_CodeSwapped):
         return [(getattr(schedules, n), _library_schedule_refused) for n in self.NAMES]
 
 
-def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4, 8))) -> Grade:
+def _fresh_cases(k: int = 3) -> list[tuple[int, int]]:
+    """`k` (pp, m) pairs drawn anew every check (pp 2 to 16, m 1 to 64): beyond any the lesson
+    shows, so that no table of orders can stand in for the rule."""
+    rng = random.Random(os.urandom(8))
+    return [(rng.randint(2, 16), rng.randint(1, 64)) for _ in range(k)]
+
+
+def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4, 8)),
+                      fresh: int = 3) -> Grade:
     """`fn(rank, pp, m)` returns one rank's 1F1B op order, e.g. ["F0", "F1", "B0", ...].
 
     Checked for every rank at each (pp, m) in `cases`: each F and B once, an order that cannot
@@ -55,15 +66,21 @@ def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4,
     micro-batches (all-forward-then-all-backward would hold m). Then the order runs on real ranks
     at each of `run_cases` and must equal the single-process reference. While `fn` runs, the
     library's schedule builders (one_f_one_b, build_schedule, ...) raise: an order that wraps the
-    library's 1F1B is refused, saying so."""
+    library's 1F1B is refused, saying so, as is a function that is the library's (its code object,
+    bytecode or source). `fresh` more (pp, m) pairs, drawn anew every check, are checked the same
+    way (no table of orders can stand in for the rule), and each call of `fn` that does not
+    return within 10 s stops the check with a message."""
     from ...engine import run
     from ...parallel.schedules import Op, from_ops, in_flight
 
+    _library_copy(fn, ("parallel.schedules", "course.grading.lesson05_pipeline"), "your")
     orders = {}
-    for pp, m in cases:
+    for pp, m in list(cases) + _fresh_cases(fresh):
+        drawn = "" if (pp, m) in cases else " (drawn for this check, beyond the lesson's)"
         try:
             with _LibrarySchedulesDisabled():
-                orders_here = [fn(r, pp, m) for r in range(pp)]
+                orders_here = _call_in_time(lambda: [fn(r, pp, m) for r in range(pp)],
+                                            what=f"your one_f_one_b at pp={pp}, m={m}{drawn}")
             ops = [_parse_ops(o, r) for r, o in enumerate(orders_here)]
         except NotImplementedError:
             return Grade("not attempted", "one_f_one_b still raises NotImplementedError: write "

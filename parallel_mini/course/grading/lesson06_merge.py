@@ -8,7 +8,10 @@ whole sequence.
 from __future__ import annotations
 
 from ...config import RunConfig
-from .core import CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
+import os
+
+from .core import (CHECK_PG_TIMEOUT, CHECK_RUN_TIMEOUT, _CodeSwapped, Grade, _RankTrace,
+                   _call_in_time, _library_copy, _on_ranks)
 
 
 # Ring attention on C ranks, with the learner's merge in place of the library's, against torch's
@@ -72,11 +75,11 @@ def _merge_result(res, shapes: tuple, where: str):
     return res
 
 
-def _merge_probe_inputs(kind: str):
+def _merge_probe_inputs(kind: str, seed: int = 6):
     """(out, lse, out_t, lse_t) for the checks on one merge, fp32, [b, a, n, d] / [b, a, n]."""
     import torch
 
-    g = torch.Generator().manual_seed(6)
+    g = torch.Generator().manual_seed(seed)
     b, a, n, d = 2, 3, 5, 4
     out, o_t = torch.randn(b, a, n, d, generator=g), torch.randn(b, a, n, d, generator=g)
     lse, lse_t = 2 * torch.randn(b, a, n, generator=g), 2 * torch.randn(b, a, n, generator=g) + 1
@@ -95,8 +98,10 @@ def _merge_diagnosis(fn) -> None:
     def close(a, b, tol=1e-5):
         return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol, equal_nan=False)
 
-    for kind in ("random", "first", "large"):
-        out, lse, o_t, lse_t = _merge_probe_inputs(kind)
+    fresh = int.from_bytes(os.urandom(6), "little")  # new values every check: nothing to memorise
+    for kind in ("random", "first", "large", "fresh"):
+        out, lse, o_t, lse_t = _merge_probe_inputs(kind, fresh if kind == "fresh" else 6)
+        kind = "random" if kind == "fresh" else kind
         where = {"random": "on one merge",
                  "first": "on the first merge of a row (out = 0, lse = -inf: nothing seen yet, "
                           "how ring_forward starts every query row)",
@@ -104,7 +109,7 @@ def _merge_diagnosis(fn) -> None:
         args = [t.clone() for t in (out, lse, o_t, lse_t)]
         with _LibraryMergeDisabled():
             try:
-                res = fn(*args)
+                res = _call_in_time(fn, *args, what=f"{where}: your merge")
             except (NotImplementedError, AssertionError):
                 raise
             except Exception as e:  # noqa: BLE001 - the learner's code: say what it raised
@@ -202,12 +207,6 @@ def _merge_rank(cfg_dict: dict, layout: str, fn, shape: tuple) -> dict:
     b, a, s, d = shape
     g = torch.Generator().manual_seed(6)
     q, k, v, grad = (torch.randn(b, a, s, d, generator=g) for _ in range(4))  # the same everywhere
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*full, is_causal=True)  # [b, a, s, d], one process
-    ref.backward(grad)
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    ref_lse = (q @ k.transpose(-2, -1) / math.sqrt(d)).masked_fill(~causal, float("-inf")
-                                                                   ).logsumexp(-1)  # [b, a, s]
     pos = context.positions_of(layout, s, c, r)
     mine = [t[:, :, pos].contiguous() for t in (q, k, v)]  # [b, a, s/C, d]
     calls, inside = [0], [False]
@@ -238,6 +237,13 @@ def _merge_rank(cfg_dict: dict, layout: str, fn, shape: tuple) -> dict:
             dq, dk, dv = core.ring_backward(*mine, out, lse, grad[:, :, pos].contiguous())
     finally:
         context._merge = library
+    # the expected answer, only now that the learner's merge has returned (no frame held it)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)  # [b, a, s, d], one process
+    ref.backward(grad)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    ref_lse = (q @ k.transpose(-2, -1) / math.sqrt(d)).masked_fill(~causal, float("-inf")
+                                                                   ).logsumexp(-1)  # [b, a, s]
     diffs = {"out": (out - ref[:, :, pos]).abs().max().item(),
              "lse": (lse - ref_lse[:, :, pos]).abs().max().item()}
     for name, mine_g, f in zip(("dq", "dk", "dv"), (dq, dk, dv), full):
@@ -259,11 +265,14 @@ def check_merge(fn, cases=MERGE_CHECK_CASES, shape=MERGE_CHECK_SHAPE) -> Grade:
     `fn` in place of its `_merge`, at each (C, layout) of `cases`, against torch's SDPA on the
     whole sequence: every rank's output, log-sum-exp and dq, dk, dv within MERGE_TOLERANCE.
     Throughout, the library's own `_merge` is disabled (it raises): an answer that calls it is
-    refused, saying so. A merge that raises on one rank only is named with that rank; one that
+    refused, saying so, and so is a function that is the library's (its code object, bytecode or
+    source). The in-process probes include one of values drawn anew every check, and stop a merge
+    that does not return within 10 s. A merge that raises on one rank only is named with that rank; one that
     never returns on a rank stops the check after CHECK_PG_TIMEOUT seconds of waiting, saying
     which rank was still in it and what the others waited on."""
     from ...launch import run_ranks
 
+    _library_copy(fn, ("parallel.context", "course.grading.lesson06_merge"), "your")
     try:
         _merge_diagnosis(fn)
     except NotImplementedError:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from ... import theory
 from ...config import RunConfig
-from .core import CHECK_PG_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _on_ranks
+import os
+import random
+
+from .core import (CHECK_PG_TIMEOUT, _CodeSwapped, Grade, _RankTrace, _call_in_time,
+                   _library_copy, _on_ranks)
 
 
 # The learner's route(logits, k, cap) -> moe.Routing goes where the library's is, the MoE layer's
@@ -116,8 +120,12 @@ def _route_probes():
                           [5.0, 1.0, 1.0, 1.0], [0.0, 1.0, 2.0, 3.0]]])
     bias4 = torch.tensor([1.5, 1.0, 0.0, -1.0])
     bias8 = torch.tensor([1.5, 1.2, 0.8, 0.4, 0.0, -0.4, -0.8, -1.2])
+    fresh = torch.Generator().manual_seed(int.from_bytes(os.urandom(6), "little"))
+    t, E, k = 6 + int(torch.randint(0, 10, (1,), generator=fresh)), 4, 2
     return [
         ("tied probabilities", ties, 2, 2),
+        (f"drawn for this check: two sequences of {t} tokens, k = {k}",
+         2 * torch.randn(2, t, E, generator=fresh) + bias4, k, _capacity_rule(t, E, k, 1.0)),
         ("two sequences of 12 tokens, k = 2", 2 * torch.randn(2, 12, 4, generator=g) + bias4, 2,
          _capacity_rule(12, 4, 2, 1.0)),
         ("two sequences of 10 tokens, 8 experts, k = 3",
@@ -176,7 +184,7 @@ def _routing_diagnosis(fn, name: str, logits, k: int, cap: int) -> None:
     leaf = logits.clone().requires_grad_()
     with _LibraryRoutingDisabled():
         try:
-            r = fn(leaf, k, cap)
+            r = _call_in_time(fn, leaf, k, cap, what=f"{where}: your route")
         except (NotImplementedError, AssertionError):
             raise
         except Exception as e:  # noqa: BLE001 - the learner's code: say what it raised
@@ -306,11 +314,14 @@ def _capacity_diagnosis(capacity_fn) -> None:
     import math
     import numbers
 
-    for tokens, E, k, F in CAPACITY_CASES:
+    rng = random.Random(os.urandom(8))  # and two drawn anew every check: nothing to memorise
+    fresh = [(rng.randint(4, 200), rng.choice((2, 4, 8, 16)), rng.randint(1, 2),
+              rng.choice((0.5, 1.0, 1.25, 1.5, 2.0))) for _ in range(2)]  # exact in binary
+    for tokens, E, k, F in list(CAPACITY_CASES) + fresh:
         where = f"capacity(tokens={tokens}, experts={E}, k={k}, factor={F})"
         with _LibraryRoutingDisabled():
             try:
-                got = capacity_fn(tokens, E, k, F)
+                got = _call_in_time(capacity_fn, tokens, E, k, F, what=f"your {where}")
             except (NotImplementedError, AssertionError):
                 raise
             except Exception as e:  # noqa: BLE001
@@ -456,7 +467,9 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
     library's route: the same assignments kept and dropped in every layer, micro-batch and rank,
     the same losses, and final parameters equal to the single-process reference (within
     ROUTE_TOLERANCE). Throughout, the library's route, capacity and dispatch_order are disabled
-    (they raise) while the learner's code runs: an answer calling them is refused, saying so.
+    (they raise) while the learner's code runs: an answer calling them is refused, saying so, and
+    so is a function that is the library's (its code object, bytecode or source). The in-process
+    probes include cases drawn anew every check, and stop a call that does not return in 10 s.
     On the ranks, a route (or capacity) that raises on one rank only is named with that rank, one
     that calls a collective is refused, and one that never returns on a rank stops the check
     after CHECK_PG_TIMEOUT seconds of waiting, saying which rank was still in it and what the
@@ -465,6 +478,9 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
     from ...launch import run_ranks
     from ...report import merge_rank_results
 
+    for answer in (fn, capacity):
+        if answer is not None:
+            _library_copy(answer, ("moe", "course.grading.lesson07_route"), "your")
     try:
         if capacity is not None:
             _capacity_diagnosis(capacity)

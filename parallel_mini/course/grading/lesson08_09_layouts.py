@@ -3,9 +3,12 @@ composed layout, `check_states_per_rank`; a layout that fits a budget, `check_la
 """
 from __future__ import annotations
 
+import os
+import random
+
 from ... import theory
 from ...config import RunConfig
-from .core import _CodeSwapped, Grade
+from .core import _CodeSwapped, Grade, _call_in_time, _library_copy
 
 
 # Both exercises are about prediction, so the library functions that would answer them are
@@ -49,6 +52,9 @@ _PER_RANK_THEORY = (("theory", "run_theory"), ("theory", "_rank_theory"),
 _PLANNER = tuple(("course.planner", name) for name in (
     "plan", "predict", "stage_states", "validate_on_toy_runs", "enumerate_layouts"))
 _LIVE = (("engine", "run"),)
+# the checker's own rules, reachable from the learner's code as any module is: disabled too
+_RULES = tuple(("course.grading.lesson08_09_layouts", name) for name in (
+    "_states_rule", "_states_from_theory", "planned_states"))
 
 
 # -- lesson 08: states_per_rank(cfg) -> {rank: {params, grads, optimizer}} --------------------
@@ -174,13 +180,33 @@ def _states_diagnosis(got: dict, want: dict, cfg, where: str) -> None:
                          f"{got[r][k]:,}{hint}")
 
 
+def _fresh_states_cases(k: int = 2) -> list:
+    """`k` layouts drawn anew every check (dp, cp, tp, pp, ZeRO and the model's width and depth),
+    beyond the lesson's: no table of answers can stand in for the rule."""
+    rng = random.Random(os.urandom(8))
+    out = []
+    while len(out) < k:
+        dp, cp, tp, pp = (rng.choice(c) for c in ((1, 2, 3, 4), (1, 2), (1, 2, 4), (1, 2, 4)))
+        fields = dict(dp=dp, cp=cp, tp=tp, pp=pp, zero=rng.choice((0, 1, 2)) if dp * cp > 1 else 0,
+                      layers=pp * rng.randint(1, 3), d_model=16 * rng.randint(2, 6), heads=4,
+                      seq=8 * rng.randint(2, 8), vocab=4 * rng.randint(8, 40),
+                      batch=dp * rng.randint(1, 2) * 2, microbatches=2 if pp > 1 else 1)
+        try:
+            cfg = RunConfig(**fields).validate()
+        except (ValueError, AssertionError, SystemExit):
+            continue
+        out.append((f"drawn for this check: {_layout_name(cfg)} (h={cfg.d_model}, "
+                    f"L={cfg.layers}, v={cfg.vocab}, s={cfg.seq})", fields))
+    return out
+
+
 def _layout_name(cfg) -> str:
     """e.g. "dp2 x tp2 x pp2 ZeRO-1": the degrees above 1 (dp1 when nothing is split)."""
     axes = [f"{a}{getattr(cfg, a)}" for a in ("dp", "cp", "tp", "pp") if getattr(cfg, a) > 1]
     return " x ".join(axes or ["dp1"]) + (f" ZeRO-{cfg.zero}" if cfg.zero else "")
 
 
-def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE) -> Grade:
+def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE, fresh: int = 2) -> Grade:
     """`fn(cfg) -> {rank: {"params": B, "grads": B, "optimizer": B}}` must predict every rank's
     model-state bytes (fp32, Adam) for a RunConfig composed of dp, tp, pp, cp and ZeRO 0-2.
 
@@ -189,25 +215,31 @@ def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE) -> Grade:
     LayerNorms too, equal stages, ranks on the wrong stage, ZeRO's padding, its shard group,
     which states each stage shards). Then one live run (`live`, 16 ranks): every rank's measured
     params/grads/optimizer bytes must equal the learner's prediction, to the byte. Throughout,
-    theory's per-rank model, the planner and engine.run are disabled while `fn` runs."""
+    theory's per-rank model, the planner, engine.run and this checker's own rules are disabled
+    while `fn` runs, and the expected answer is computed only after `fn` has returned (no frame
+    holds it meanwhile). `fresh` more layouts, drawn anew every check, are graded the same way;
+    a call of `fn` that does not return within 10 s stops the check with a message; a function
+    that is the library's (its code object, bytecode or source) is refused."""
     from ...engine import run
 
+    _library_copy(fn, ("theory", "course.planner", "course.grading.lesson08_09_layouts"), "your")
     advice = ("count the parameters of each stage on one tensor-parallel rank yourself, then "
               "apply the 16 bytes (and ZeRO's division) to them")
-    targets = _PER_RANK_THEORY + _PLANNER + _LIVE
-    for name, fields in cases:
+    targets = _PER_RANK_THEORY + _PLANNER + _LIVE + _RULES
+    for name, fields in list(cases) + _fresh_states_cases(fresh):
         cfg = RunConfig(**fields).validate()
-        want = _states_from_theory(cfg)
         with _LibraryFunctionsDisabled(targets, advice):
             try:
-                got = fn(cfg)
+                got = _call_in_time(fn, cfg, what=f"at {name}: your states_per_rank")
             except NotImplementedError:
                 return Grade("not attempted", _STATES_STUB)
         got = _states_answer(got, cfg, f"at {name}")
+        want = _states_from_theory(cfg)  # only now: no frame held it while fn ran
         _states_diagnosis(got, want, cfg, f"at {name}")
     cfg = RunConfig(**live).validate()
     with _LibraryFunctionsDisabled(targets, advice):
-        predicted = fn(cfg)
+        predicted = _call_in_time(fn, cfg, what=f"live at {_layout_name(cfg)}: your "
+                                                f"states_per_rank")
     where = f"live at {_layout_name(cfg)}"
     predicted = _states_answer(predicted, cfg, where)
     report = run(cfg)
@@ -219,10 +251,11 @@ def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE) -> Grade:
                                  f"of {k}, you predicted {predicted[rank['rank']][k]:,}")
     total = sum(sum(m.values()) for m in predicted.values())
     return Grade("correct", f"your states_per_rank equals the library's theory on "
-                 f"{len(cases)} layouts (" + ", ".join(n for n, _ in cases) + ") and what "
-                 f"every rank of a live {_layout_name(cfg)} run measured, to the byte "
-                 f"({total:,} bytes of model states over {cfg.world_size} ranks); theory's "
-                 f"per-rank model, the planner and engine.run disabled while yours ran",
+                 f"{len(cases)} layouts (" + ", ".join(n for n, _ in cases) + f") and {fresh} "
+                 f"drawn for this check, and what every rank of a live {_layout_name(cfg)} run "
+                 f"measured, to the byte ({total:,} bytes of model states over "
+                 f"{cfg.world_size} ranks); theory's per-rank model, the planner and engine.run "
+                 f"disabled while yours ran",
                  {"config": cfg.to_dict(), "report": report, "predicted": predicted})
 
 
@@ -336,7 +369,8 @@ def _layout_diagnosis(got: dict | None, budget: int, table: list) -> None:
 
 
 def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
-                        ranks: int = LAYOUT_RANKS, model: dict | None = None) -> Grade:
+                        ranks: int = LAYOUT_RANKS, model: dict | None = None,
+                        fresh: int = 4) -> Grade:
     """`fn(budget_bytes) -> {"dp", "tp", "pp", "zero"}` (or None) must pick, for the toy GPT on
     `ranks` ranks (fp32, Adam), a layout whose model states fit `budget_bytes` on every rank:
     the largest dp that fits (with any ZeRO stage 0-2 that makes it fit), tp and pp for the
@@ -346,23 +380,33 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
     naming the mistake (does not fit, and on which pipeline stage; a larger dp fits too;
     something fits where None was returned). Then the answers for the `live` budgets run on
     real ranks: every rank's measured params + grads + optimizer bytes must be within the budget
-    and equal the planner's prediction. The planner and engine.run are disabled while `fn` runs."""
+    and equal the planner's prediction. The planner, engine.run and this checker's own rules are
+    disabled while `fn` runs, and the planner's table is computed only after every answer is in
+    (no frame holds it meanwhile). `fresh` more budgets, drawn anew every check between the
+    smallest and the largest layout's states, are graded the same way (the [correct] message
+    does not list the answers); a call of `fn` that does not return within 10 s stops the check
+    with a message; a function that is the library's (code object, bytecode, source) is refused."""
     from ...engine import run
 
+    _library_copy(fn, ("course.planner", "course.grading.lesson08_09_layouts"), "your")
     m = {**LAYOUT_MODEL, **(model or {})}
-    table = [(lay, planned_states(lay, m)) for lay in layout_candidates(ranks, m)]
     advice = ("work out the model states per rank of each candidate layout yourself (theory's "
               "formulas are allowed, as in lesson 08), then apply the rule")
-    answers = {}
-    for budget in budgets:
-        with _LibraryFunctionsDisabled(_PLANNER + _LIVE, advice):
+    rng = random.Random(os.urandom(8))
+    drawn = [rng.randint(600_000, 4_500_000) for _ in range(fresh)]
+    answers = {}  # the lesson's budgets first, then the drawn ones
+    for budget in list(budgets) + drawn:
+        with _LibraryFunctionsDisabled(_PLANNER + _LIVE + _RULES, advice):
             try:
-                got = fn(budget)
+                got = _call_in_time(fn, budget, what=f"budget {budget:,} bytes: your "
+                                                     f"choose_layout")
             except NotImplementedError:
                 return Grade("not attempted", _LAYOUT_STUB)
-        got = _layout_answer(got, budget, ranks, m)
+        answers[budget] = _layout_answer(got, budget, ranks, m)
+    # only now, every answer in: the planner's states of every candidate
+    table = [(lay, planned_states(lay, m)) for lay in layout_candidates(ranks, m)]
+    for budget, got in answers.items():
         _layout_diagnosis(got, budget, table)
-        answers[budget] = got
     runs = []
     for budget in live:
         layout = answers.get(budget)
@@ -380,10 +424,11 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
         runs.append({"budget": budget, "layout": layout, "report": report,
                      "measured_max": max(sum(r["memory"][k] for k in _STATE_KEYS)
                                          for r in report.ranks)})
-    shown = "; ".join(f"{b:,} -> {_layout_text(a)}" for b, a in answers.items())
-    return Grade("correct", f"your choose_layout picks, for every budget, the layout the rule "
-                 f"asks for by the planner's memory model ({shown}); live runs of "
+    return Grade("correct", f"your choose_layout picks, for each of the {len(budgets)} budgets "
+                 f"and {fresh} more drawn for this check, the layout the rule asks for by the "
+                 f"planner's memory model (theory); live runs of "
                  + ", ".join(_layout_text(r["layout"]) for r in runs) + " measured every "
                  f"rank's model states equal to the planner's prediction and within budget; the "
                  f"planner and engine.run disabled while yours ran",
-                 {"answers": answers, "runs": runs, "table": table})
+                 {"answers": {b: answers[b] for b in budgets}, "runs": runs, "table": table,
+                  "drawn": {b: answers[b] for b in drawn}})

@@ -19,9 +19,16 @@ def compare_prediction(guess, actual, what: str, source: str = "measured", formu
     """One line for a lesson: the learner's prediction `guess` (written down in the cell before
     the live one) against `actual`, which the live cell `source` ("measured", "counted", "theory"),
     with the `formula` that predicts it. `choices`: the answers a choice question offers (then
-    `actual` is one of them and the comparison is exact, ignoring case); otherwise numbers match
-    within `rel_tol`. A guess of None prints the value and the formula only."""
-    line = f"{what}: {source} {_fmt(actual)}" + (f" ({formula})" if formula else "")
+    `actual` is one of them and the comparison is exact, ignoring case; `formula` is then the
+    rule that chose it); otherwise numbers match within `rel_tol`. A guess of None prints the
+    value and the formula only. The words are the same whatever `source` says: "off: 2 times
+    the value above", never a template around it."""
+    if choices is not None:  # e.g. "ring against gloo: 'faster', by what the run measured (...)"
+        line = f"{what}: {str(actual)!r}, by what the run {source}" if source in (
+            "measured", "counted", "replayed") else f"{what}: {str(actual)!r} ({source})"
+        line += f" (the rule: {formula})" if formula else ""
+    else:
+        line = f"{what}: {source} {_fmt(actual)}" + (f" ({formula})" if formula else "")
     if guess is None:
         return line + ". Write your prediction in the cell above first, then run this one again."
     if choices is not None:
@@ -37,5 +44,5 @@ def compare_prediction(guess, actual, what: str, source: str = "measured", formu
     a = float(actual)
     if abs(g - a) <= rel_tol * max(abs(a), 1e-12):
         return line + f". You predicted {_fmt(guess)}: right."
-    ratio = f", {g / a:.3g} x the {source} value" if a else ""
-    return line + f". You predicted {_fmt(guess)}: off{ratio}."
+    ratio = f": {g / a:.3g} times the value above" if a else ""
+    return line + f". You predicted {_fmt(guess)}, off{ratio}."

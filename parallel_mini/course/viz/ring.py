@@ -45,9 +45,10 @@ def _phase_of_step(step: int, n: int) -> str:
     return "reduce-scatter" if step <= n - 1 else "all-gather"
 
 
-def ring_frames_frame(exp: dict) -> pd.DataFrame:
+def ring_frames_frame(exp: dict, moves_in_label: bool = True) -> pd.DataFrame:
     """One row per (frame, rank, chunk) of the decoded probe run: whose data the chunk holds, and
-    whether it was sent or received in that frame's step."""
+    whether it was sent or received in that frame's step (also in the label, "← from r6" and
+    "→ to r0", unless `moves_in_label` is False)."""
     n = exp["world_size"]
     rows = []
     for i, fr in enumerate(exp["frames"]):
@@ -59,18 +60,42 @@ def ring_frames_frame(exp: dict) -> pd.DataFrame:
                 rows.append({"frame": i, "step": fr["step"], "phase": fr["phase"], "rank": r,
                              "chunk": c, "mask": mask, "contributors": bin(mask).count("1"),
                              "label": ranks_label(mask, n, 4 if n > 5 else None)
-                             + (f"\n← from r{mv['src']}" if mv else "")
-                             + (f"\n→ to r{sent[(r, c)]['dst']}" if (r, c) in sent else ""),
+                             + (f"\n← from r{mv['src']}" if mv and moves_in_label else "")
+                             + (f"\n→ to r{sent[(r, c)]['dst']}"
+                                if (r, c) in sent and moves_in_label else ""),
                              "holds": _ranks_set(mask, n),
                              "received_from": mv["src"] if mv else None,
                              "sent_to": sent[(r, c)]["dst"] if (r, c) in sent else None})
     return pd.DataFrame(rows)
 
 
-def ring_moves_text(exp: dict) -> list[str]:
+def ring_moves_text(exp: dict, columns: int = 1) -> list[str] | list[list[str]]:
     """Per frame, the caption: the step, its phase and every message, as decoded from the run
-    (2 + N lines, the start frame's padded to as many: every frame takes the same room)."""
+    (2 + N lines, the start frame's padded to as many: every frame takes the same room).
+    `columns` > 1: per frame, that many texts side by side, the step and phase over the first, the
+    messages dealt into them in order, each in short ("r3 → r4: chunk 2 of 1+2+3")."""
     n, total = exp["world_size"], len(exp["frames"]) - 1
+    if columns > 1:
+        per = -(-n // columns)
+        out = []
+        for fr in exp["frames"]:
+            if fr["phase"] == "start":
+                head = [f"step 0 of {total} · start: every rank holds only its own data"]
+                lines = []
+            else:
+                verb = "summed into" if fr["phase"] == "reduce-scatter" else "copied over"
+                head = [f"step {fr['step']} of {total} · {fr['phase']} "
+                        f"(each received chunk is {verb} the local one)"]
+                lines = [f"rank {m['src']} → rank {m['dst']}: chunk {m['chunk']} of "
+                         f"{ranks_label(m['mask'], n)}"
+                         for m in sorted(fr["moves"], key=lambda m: m["src"])]
+            texts = []
+            for i in range(columns):
+                part = lines[i * per:(i + 1) * per]
+                top = head if i == 0 else [" "]
+                texts.append("\n".join(top + part + [" "] * (per - len(part))))
+            out.append(texts)
+        return out
     out = []
     for fr in exp["frames"]:
         if fr["phase"] == "start":
@@ -89,7 +114,8 @@ def ring_moves_text(exp: dict) -> list[str]:
 
 
 def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 40,
-                   frame: int = 0, drawn_font: Callable[[int], float] | None = None) -> alt.LayerChart:
+                   frame: int = 0, drawn_font: Callable[[int], float] | None = None,
+                   compact: bool = False) -> alt.LayerChart:
     """The ring all-reduce, one frame per step, as decoded from the messages of the live probe run.
 
     Grid: rank (rows) x chunk (columns). Colour: how many ranks' data the chunk holds (1..N); label:
@@ -99,21 +125,32 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     start, frames 1..N-1 reduce-scatter, N..2(N-1) all-gather. The app's Play redraws the chart with
     the next `frame`. Cells are sized for their labels (at least `cell_height` tall); `drawn_font(f)`:
     the size a text of f px will be drawn at when the spec is restyled after it is built (the app's
-    presentation mode: style.scaled_font)."""
+    presentation mode: style.scaled_font). `compact`: shorter, for one screen at N = 8: the cells
+    say whose data they hold (the outlines say which were sent and received), the messages are
+    listed in two columns, each in short."""
     n, frames = exp["world_size"], exp["frames"]
-    cells = ring_frames_frame(exp)
+    cells = ring_frames_frame(exp, moves_in_label=not compact)
     marks = pd.concat([
         cells.dropna(subset=["received_from"]).assign(role="received"),
         cells.dropna(subset=["sent_to"]).assign(role="sent"),
     ])[["frame", "rank", "chunk", "role"]]
-    captions = pd.DataFrame({"frame": range(len(frames)), "caption": ring_moves_text(exp)})
+    columns = 2 if compact and n > 3 else 1
+    texts = ring_moves_text(exp, columns)
+    captions = pd.DataFrame([{"frame": i, "column": j, "caption": text}
+                             for i, frame_texts in enumerate(texts)
+                             for j, text in enumerate(frame_texts if columns > 1 else [frame_texts])])
     font = 11 if n <= 5 else 10
     drawn = (drawn_font or float)(font)
     lines = [line for label in cells["label"] for line in label.split("\n")]
     cell_width = cell_width or max(78, int(0.62 * drawn * max(map(len, lines))) + 12)
     line_px = 1.2 * drawn  # set on the mark: a restyle enlarges fonts, not line heights
-    cell_height = max(cell_height, int(line_px * (cells["label"].str.count("\n").max() + 1) + 10))
+    cell_height = max(cell_height, int(line_px * (cells["label"].str.count("\n").max() + 1)
+                                       + (4 if compact else 10)))
     width, height = max(cell_width * n, 330), cell_height * n  # room for the caption below
+    if compact:  # the messages in `columns` columns under the grid: as wide as their longest line
+        caption_drawn = (drawn_font or float)(12)
+        longest = max(len(line) for t in captions["caption"] for line in t.split("\n")[1:] + [""])
+        width = max(width, int(columns * (0.58 * caption_drawn * longest + 16)))
 
     if not 0 <= frame < len(frames):
         raise ValueError(f"ring_animation: frame {frame} is not one of 0..{len(frames) - 1}")
@@ -151,19 +188,23 @@ def ring_animation(exp: dict, cell_width: int | None = None, cell_height: int = 
     sent = alt.Chart(marks).mark_rect(fill=None, strokeWidth=3, strokeDash=[6, 3]).encode(
         x=x, y=y, stroke=role_stroke,
     ).transform_filter(in_frame & (alt.datum.role == "sent"))
-    caption = alt.Chart(captions).mark_text(align="left", baseline="top", lineBreak="\n",
-                                            fontSize=12, dy=0).encode(
-        x=alt.value(0), y=alt.value(height + 10), text="caption:N",
-    ).transform_filter(in_frame)
+    caption = [alt.Chart(captions).mark_text(align="left", baseline="top", lineBreak="\n",
+                                             fontSize=12, dy=0).encode(
+        x=alt.value(j * width / len(set(captions["column"]))), y=alt.value(height + 10),
+        text="caption:N",
+    ).transform_filter(in_frame & (alt.datum.column == j)) for j in sorted(set(captions["column"]))]
 
     # autosize "pad": the caption lies below the plot; "fit" would shrink the grid to make room
-    return alt.layer(fill, received, sent, *text, caption).add_params(step).properties(
+    return alt.layer(fill, received, sent, *text, *caption).add_params(step).properties(
         width=width, height=height, autosize=PAD,
         title=alt.TitleParams(
-            f"Ring all-reduce on {n} ranks, {exp['numel']} elements: what really moved (live run)",
+            f"Ring all-reduce on {n} ranks, {exp['numel']} elements: "
+            + ("whose data each chunk holds (live run)" if compact else
+               "what really moved (live run)"),
             subtitle=[f"{_steps(1, n - 1)}: reduce-scatter · {_steps(n, 2 * (n - 1))}: all-gather "
-                      f"(move the 'step' slider)",
-                      "colour/label: whose data each rank's chunk holds, decoded from the messages"],
+                      f"(move the 'step' slider)"]
+            + ([] if compact else
+               ["colour/label: whose data each rank's chunk holds, decoded from the messages"]),
             anchor="start"),
     )
 

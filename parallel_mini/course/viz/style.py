@@ -55,6 +55,19 @@ def _plot_width(spec: dict) -> float:
         return sum(_plot_width(p) + PANEL_OVERHEAD_PX for p in parts) - PANEL_OVERHEAD_PX
     if "vconcat" in spec:
         return max(_plot_width(p) for p in spec["vconcat"])
+    if "facet" in spec and isinstance(spec.get("spec"), dict):  # panels side by side
+        facet = spec["facet"] if isinstance(spec["facet"], dict) else {}
+        column = facet.get("column") or (facet if "field" in facet else None)
+        sort = (column or facet.get("row") or {}).get("sort")
+        n = len(sort) if column and isinstance(sort, list) else 1  # a facet by row: one wide
+        if "columns" in spec:  # wrapped into rows of `columns` panels
+            n = min(n, spec["columns"])
+        # a panel is at least as wide as its header's label
+        header = (column or facet.get("row") or {}).get("header") or {}
+        size = header.get("labelFontSize") or _font(spec, "header", "labelFontSize", 10)
+        label = max((len(str(v)) for v in sort), default=0) if isinstance(sort, list) else 0
+        inner = max(_plot_width(spec["spec"]), _CHAR_PX * size * label)
+        return n * inner + (n - 1) * (spec.get("spacing") or 20)
     width = spec.get("width")
     if isinstance(width, (int, float)):
         return width
@@ -96,3 +109,121 @@ def presentation(chart: alt.TopLevelMixin | dict, min_font_px: int = MIN_FONT_PX
                     node["width"] = {"step": node["width"]["step"] * factor}
             spec = _walk(spec, wider)
     return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# fitting a chart to the column it is drawn in
+# ---------------------------------------------------------------------------------------------
+_CHAR_PX = 0.56  # a text's width per character, in units of its font size (Vega's sans-serif)
+_MIN_PANEL_PX = 200  # side-by-side panels narrower than this are stacked instead
+_COMPOUND_SLACK_PX = 160
+
+
+def _font(spec: dict, part: str, key: str, default: float) -> float:
+    return spec.get("config", {}).get(part, {}).get(key, default)
+
+
+def _wrap(text: str, chars: int) -> list[str]:
+    """Words of `text` in lines of at most `chars` characters (a word longer than that alone)."""
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > chars:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line]
+
+
+def _wrap_titles(spec: dict, width_px: float) -> None:
+    """Chart titles and subtitles longer than width_px, wrapped onto more lines (Vega draws a
+    title on one line whatever its length)."""
+    sizes = {"text": _font(spec, "title", "fontSize", 13),
+             "subtitle": _font(spec, "title", "subtitleFontSize", 10)}
+
+    def wrap(node: dict) -> None:
+        title = node.get("title")
+        if isinstance(title, str) and ("mark" in node or "layer" in node or "hconcat" in node
+                                       or "vconcat" in node or "facet" in node):
+            title = node["title"] = {"text": title}
+        if not isinstance(title, dict) or "text" not in title:
+            return
+        for key, size in sizes.items():
+            value = title.get(key)
+            if value is None or isinstance(value, dict):
+                continue
+            size = title.get("fontSize" if key == "text" else "subtitleFontSize", size)
+            chars = max(12, int(width_px / (_CHAR_PX * size)))
+            lines = [value] if isinstance(value, str) else list(value)
+            wrapped = [part for line in lines for part in _wrap(line, chars)]
+            if key == "text" and isinstance(value, str) and len(wrapped) > 1:
+                # the title keeps its first line (a string, as it was); the rest of it opens the
+                # subtitle, wrapped there in turn; the whole title stays in the spec's usermeta
+                if node is spec:
+                    spec.setdefault("usermeta", {})["title"] = value
+                title["text"] = wrapped[0]
+                sub = title.get("subtitle") or []
+                title["subtitle"] = [" ".join(wrapped[1:])] + (
+                    [sub] if isinstance(sub, str) else list(sub))
+                continue
+            title[key] = wrapped[0] if len(wrapped) == 1 else wrapped
+
+    _walk(spec, wrap)
+
+
+def _panels(spec: dict) -> list | None:
+    return spec.get("hconcat") or spec.get("concat")
+
+
+def fit_width(chart: alt.TopLevelMixin | dict, width_px: int) -> tuple[dict, bool]:
+    """The chart's spec made to fit `width_px` (the column it is drawn in), and whether it should
+    be drawn at its container's width (Streamlit's width="stretch").
+
+    A single or layered view takes its container's width (`width: "container"`, autosize fit-x:
+    axes, legend and plot together fit the column, whatever the screen). Side-by-side panels
+    (hconcat) whose estimated width passes width_px are narrowed to fit, or stacked (vconcat) when
+    that would leave a panel under _MIN_PANEL_PX; the widths of any part wider than width_px are
+    scaled down. Titles and subtitles longer than width_px are wrapped."""
+    if isinstance(chart, dict):
+        spec = chart
+    else:
+        with alt.data_transformers.enable("default", max_rows=None):
+            spec = chart.to_dict()
+    _wrap_titles(spec, width_px - 10)
+    compound = any(k in spec for k in ("hconcat", "vconcat", "concat", "facet", "repeat"))
+    if not compound:
+        def no_width(node: dict) -> None:
+            if node is not spec and "width" in node and ("mark" in node or "layer" in node):
+                del node["width"]
+        _walk(spec, no_width)
+        spec["width"] = "container"
+        spec["autosize"] = {"type": "fit-x", "contains": "padding"}
+        return spec, True
+    width_px -= _COMPOUND_SLACK_PX  # estimated widths: a margin for what the estimate misses
+    panels = _panels(spec)
+    if panels and len(panels) > 1:
+        overhead = PANEL_OVERHEAD_PX * len(panels)
+        widths = sum(_plot_width(p) for p in panels)
+        if widths + overhead > width_px:
+            factor = (width_px - overhead) / max(widths, 1)
+            if min(_plot_width(p) for p in panels) * factor < _MIN_PANEL_PX:
+                spec["vconcat"] = panels  # stacked: each panel gets the whole width
+                spec.pop("hconcat", None)
+                spec.pop("concat", None)
+            else:
+                for p in panels:
+                    _scale_widths(p, factor)
+    for part in spec.get("vconcat") or [spec]:
+        need = _plot_width(part) + PANEL_OVERHEAD_PX
+        if need > width_px:
+            _scale_widths(part, (width_px - PANEL_OVERHEAD_PX) / max(_plot_width(part), 1))
+    return spec, False
+
+
+def _scale_widths(spec: dict, factor: float) -> None:
+    def scale(node: dict) -> None:
+        if isinstance(node.get("width"), (int, float)):
+            node["width"] = max(40, round(node["width"] * factor))
+        elif isinstance(node.get("width"), dict) and "step" in node["width"]:
+            node["width"] = {"step": max(4, node["width"]["step"] * factor)}
+    _walk(spec, scale)

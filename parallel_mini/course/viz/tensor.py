@@ -59,11 +59,12 @@ def tp_weight_shards_frame(shards: list[dict], max_cells: int = 64) -> pd.DataFr
 
 def tp_weight_shards(shards: list[dict], title: str = "MLP weight shards, as the ranks hold them",
                      subtitle: str | list[str] = "", cell_px: int = 7,
-                     max_cells: int = 64) -> alt.HConcatChart:
+                     max_cells: int = 64, proj_columns: int | None = None) -> alt.HConcatChart:
     """Megatron-LM's picture redrawn from a live run's shards. Left: the MLP's fc weight [4h, h]
     (column-parallel: rank r holds rows r*4h/t..(r+1)*4h/t, its slice of the output features),
     one panel per rank stacked in place. Right: proj [h, 4h] (row-parallel: rank r holds the
-    matching columns, its slice of the input features), panels side by side. Axes: the full
+    matching columns, its slice of the input features), panels side by side (in rows of
+    `proj_columns` panels, when given, so that 4 ranks fit a narrower page). Axes: the full
     matrix's indices, so the panels laid together are the whole weight. Colour: the weight value
     (patch mean when the matrix is larger than `max_cells`)."""
     df = tp_weight_shards_frame(shards, max_cells)
@@ -99,6 +100,9 @@ def tp_weight_shards(shards: list[dict], title: str = "MLP weight shards, as the
         if facet_dim == "row":
             chart = base.facet(row=alt.Row("panel:N", sort=panels, title=None, header=header),
                                spacing=12).resolve_scale(y="independent")
+        elif proj_columns and proj_columns < n:
+            chart = base.facet(facet=alt.Facet("panel:N", sort=panels, title=None, header=header),
+                               columns=proj_columns, spacing=12).resolve_scale(x="independent")
         else:
             chart = base.facet(column=alt.Column("panel:N", sort=panels, title=None, header=header),
                                spacing=12).resolve_scale(x="independent")
