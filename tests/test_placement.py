@@ -210,11 +210,13 @@ def test_theory_unit_sizes_count_the_placement_as_the_formula_says():
 
 
 # -- live: the strategies list the twin's boxes --------------------------------------------------
-LIVE = {
-    "dp2xtp2-zero2-ep2": dict(dp=2, tp=2, zero=2, ep=2, experts=4, top_k=2),
-    "dp2xpp2-zero3-zbv": dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=2, layers=4),
+LIVE = {  # two ranks each: ExpertAndDense over two flat buffers; ZeRO-3's units on a V of stages
+    "dp2-zero2-ep2": dict(dp=2, zero=2, ep=2, experts=4, top_k=2),
+    "pp2-zero3-zbv": dict(pp=2, zero=3, schedule="zbv", microbatches=2, layers=4),
 }
 LIVE_SLOW = {
+    "dp2xtp2-zero2-ep2": dict(dp=2, tp=2, zero=2, ep=2, experts=4, top_k=2),
+    "dp2xpp2-zero3-zbv": dict(dp=2, pp=2, zero=3, schedule="zbv", microbatches=2, layers=4),
     "dp2-zero0-bf16": dict(dp=2, precision="bf16-mixed"),
     "dp4-shard2-zero1": dict(dp=4, zero=1, dp_shard=2),
     "dp2xcp2-zero3-ep4": dict(dp=2, cp=2, zero=3, ep=4, experts=4, top_k=2),
