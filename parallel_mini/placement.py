@@ -299,7 +299,7 @@ def held_by(model) -> dict:
 # ---------------------------------------------------------------------------------------------
 def rank_held(cfg, rank: int) -> dict[str, list[Block]]:
     """gpt_held for `rank` of cfg's mesh: its tp and ep coordinates and its pipeline stage."""
-    members = _members(cfg, rank)
+    members = rank_groups(cfg, rank)
     blocks = None
     if cfg.pp > 1:
         from .parallel.schedules import chunk_owner, virtual_stages  # pure Python
@@ -314,7 +314,7 @@ def owned_by_rank(cfg, rank: int) -> list[list[Region]]:
     parallel every tensor it holds, whole; ZeRO-1/2 its slice of one flat buffer; ZeRO-3 its slice
     of each unit's. With expert parallel the experts go apart, over the expert_shard ranks: a
     second flat buffer (ZeRO-1/2, engine's ExpertAndDense) or units of their own (ZeRO-3)."""
-    held, members = rank_held(cfg, rank), _members(cfg, rank)
+    held, members = rank_held(cfg, rank), rank_groups(cfg, rank)
     apart = getattr(cfg, "ep", 1) > 1
     shard = _size_rank(members, "shard", rank)
     expert_shard = _size_rank(members, "expert_shard", rank) if apart else shard
@@ -334,7 +334,7 @@ def owned_by_rank(cfg, rank: int) -> list[list[Region]]:
     return out
 
 
-def _members(cfg, rank: int) -> dict[str, list[int]]:
+def rank_groups(cfg, rank: int) -> dict[str, list[int]]:
     """{axis: the ranks of rank's group along it} (mesh.py's grid arithmetic, no process group)."""
     from .mesh import plan_groups
     return {axis: next(g for g in groups if rank in g) for axis, groups in plan_groups(cfg).items()}

@@ -15,7 +15,7 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 from .mesh import role_names  # axis names, grid arithmetic only (mesh.py imports no torch here)
-from .placement import gpt_held, gpt_units, held_numel, stage_blocks  # which box of each tensor a rank holds (no torch)
+from .placement import gpt_held, gpt_units, held_numel, stage_blocks  # what a rank holds
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8}
 

@@ -117,7 +117,7 @@ def check_tiling(cfg) -> None:
         for name, t in mine.items():
             assert t.max() <= 1, (cfg, rank, name)  # a rank owns an element once
             cover[name] += t
-        stage = th["stages"][placement._members(cfg, rank)["pp"].index(rank)] if cfg.pp > 1 else th
+        stage = th["stages"][placement.rank_groups(cfg, rank)["pp"].index(rank)] if cfg.pp > 1 else th
         assert padding == stage["padding_elements"], (cfg, rank)
     for name, t in cover.items():
         assert t.min() >= 1 and t.min() == t.max(), (cfg, name, t.min(), t.max())
@@ -139,7 +139,7 @@ def check_planner(cfg) -> None:
     lay = planner.Layout(cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.zero,
                          cfg.schedule if cfg.pp > 1 else "-", v, cfg.microbatches, 1, "none", cfg.sp)
     for rank in range(cfg.world_size):
-        stage = placement._members(cfg, rank)["pp"].index(rank)
+        stage = placement.rank_groups(cfg, rank)["pp"].index(rank)
         held = placement.rank_held(cfg, rank)
         units = placement.gpt_units(held)
         sizes = [sum(placement.held_numel(held[n]) for n in names) for _, names in units]
