@@ -10,8 +10,8 @@ cannot evict another page's), with when and how long it was measured. Sessions a
 setting already measured read it (the status line says "taken from the cache: measured on this
 machine at 09:31, in 3.2 s"); sessions asking at once for the same setting join one run (single
 flight on the page and setting) instead of queueing their own. Every page's default setting is
-measured once in the background when the server starts (`start_warmup`, bounded by the queue like
-any session), so a class pressing "Run live" at the default controls reads it at once. "Fresh
+measured once in the background as the server starts (`start_warmup`, from the first session's
+first run: Streamlit runs no app code before; bounded by the queue like any session), so a class pressing "Run live" at the default controls reads it at once. "Fresh
 measurement" measures again (and the new result replaces the old for everyone). The last result of
 each page is also kept in the session, so moving a slider never starts ranks by itself: only
 "Run live" does. Inside a press, the wrappers' own st.cache_data caches let a page's runs share
@@ -207,7 +207,7 @@ class Measured:
 
 
 class _Flight:
-    """A press being measured now: the sessions that ask for the same page and setting wait on it."""
+    """A press being measured now: the sessions asking for the same page and setting wait on it."""
 
     def __init__(self, by: str):
         self.by, self.t0, self.done = by, time.monotonic(), threading.Event()
@@ -277,7 +277,8 @@ class SharedResults:
                 entries.move_to_end(tag)
                 while len(entries) > 1 and sum(len(e.blob) for e in entries.values()) > self.budget:
                     entries.popitem(last=False)
-                self._durations.setdefault(page, []).append((ranks, took_s))
+                if ranks:  # ranks ran: a measured duration (not one assembled from caches)
+                    self._durations.setdefault(page, []).append((ranks, took_s))
             self._flights.pop((page, tag), None)
         flight.entry, flight.error = entry, error
         flight.done.set()
@@ -317,8 +318,8 @@ def _queue_note(queue, need: int, position: int | None = None, waited_s: float =
               f"; expected to start in about {max(wait_s, 1):.0f} s (the runs ahead replayed from "
               f"measured durations of similar runs)")
     if queue.oversize(need):
-        return (f"This run needs {need} rank processes, more than the {queue.bound} this server runs "
-                f"at once: it will run alone, when the runs ahead of it have finished"
+        return (f"This run needs {need} rank processes, more than the {queue.bound} this server "
+                f"runs at once: it will run alone, when the runs ahead of it have finished"
                 + (f" (number {position} in the queue, waiting {waited_s:.0f} s so far{expect})."
                    if position else "."))
     return (f"Waiting for {need} rank processes: number {position} in the queue, "
@@ -386,12 +387,15 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
         entry, how = flight.entry, "joined"  # None: its session left mid-run; run it again
     st.session_state.pop(f"{page}_running", None)
     total = time.perf_counter() - t0
-    if how == "now":
+    if how == "now" and not entry.ranks:  # every run of the press was in the wrappers' caches
+        said = "taken from the cache: its runs were measured earlier on this machine"
+    elif how == "now":
         said = (f"measured now on this machine in {entry.took_s:.1f} s"
                 + (f", after {waited:.1f} s waiting for rank processes" if waited >= 0.05 else ""))
     elif how == "joined":
         by = "the server's start-up run" if entry.by == "warm-up" else "another session's run"
-        said = f"measured now on this machine in {entry.took_s:.1f} s by {by}, which this page joined"
+        said = (f"measured now on this machine in {entry.took_s:.1f} s by {by}, "
+                f"which this page joined")
     else:
         by = " by the server's start-up run" if entry.by == "warm-up" else ""
         said = (f"taken from the cache: measured on this machine at {entry.when()}{by}, "
@@ -444,7 +448,8 @@ def _lead(page, tag, flight, queue, fn, args, attempt, ranks, own_progress, note
         _LOCAL.lease = None
         lease.release()
     took = time.monotonic() - flight.t0 - lease.waited_s
-    entry = SHARED.finish(page, tag, flight, result, took, lease.most or ranks, error)
+    # lease.most: the rank slots the press took; 0 where every run was in the wrappers' caches
+    entry = SHARED.finish(page, tag, flight, result, took, lease.most, error)
     return entry, error, lease.waited_s
 
 
@@ -609,7 +614,8 @@ def last_result(page: str, key: dict):
         what = _changed(abandoned["key"], key)
         why = (f"when you changed {what}" if what else
                "when the page reran before it finished (a control changed or another page opened)")
-        st.warning(f"The run “{abandoned['label'].rstrip('…. ')}” was abandoned {why}: it was not "
+        name = abandoned["label"].rstrip("…. ")
+        st.warning(f"The run “{name}” was abandoned {why}: it was not "
                    f"drawn, and the runs it had not started yet never started. Press **Run live** "
                    f"again.")
     last = st.session_state.get(f"{page}_last")

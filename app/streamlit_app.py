@@ -6,7 +6,7 @@ functions the lessons use. Each page's default setting is measured once in the b
 first session opens the app (live_runs.start_warmup), so that a class pressing "Run live" at the
 default controls reads a shared result at once.
 """
-# Everything runs in main(), under `__name__ == "__main__"` (as Streamlit and AppTest run this script):
+# Everything runs in main(), under `__name__ == "__main__"` (as Streamlit and AppTest run it):
 # Streamlit installs each script run's module as sys.modules["__main__"], and a rank started by
 # another session's run at that moment re-imports it as "__mp_main__" (multiprocessing's way with a
 # parent's main module; the launcher hides the one it sees, not one installed a moment later): the
@@ -64,7 +64,7 @@ def main() -> None:
         "Topics": [st.Page(script, title=title, icon=icon, url_path=url)
                    for script, title, icon, url in TOPICS],
     }
-    # presentation mode: the page list moves to the top bar, leaving the sidebar to the page's controls
+    # presentation mode: the page list moves to the top bar, the sidebar keeps the page's controls
     st.navigation(pages, position="top" if presentation.on() else "sidebar").run()
 
 

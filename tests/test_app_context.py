@@ -3,10 +3,11 @@
 s = 32, 4 heads: ring, zigzag and Ulysses) puts on the page what the ranks did, checked here
 against counts made by hand: which K/V block each rank holds at every ring step and whom it sends
 it to, the bytes of every hop, the tiles each rank computed (contiguous r + 1 of C, zigzag 2C + 1 of
-4C), the ring's and Ulysses' bytes per step, activations per layer (the ring's linear in s, none's
-not), and losses equal to the single-process reference. The bar said "Step i of n" for each of
-the runs. The animation plays in the browser (a timer in its spec, a "play" checkbox); switching
-the layout redraws without a run; a changed knob marks the result stale."""
+4C), the ring's and Ulysses' bytes per step, activations per layer (formula lines at once, the
+measured points behind their own button: the ring's linear in s, none's not), and losses equal
+to the single-process reference. The bar said "Step i of n" for each of the runs. The animation
+plays in the browser (a timer in its spec, a "play" checkbox); switching the layout redraws
+without a run; a changed knob marks the result stale."""
 from __future__ import annotations
 
 import pytest
@@ -77,13 +78,11 @@ def test_live_ring_zigzag_ulysses_on_four_ranks(monkeypatch):
     steps = record_steps(monkeypatch)
     at.button[0].click().run()
     _assert_clean(at)
-    # 3 runs with the reference, then 3 series x 3 lengths x 1 and 2 layers for the curve
+    # Run live: the 3 runs with the reference, nothing else (the curve has its own button)
     assert_steps(at, steps, [f"{impl}: {c} ranks, s = {s}, and the single-process reference…"
                              for impl in ("ring (contiguous chunks)", "zigzag (balanced ring)",
-                                          "Ulysses (all-to-all)")]
-                 + [f"activations: {name}, s = {q}, {layers} layer(s)…"
-                    for name in ("no context parallel (C = 1)", f"ring / zigzag, C = {c}",
-                                 f"Ulysses, C = {c}") for q in (s, 2 * s, 4 * s) for layers in (1, 2)])
+                                          "Ulysses (all-to-all)")])
+    assert [b.label for b in at.button] == ["Run live", "Measure the activation curve"]
     assert _titles(at)[0] == f"K/V blocks around the ring: ring on {c} ranks, s = {s} (live run)"
 
     # --- the animation: 2C frames, every hop as the ranks recorded it -------------------------
@@ -168,7 +167,18 @@ def test_live_ring_zigzag_ulysses_on_four_ranks(monkeypatch):
         assert _widget(at.metric, f"Ranks whose counted bytes = formula: {impl}").value == \
             "4 of 4"
 
-    # --- activations per layer vs s: measured points on the formula's lines -------------------
+    # --- activations per layer vs s: the formula's lines, then measured points on them ---------
+    curve = _chart(at, "Activation bytes per layer per rank vs sequence length")
+    assert {p["source"] for p in _rows_with(curve, "source")} == {"theory (formula)"}
+    assert not [m for m in at.metric if m.label.endswith(f"s = {s}: measured")]
+    steps.clear()
+    _widget(at.button, "Measure the activation curve").click().run()
+    _assert_clean(at)
+    # 3 series x 3 lengths x 1 and 2 layers
+    assert_steps(at, steps, [f"activations: {name}, s = {q}, {layers} layer(s)…"
+                             for name in ("no context parallel (C = 1)", f"ring / zigzag, C = {c}",
+                                          f"Ulysses, C = {c}") for q in (s, 2 * s, 4 * s)
+                             for layers in (1, 2)])
     curve = _chart(at, "Activation bytes per layer per rank vs sequence length")
     points = {(p["series"], p["seq"]): p["bytes"] for p in _rows_with(curve, "source")
               if p["source"] == "measured (live run)"}
@@ -236,6 +246,8 @@ def test_live_two_ranks_two_heads_longer_sequence():
     assert bars["Ulysses (all-to-all)", "counted"] == 8 * blk * (c - 1) // c
     anim = _chart(at, "K/V blocks around the ring: ring on 2 ranks")
     assert len(_rows_with(anim, "carries")) == c * (c - 1) + c * c
+    _widget(at.button, "Measure the activation curve").click().run()
+    _assert_clean(at)
     points = {(p["series"], p["seq"]) for p in _rows_with(
         _chart(at, "Activation bytes per layer"), "source") if p["source"] == "measured (live run)"}
     assert {q for _, q in points} == {64, 128, 256}

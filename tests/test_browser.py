@@ -10,13 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,62 +30,32 @@ def _require_chromium():
         pytest.skip(msg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # One Streamlit server for every browser module of this pytest process (each module imports
 # app_url from here): a cold server costs its first page 10-20 s of imports on a loaded 2-core
 # machine, and its shutdown 5 s. Pages keep nothing between browser sessions but st.cache_data.
+# The server warms no page in the background (PARALLEL_MINI_WARM=none): its start-up runs would
+# compete with the tests' own runs for the machine's cores; tests/test_class_load.py checks the
+# warm-up with a server of its own.
 _SERVER: dict = {}
 
 
 @pytest.fixture(scope="module")
 def app_url(request, tmp_path_factory):
     _require_chromium()
-    if _SERVER and _SERVER["proc"].poll() is None:
+    if _SERVER:
         yield _SERVER["url"]
         return
-    port = _free_port()
+    from parallel_mini.course.bench import app_server
+
     log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
-    streamlit = shutil.which("streamlit", path=str(Path(sys.executable).parent)) or "streamlit"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [streamlit, "run", "app/streamlit_app.py", "--server.address", "127.0.0.1",
-             "--server.port", str(port), "--server.headless", "true",
-             "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own process group: the ranks' forkserver goes with it
-    url = f"http://127.0.0.1:{port}"
+    server = app_server({"PARALLEL_MINI_WARM": "none"}, log_path=str(log_path), start_timeout_s=45)
     try:
-        deadline = time.monotonic() + 45
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.read().strip() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"streamlit did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.3)
-    except BaseException:
-        _stop(proc)
-        raise
-    _SERVER.update(proc=proc, url=url)
-    request.config.add_cleanup(lambda: _stop(proc))  # at the end of the test session
+        url = server.__enter__()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    _SERVER.update(url=url)
+    request.config.add_cleanup(lambda: server.__exit__(None, None, None))  # at the session's end
     yield url
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
 
 
 def _svg_texts(chart) -> list[str]:

@@ -1,9 +1,10 @@
 """The Long sequences page in a real browser (Debian's chromium via playwright, server from
 test_browser): "Run live" draws the K/V ring from the run's sends; moving its frame slider redraws
 which block each rank holds; it plays by itself in the browser (a timer in its spec) and
-unticking "play" holds the frame; the tile maps, the two message timelines and the activation curve are drawn with their axis
-titles. A full-page screenshot is left
-in /tmp/long_sequences_page.png for a look at the labels, legends and axis titles."""
+unticking "play" holds the frame; the tile maps, the two message timelines and the activation
+curve (its points measured behind their own button) are drawn with their axis titles. A full-page
+screenshot is left in /tmp/long_sequences_page.png for a look at the labels, legends and axis
+titles."""
 from __future__ import annotations
 
 import pytest
@@ -71,6 +72,9 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             for label in ("rank 3: 4 of 4 tiles", "rank 0: 1 of 4 tiles", "rank 0: 9 of 16 tiles",
                           "key position (token)", "query position (token)"):
                 assert label in tile_texts, tile_texts
+            # the activation curve's points: their own button, their own 18 runs
+            page.get_by_role("button", name="Measure the activation curve").click()
+            page.get_by_text("equal to the formula").first.wait_for(timeout=180_000)
             for title, axis in (("ring (contiguous chunks): the cp messages", "time from the step's first cp message (ms)"),
                                 ("Ulysses (all-to-all): the cp messages", "time from the step's first cp message (ms)"),
                                 ("Activation bytes per layer per rank", "sequence length s (tokens)")):

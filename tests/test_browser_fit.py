@@ -7,7 +7,8 @@ longest sequence on Long sequences, dp = 4 on Data parallel), presses Run live, 
 to end, and measures what the browser drew:
 
 - every chart's drawn box (vega-embed's svg or canvas) lies inside its container (the column it
-  is in, else the page's main block or the sidebar) and inside the viewport, horizontally;
+  is in, else the page's main block or the sidebar) and inside the viewport, horizontally, and
+  its legends inside that box (not clipped);
 - presentation mode: every text on the page (chart text, captions, inline code, labels, metric
   labels) is drawn at 16 px or more;
 - normal mode: Run live and the top of the page's first chart are on the first screen.
@@ -44,9 +45,12 @@ CHART_BOXES = """() => {
     const d = drawn ? drawn.getBoundingClientRect() : el.getBoundingClientRect();
     const c = box.getBoundingClientRect();
     const s = getComputedStyle(box);
+    // a legend (or its last entries) drawn past the chart's own box is clipped from view
+    const legends = [...el.querySelectorAll('g.role-legend')].map(g => g.getBoundingClientRect());
     return {title: title.slice(0, 70), left: d.left, right: d.right, top: d.top,
             bottom: d.bottom, box_left: c.left + parseFloat(s.paddingLeft),
-            box_right: c.right - parseFloat(s.paddingRight), viewport: vw};
+            box_right: c.right - parseFloat(s.paddingRight), viewport: vw,
+            legend_right: Math.max(d.left, ...legends.filter(r => r.width).map(r => r.right))};
   });
 }"""
 
@@ -55,7 +59,7 @@ ALL_DRAWN = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChar
     .every(e => e.querySelector('svg.marks, canvas.marks'))"""
 
 # every text drawn on the page (HTML text nodes and chart text) smaller than MIN_TEXT_PX
-SMALL_TEXTS = """(least) => {
+SMALL_TEXTS = r"""(least) => {
   const out = [];
   const roots = document.querySelectorAll('[data-testid="stMain"], [data-testid="stSidebar"], header');
   for (const root of roots) {
@@ -111,6 +115,18 @@ def set_largest(page, path: str) -> None:
     wait_for_the_rerun(page)
 
 
+def presentation_on(page) -> None:
+    """Turn presentation mode on (the sidebar toggle); the page list moves to the top bar once
+    the script has rerun in presentation mode."""
+    from playwright.sync_api import expect
+
+    toggle = page.get_by_role("switch", name="Presentation mode")
+    toggle.wait_for(timeout=90_000)
+    page.locator('[data-testid="stSidebar"]').get_by_text("Presentation mode").click()
+    expect(toggle).to_be_checked()
+    expect(page.get_by_text("Topics", exact=True)).to_be_visible(timeout=30_000)
+
+
 def _open(page, app_url_: str, path: str) -> None:
     """Go to a page through the navigation (a new URL would start a new session: presentation
     mode and the runs' results are the session's)."""
@@ -133,6 +149,9 @@ def run_largest(page, path: str) -> None:
     wait_for_the_rerun(page)
     assert page.locator('[data-testid="stExpanderIconError"]').count() == 0, \
         page.locator('[data-testid="stAlert"]').all_text_contents()
+    # every page draws a chart from its run; the browser draws it after the script run has ended
+    page.locator('[data-testid="stMain"] [data-testid="stVegaLiteChart"] .marks').first.wait_for(
+        timeout=60_000)
     page.wait_for_function(ALL_DRAWN, timeout=60_000)
 
 
@@ -145,6 +164,9 @@ def chart_overflows(page) -> list[str]:
             out.append(f"{b['title']!r}: drawn x {b['left']:.0f}-{b['right']:.0f} in its "
                        f"container's {b['box_left']:.0f}-{b['box_right']:.0f} "
                        f"(viewport {b['viewport']})")
+        if b["legend_right"] > b["right"] + 1:
+            out.append(f"{b['title']!r}: its legend ends at x {b['legend_right']:.0f}, past the "
+                       f"chart's {b['right']:.0f} (clipped)")
     return out
 
 
@@ -166,7 +188,7 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
          shots: str | None = None) -> dict:
     """Run every page at its largest settings in one browser session; per page, what does not fit
     (and, given a folder `shots`, a screenshot of each page's first screen there)."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
 
     problems = {}
     with sync_playwright() as p:
@@ -174,12 +196,10 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
         try:
             page = browser.new_page(viewport=viewport)
             page.goto(app_url_)
-            toggle = page.get_by_role("switch", name="Presentation mode")
-            toggle.wait_for(timeout=90_000)  # a cold server imports for a while
+            page.get_by_role("switch", name="Presentation mode").wait_for(
+                timeout=90_000)  # a cold server imports for a while
             if presentation:
-                page.locator('[data-testid="stSidebar"]').get_by_text("Presentation mode").click()
-                expect(toggle).to_be_checked()
-                expect(page.get_by_text("Topics", exact=True)).to_be_visible(timeout=30_000)
+                presentation_on(page)
             for path in pages:
                 _open(page, app_url_, path)
                 try:
@@ -193,7 +213,7 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
                               for t in page.evaluate(SMALL_TEXTS, MIN_TEXT_PX)]
                     if path == "ring":  # the animation whole, with its controls, on one screen
                         box = page.evaluate(RING_ON_ONE_SCREEN)
-                        if box["top"] < 0 or box["bottom"] > box["height"]:
+                        if not (0 <= box["top"] and box["bottom"] <= box["height"]):
                             found.append(f"the ring animation spans y {box['top']:.0f}-"
                                          f"{box['bottom']:.0f} of {box['height']}")
                 else:
@@ -210,6 +230,7 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
 
 RING_ON_ONE_SCREEN = """() => {
   const el = document.querySelector('[data-testid="stMain"] [data-testid="stVegaLiteChart"]');
+  if (!el) return {top: NaN, bottom: NaN, height: window.innerHeight};
   const r = el.getBoundingClientRect();
   return {top: r.top, bottom: r.bottom, height: window.innerHeight};
 }"""
@@ -225,7 +246,10 @@ def test_the_ring_at_eight_ranks_fits(app_url, presentation):  # noqa: F811
     assert not problems, problems
 
 
+# the first walk runs every page at its largest settings (cold: 5 minutes and more on a loaded
+# 2-core machine); the others re-use its runs (25-50 s each)
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("presentation", [False, True], ids=["normal", "presentation"])
 def test_every_chart_fits_at_1440(app_url, presentation):  # noqa: F811
     problems = walk(app_url, {"width": 1440, "height": 900}, presentation)
@@ -233,6 +257,7 @@ def test_every_chart_fits_at_1440(app_url, presentation):  # noqa: F811
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("presentation", [False, True], ids=["normal", "presentation"])
 def test_every_chart_fits_at_1920(app_url, presentation):  # noqa: F811
     problems = walk(app_url, {"width": 1920, "height": 1080}, presentation)

@@ -12,6 +12,7 @@ import pytest
 
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
                           wait_for_the_rerun)
+from test_browser_fit import presentation_on
 
 pytestmark = pytest.mark.browser
 
@@ -52,12 +53,7 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
         try:
             page = browser.new_page(viewport=SCREEN)
             page.goto(app_url)
-            toggle = page.get_by_role("switch", name="Presentation mode")
-            toggle.wait_for(timeout=30_000)
-            page.locator('[data-testid="stSidebar"]').get_by_text("Presentation mode").click()
-            expect(toggle).to_be_checked()
-            # the page list moves to the top bar once the script has rerun in presentation mode
-            expect(page.get_by_text("Topics", exact=True)).to_be_visible(timeout=30_000)
+            presentation_on(page)
             expect(page.locator('[data-testid="stSidebarNav"]')).to_have_count(0)
             sidebar_bottoms = {}
             for path, (title, has_chart) in PAGES.items():
@@ -79,7 +75,9 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
                     expect(sidebar.locator('[data-testid="stProgress"]')).to_contain_text(
                         "Step 1 of 1: done", timeout=90_000)
                     wait_for_the_rerun(page)
-                    chart = page.locator('[data-testid="stVegaLiteChart"]').first
+                    # the ring animation, the page's first chart (drawn once the browser has it)
+                    chart = page.locator('[data-testid="stVegaLiteChart"]').filter(
+                        has=page.locator("svg text", has_text="Ring all-reduce on")).first
                     chart.locator("svg text").first.wait_for(timeout=30_000)
                     assert _on_first_screen(chart.bounding_box()), (path, chart.bounding_box())
                     expect(sidebar.get_by_text("done in")).to_be_visible()  # the status box

@@ -244,6 +244,8 @@ import streamlit as st
 import live_runs
 
 def fake_run(n, attempt):
+    if st.session_state.get("runs_cached"):  # as if every run were in the wrappers' caches
+        return {{"n": n}}
     with live_runs.rank_slots(n):
         if st.session_state.get("change_mid_run"):  # the learner moves the slider mid-run
             st.session_state.change_mid_run = False
@@ -434,3 +436,15 @@ def test_the_pages_to_warm_come_from_the_environment():
     with pytest.raises(ValueError, match=r"PARALLEL_MINI_WARM='rings': rings is not a page; give "
                                          r"'all', 'none' or some of ring, data_parallel"):
         warm_pages(pages, {WARM_ENV: "rings"})
+
+
+def test_a_press_whose_runs_were_all_cached_does_not_say_measured_now(live_runs, monkeypatch):
+    q = RunQueue(2)
+    monkeypatch.setattr(run_queue, "_SERVER_QUEUE", q)
+    at = _page(2)
+    at.session_state["runs_cached"] = True
+    at.button[0].click().run()
+    label = at.status[0].label
+    assert "taken from the cache: its runs were measured earlier on this machine" in label, label
+    assert "measured now" not in label and q.granted == 0 and at.metric[0].value == "2"
+    assert live_runs.SHARED.estimate("t", 2) is None  # no rank ran: no duration to estimate from

@@ -74,7 +74,7 @@ def test_interleaved_labels_name_the_chunk_and_crowded_charts_colour_the_microba
     assert "colour is the micro-batch" in spec["title"]["subtitle"][-1]
     gaps, bars, names = spec["layer"]
     assert bars["encoding"]["color"]["field"] == "microbatch"
-    assert bars["encoding"]["color"]["legend"]["columns"] == 16  # a legend entry each
+    assert bars["encoding"]["color"]["legend"]["columns"] == 8  # an entry each, in rows of 8
     assert bars["encoding"]["yOffset"]["field"] == "row"
     assert {r["row_name"] for r in _rows(spec, names) if r["lane"] == "rank 1"} == {
         f"{k} c{c}" for k in "FB" for c in (1, 5, 9)}  # rank 1 holds chunks 1, 5 and 9

@@ -22,20 +22,29 @@ ranks really sent, the bytes are counted by the communication layer, the memory 
    (and how long it took) or **taken from the cache** (and when it was measured).
 4. The same charts appear in the lessons (`make lab`), where learners write the code themselves.
 
-Every page's default setting is measured once when the server starts, and every result is shared
+Every page's default setting is measured once, in the background, when the server's first visitor
+opens the app, and every result is shared
 by everyone watching: a whole class pressing **Run live** at the same setting reads one result, and
 presses of the same new setting at once join one run. Tick *Fresh measurement* to measure again.
 
 **Pages**
 
-- **Ring all-reduce**: N ranks sum a tensor around a ring, animated from the messages they sent: 2(N−1) steps, 2(N−1)/N·X bytes each.
-- **Data parallel**: a tiny GPT on 1, 2 or 4 ranks, naive or bucketed all-reduce, equal to one process; bytes, memory, a timeline of every op.
-- **Memory per GPU**: ZeRO stages 0–3 (with TP and PP) against a GPU's capacity, up to 405B in theory; the toys measured equal to the formula to the byte.
-- **Tensor parallel**: Megatron's column/row split from each rank's real shards, the tp traffic by layer against the formula, activations with and without SP.
-- **Pipeline bubbles**: naive, GPipe, 1F1B, interleaved and zero-bubble schedules run on 2 or 4 stages: timelines, the bubble measured beside the formula.
-- **Long sequences**: context parallel (ring, zigzag, Ulysses) on 2 or 4 ranks: K/V blocks going round, causal tile maps, bytes and activations against the formula.
-- **Experts**: a mixture of experts on 2 or 4 ranks: the all-to-all that routes tokens, expert load and drops, the aux loss that balances them.
-- **Plan a run**: a model and a cluster in, the planner's ranked layouts and the decision guide out, the toy version of the chosen layout run live.
+- **Ring all-reduce**: N ranks sum a tensor around a ring, animated from the messages they sent:
+  2(N−1) steps, 2(N−1)/N·X bytes each.
+- **Data parallel**: a tiny GPT on 1, 2 or 4 ranks, naive or bucketed all-reduce, equal to one
+  process; bytes, memory, a timeline of every op.
+- **Memory per GPU**: ZeRO stages 0–3 (with TP and PP) against a GPU's capacity, up to 405B in
+  theory; the toys measured equal to the formula to the byte.
+- **Tensor parallel**: Megatron's column/row split from each rank's real shards, the tp traffic by
+  layer against the formula, activations with and without SP.
+- **Pipeline bubbles**: naive, GPipe, 1F1B, interleaved and zero-bubble schedules run on 2 or 4
+  stages: timelines, the bubble measured beside the formula.
+- **Long sequences**: context parallel (ring, zigzag, Ulysses) on 2 or 4 ranks: K/V blocks going
+  round, causal tile maps, bytes and activations against the formula.
+- **Experts**: a mixture of experts on 2 or 4 ranks: the all-to-all that routes tokens, expert load
+  and drops, the aux loss that balances them.
+- **Plan a run**: a model and a cluster in, the planner's ranked layouts and the decision guide
+  out, the toy version of the chosen layout run live.
 
 On 2 CPU cores the ranks share the cores, so wall-clock times are stretched by the OS scheduler;
 the byte counts and the losses are exact whatever the machine.
@@ -43,5 +52,5 @@ the byte counts and the losses are exact whatever the machine.
 
 states = live_runs.warm_states()
 if states:
-    st.markdown("**Default runs measured when the server started**")
+    st.markdown("**Default runs, measured as the server started**")
     st.markdown("\n".join(f"- {title}: {state}" for title, state in states.items()))

@@ -14,6 +14,7 @@ from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, ru
 from parallel_mini import theory
 from parallel_mini.course import viz
 from parallel_mini.course.viz.animate import autoplay
+from parallel_mini.course.viz.style import spec_of
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel.context import hidden_fraction
 
@@ -53,22 +54,32 @@ def _compact(report: dict) -> dict:
 
 
 def context_experiment(key_json: str, attempt: int = 0) -> dict:
-    """The runs behind the page, each cached per config by live_runs.training_run: ring, zigzag and
-    Ulysses on C ranks (one layer, one step, with the single-process reference); then, for the
-    activation curve, every series at s, 2s, 4s with 1 and 2 layers (a layer's activation bytes
-    are the difference of the two peaks)."""
+    """The runs behind "Run live", each cached per config by live_runs.training_run: ring, zigzag
+    and Ulysses on C ranks (one layer, one step, with the single-process reference). The activation
+    curve's runs are activation_experiment's, behind their own button."""
     k = json.loads(key_json)
     c, seq, heads = k["cp"], k["seq"], k["heads"]
-    act_jobs = [(name, cp, impl, s, layers) for name, (cp, impl) in series_of(c).items()
-                for s in activation_seqs(seq) for layers in (1, 2)]
-    bar = StepBar(len(IMPLS) + len(act_jobs))
+    bar = StepBar(len(IMPLS))
     runs = {}
     for impl in IMPLS:
         bar.step(f"{IMPLS[impl]}: {c} ranks, s = {seq}, and the single-process reference…")
         cfg = run_config(impl, c, seq, heads)
         runs[impl] = _compact(training_run(json.dumps(cfg, sort_keys=True), attempt))
+    bar.done()
+    return {"key": k, "runs": runs}
+
+
+def activation_experiment(key_json: str, attempt: int = 0) -> dict:
+    """The activation curve's runs (each cached per config by live_runs.training_run): every series
+    at s, 2s, 4s with 1 and 2 layers, one step, no reference (a layer's activation bytes are the
+    difference of the two peaks)."""
+    k = json.loads(key_json)
+    c, seq, heads = k["cp"], k["seq"], k["heads"]
+    jobs = [(name, cp, impl, s, layers) for name, (cp, impl) in series_of(c).items()
+            for s in activation_seqs(seq) for layers in (1, 2)]
+    bar = StepBar(len(jobs))
     peaks: dict[str, dict[int, dict[int, int]]] = {}
-    for name, cp, impl, s, layers in act_jobs:
+    for name, cp, impl, s, layers in jobs:
         bar.step(f"activations: {name}, s = {s}, {layers} layer(s)…")
         cfg = run_config(impl, cp, s, heads, layers, reference=False)
         rep = training_run(json.dumps(cfg, sort_keys=True), attempt)
@@ -77,7 +88,7 @@ def context_experiment(key_json: str, attempt: int = 0) -> dict:
     bar.done()
     points = [{"series": name, "seq": s, "bytes": by[2] - by[1]}
               for name, per in peaks.items() for s, by in per.items()]
-    return {"key": k, "runs": runs, "activation_points": points}
+    return {"key": k, "activation_points": points}
 
 
 def activation_theory(c: int, heads: int) -> dict:
@@ -85,6 +96,21 @@ def activation_theory(c: int, heads: int) -> dict:
     b, h = MODEL["batch"], MODEL["d_model"]
     return {name: (lambda s, cp=cp, impl=impl: theory.gpt_activation_bytes_per_layer(
         s, b, h, heads, "none", 4, cp=cp, cp_impl=impl)) for name, (cp, impl) in series_of(c).items()}
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def tile_maps_spec(reports_json: str) -> dict:
+    """viz.tile_maps of {layout: report} (JSON) as a Vega-Lite spec, built once per pair of runs:
+    its 8 panels of 4 layers were most of a warm redraw (0.58 of the page's 0.8 s on the server);
+    the same runs give the same spec, and every caller gets its own copy."""
+    return spec_of(viz.tile_maps(json.loads(reports_json)))
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def ring_spec(report_json: str) -> dict:
+    """The ring animation of one run (JSON), playing by itself: built once per run, as above."""
+    rep = json.loads(report_json)
+    return autoplay(viz.ring_kv_animation(rep), "frame", 2 * rep["config"]["cp"])
 
 
 def _per_rank(values) -> str:
@@ -122,7 +148,7 @@ def show_ring(result: dict) -> None:
                              help="Both were run; switching starts nothing.")
     rep = runs[LAYOUTS[layout]]
     # plays by itself in the browser (viz.animate: Vega's own timer, no server round-trip a frame)
-    pm.chart(autoplay(viz.ring_kv_animation(rep), "frame", 2 * c))
+    pm.chart(ring_spec(json.dumps(rep)))
     st.caption("It plays by itself, forward then backward: untick **play** under the chart to hold "
                "a frame, or move the **frame** slider; **speed** sets the pace.")
     sent = viz.cp_sent_bytes(rep)
@@ -161,7 +187,8 @@ def show_tiles(result: dict) -> None:
     k, runs = result["key"], result["runs"]
     c = k["cp"]
     st.subheader("2 · Which tiles each rank computes (measured)")
-    pm.chart(viz.tile_maps({"contiguous (ring)": runs["ring"], "zigzag": runs["zigzag"]}))
+    pm.chart(tile_maps_spec(json.dumps({"contiguous (ring)": runs["ring"],
+                                         "zigzag": runs["zigzag"]})))
     cols = st.columns(2)
     for col, (name, impl) in zip(cols, LAYOUTS.items()):
         layout = "zigzag" if impl == "zigzag" else "contiguous"
@@ -230,27 +257,41 @@ need the heads to divide by C.
 """)
 
 
-def show_activations(result: dict) -> None:
-    k = result["key"]
-    c, heads = k["cp"], k["heads"]
+def show_activations(key: dict, fresh: bool) -> None:
+    """Section 4: the formula's lines at once; the measured points behind their own button (18 runs
+    of their own: every series at s, 2s, 4s with 1 and 2 layers)."""
+    c, heads = key["cp"], key["heads"]
     st.subheader("4 · Activation memory per rank vs sequence length")
+    seqs = activation_seqs(key["seq"])
+    measure = st.button("Measure the activation curve",
+                        help=f"Trains the toy {2 * len(series_of(c)) * len(seqs)} times, one step "
+                             f"each: {len(series_of(c))} series at s = "
+                             f"{', '.join(map(str, seqs))}, with 1 and 2 layers each.")
+    area = st.container()
+    if measure:
+        run_live("cp_act", key, f"Measuring the activation curve on {c} ranks…",
+                 activation_experiment, json.dumps(key, sort_keys=True), fresh=fresh, ranks=c,
+                 own_progress=True, where=area)
+    result, current = last_result("cp_act", key)
+    if result is not None and not current:
+        result = None  # another setting's points: only this setting's lines are drawn
     formulas = activation_theory(c, heads)
-    points = result["activation_points"]
-    top = max(p["seq"] for p in points)
-    step = 2 * c
-    seqs = list(range(step, top + 1, step))
-    pm.chart(viz.cp_activation_curve(points, formulas, seqs, subtitle=[
+    points = result["activation_points"] if result else []
+    pm.chart(viz.cp_activation_curve(points, formulas, list(range(2 * c, max(seqs) + 1, 2 * c)), subtitle=[
         f"batch {MODEL['batch']}, d{MODEL['d_model']}, {heads} heads, fp32; lines: "
         "theory.gpt_activation_bytes_per_layer (theory)",
-        "points: measured, a layer's bytes = activation peak with 2 layers − with 1 (rank 0)"]))
-    cols = st.columns(len(formulas))
-    here = {p["series"]: p["bytes"] for p in points if p["seq"] == k["seq"]}
-    for col, (name, f) in zip(cols, formulas.items()):
-        col.metric(f"{name}, s = {k['seq']}: measured", fmt_bytes(here[name]),
-                   delta="equal to the formula" if here[name] == f(k["seq"]) else
-                   f"formula {fmt_bytes(f(k['seq']))}",
-                   delta_color="off" if here[name] == f(k["seq"]) else "inverse",
-                   help=f"{fmt_count(here[name])} B measured; theory: {fmt_count(f(k['seq']))} B")
+        "points: measured, a layer's bytes = activation peak with 2 layers − with 1 (rank 0)"
+        if points else "no measured points yet: press Measure the activation curve"]))
+    if points:
+        cols = st.columns(len(formulas))
+        here = {p["series"]: p["bytes"] for p in points if p["seq"] == key["seq"]}
+        for col, (name, f) in zip(cols, formulas.items()):
+            col.metric(f"{name}, s = {key['seq']}: measured", fmt_bytes(here[name]),
+                       delta="equal to the formula" if here[name] == f(key["seq"]) else
+                       f"formula {fmt_bytes(f(key['seq']))}",
+                       delta_color="off" if here[name] == f(key["seq"]) else "inverse",
+                       help=f"{fmt_count(here[name])} B measured; theory: "
+                            f"{fmt_count(f(key['seq']))} B")
     st.markdown(f"""
 Without context parallel a layer keeps its softmax output, a · s² · b numbers: activations grow
 with s². With C ranks every per-token tensor is 1/C as long. The **ring** never forms the [s, s]
@@ -313,8 +354,8 @@ key = {"cp": cp, "seq": seq, "heads": heads}
 run_clicked = controls.run_button(disabled=bool(errors),
                                   help="Fix the settings first." if errors else
                                   f"Trains the toy with ring, zigzag and Ulysses on {cp} "
-                                  f"ranks, the single-process reference, and the activation "
-                                  f"runs.")
+                                  f"ranks and the single-process reference (the activation "
+                                  f"curve's runs have their own button).")
 if run_clicked and not errors:
     run_live("cp", key, f"Running ring, zigzag and Ulysses on {cp} ranks…", context_experiment,
              json.dumps(key, sort_keys=True), fresh=fresh, ranks=cp, own_progress=True,
@@ -332,5 +373,6 @@ else:
     show_ring(result)
     show_tiles(result)
     show_wire(result)
-    show_activations(result)
+    if current:
+        show_activations(key, fresh)
     show_equality(result)

@@ -914,7 +914,7 @@ def bench_app(pages=tuple(APP_PAGES), repeats: int = 5, width: int = 1440, heigh
 
 
 def _print_app(rows):
-    print("(k) the app in chromium at its default controls: click -> first chart drawn")
+    print("(k) the app in chromium at its default controls: click -> the run's charts drawn")
     print(_table(["page", "cold s", "warm p50 s", "warm p90 s", "cold press: the status line"],
                  [[r["page"], f"{r['cold_s']:.2f}", f"{r['warm_p50_s']:.2f}",
                    f"{r['warm_p90_s']:.2f}", r["cold_status"]] for r in rows]))

@@ -20,6 +20,8 @@ import copy
 
 import altair as alt
 
+from .style import spec_of
+
 TICK_MS = 250
 SPEEDS = {"slow": 6, "normal": 3, "fast": 1}  # timer ticks per frame: 1.5 s, 0.75 s, 0.25 s
 TICK_TEXT = "timer tick "
@@ -33,8 +35,7 @@ def autoplay(chart: alt.TopLevelMixin | dict, param: str, frames: int, playing: 
     if isinstance(chart, dict):
         spec = copy.deepcopy(chart)
     else:
-        with alt.data_transformers.enable("default", max_rows=None):
-            spec = chart.to_dict()
+        spec = spec_of(chart)
     params = spec.setdefault("params", [])
     frame = next((p for p in params if p.get("name") == param), None)
     if frame is None:

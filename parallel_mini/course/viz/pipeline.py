@@ -189,7 +189,7 @@ def _coloured_bars(df: pd.DataFrame, lanes: list[str], x: alt.X, width: int, nam
     bars = alt.Chart(df).transform_filter(alt.datum.row != "").mark_bar().encode(
         x=x, x2="x2:Q", y=y, yOffset=y_off, tooltip=_tooltip(seconds),
         color=alt.Color("microbatch:O", title="micro-batch", scale=alt.Scale(scheme=scheme),
-                        legend=alt.Legend(orient="bottom", columns=min(m, 16))))
+                        legend=alt.Legend(orient="bottom", columns=min(m, 8))))
     names = ops[["lane", "row", "row_name"]].drop_duplicates()
     row_names = alt.Chart(names).mark_text(align="left", fontSize=10, dx=4).encode(
         x=alt.value(width), y=y, yOffset=y_off, text="row_name:N")

@@ -13,6 +13,8 @@ One hook for every chart (lessons and app): `st.vega_lite_chart(presentation(cha
 """
 from __future__ import annotations
 
+import sys
+
 import altair as alt
 
 MIN_FONT_PX = 16
@@ -26,6 +28,15 @@ _DEFAULTS = {"axis": {"labelFontSize": 10, "titleFontSize": 11},
 _FONT_KEYS = ("fontSize", "labelFontSize", "titleFontSize", "subtitleFontSize")
 _COMPOSITIONS = ("hconcat", "vconcat", "concat", "layer")
 PANEL_OVERHEAD_PX = 110  # axis labels and title beside each panel of a row, at presentation size
+
+
+def spec_of(chart: alt.TopLevelMixin) -> dict:
+    """The chart's Vega-Lite spec, every data row inlined. Altair's check of the spec against the
+    Vega-Lite schema (jsonschema) is done where pytest is loaded (every test that draws a chart
+    still checks it) and skipped in the app and the lessons: it was a third of a warm press's
+    server time on the Long sequences page (0.25 of 0.72 s) and finds nothing a test would not."""
+    with alt.data_transformers.enable("default", max_rows=None):
+        return chart.to_dict(validate="pytest" in sys.modules)
 
 
 def scaled_font(size: float, min_font_px: int = MIN_FONT_PX) -> int:
@@ -80,11 +91,7 @@ def presentation(chart: alt.TopLevelMixin | dict, min_font_px: int = MIN_FONT_PX
                  width_px: int | None = None) -> dict:
     """The chart's spec with every text >= min_font_px and, given width_px, widths scaled to fill
     about width_px (see the module docstring)."""
-    if isinstance(chart, dict):
-        spec = chart
-    else:
-        with alt.data_transformers.enable("default", max_rows=None):
-            spec = chart.to_dict()
+    spec = chart if isinstance(chart, dict) else spec_of(chart)
 
     def bigger_fonts(node: dict) -> None:
         for key in _FONT_KEYS:
@@ -184,11 +191,7 @@ def fit_width(chart: alt.TopLevelMixin | dict, width_px: int) -> tuple[dict, boo
     (hconcat) whose estimated width passes width_px are narrowed to fit, or stacked (vconcat) when
     that would leave a panel under _MIN_PANEL_PX; the widths of any part wider than width_px are
     scaled down. Titles and subtitles longer than width_px are wrapped."""
-    if isinstance(chart, dict):
-        spec = chart
-    else:
-        with alt.data_transformers.enable("default", max_rows=None):
-            spec = chart.to_dict()
+    spec = chart if isinstance(chart, dict) else spec_of(chart)
     _wrap_titles(spec, width_px - 10)
     compound = any(k in spec for k in ("hconcat", "vconcat", "concat", "facet", "repeat"))
     if not compound:
