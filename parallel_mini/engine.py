@@ -43,53 +43,21 @@ from .mesh import Mesh, build_mesh
 from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
 from .model import build_model
 from .moe import Experts
-from .optim import PARAM_DTYPE, make_optimizer
+from .optim import PARAM_DTYPE
+from .placement import Box, held_by
 from .parallel.context import ContextParallel, apply_context_parallel
-from .parallel.data import DataParallel, accumulate_grads_in_fp32
+from .parallel.data import PlainDataParallel
 from .parallel.expert import ExpertAndDense, ExpertParallel, apply_expert_parallel, split_parameters
 from .parallel.pipedream import PipeDreamRunner
-from .parallel.pipeline import PipelineRunner, gather_stage_parameters
+from .parallel.pipeline import PipelineRunner
 from .parallel.recompute import apply_checkpointing
 from .parallel.schedules import for_config
-from .parallel.tensor import apply_tensor_parallel, gather_full_parameters
+from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
 from .parallel.zero3 import Zero3DataParallel
 from .reference import max_abs_diff, train_reference
 from .report import RunReport, merge_rank_results
 from .step import PlainStep
-
-
-class PlainDataParallel:
-    """GradientStrategy: DataParallel (gradient averaging) plus a whole optimizer on every rank."""
-
-    def __init__(self, model, comm, cfg, axis: str = "dp", average_fn=None):
-        self.model = model
-        if cfg.fp32_grad_accum:
-            accumulate_grads_in_fp32(model.parameters())
-        self.dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
-                               average_fn=average_fn, axis=axis)
-        self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
-        self.sync = self.dp.sync
-        self.finish_gradient_sync = self.dp.finish_gradient_sync
-        self.zero_grad = self.optimizer.zero_grad
-        self.step = self.optimizer.step
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        grads += [p.main_grad for p in params if hasattr(p, "main_grad")]
-        return {"params": params, "grads": grads,
-                "optimizer": self.optimizer.state_tensors()}
-
-    def buffers(self) -> list[torch.Tensor]:
-        """The gradient buckets: allocated once, held across steps."""
-        return [b.flat for b in self.dp.buckets]
-
-    def transient_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.buffers())
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
 
 
 def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | None = None
@@ -136,6 +104,41 @@ def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
                           seq_shards=cfg.tp if cfg.sp else 1)  # SP: [b, s/tp, h] of its tokens
 
 
+def gather_full_parameters(model, local: dict[str, torch.Tensor], mesh: Mesh) -> dict:
+    """The whole model on every rank from every rank's blocks of it: `local` is what this rank
+    holds, unsharded over its strategy's axes (full_parameters), and each module says which block
+    of the full tensor that is (placement.held_by). Bookkeeping outside training: one object
+    all-gather over the world, not a recorded collective."""
+    blocks = {name: b for name, b in held_by(model).values()}
+    mine = {name: [(b.full, t.detach()[Box(b.local, b.full.sizes).index()].cpu())
+                   for b in blocks[name]] for name, t in local.items()}
+    parts = [None] * mesh.world_size
+    dist.all_gather_object(parts, mine)
+    got: dict[str, list] = {}
+    for part in reversed(parts):  # a replicated box: the lowest rank's copy is written last
+        for name, boxes in part.items():
+            got.setdefault(name, []).extend(boxes)
+    full = {}
+    for name, boxes in got.items():
+        shape = [max(b.offsets[d] + b.sizes[d] for b, _ in boxes) for d in range(boxes[0][1].dim())]
+        full[name] = boxes[0][1].new_empty(shape)
+        for box, t in boxes:
+            full[name][box.index()] = t
+    return full
+
+
+def owned_report(strategy: GradientStrategy, model) -> list[dict]:
+    """What this rank's strategy owns and saves, JSON-ready: per piece its regions (name, offsets,
+    sizes), its elements and its optimizer states' elements (Adam: two moments of as many)."""
+    out = []
+    for pc in strategy.owned(held_by(model)):
+        if pc.saved:
+            states = pc.optimizer.state.get(pc.index, {}).values() if pc.optimizer else []
+            out.append({"regions": [[r.name, r.box.offsets, r.box.sizes] for r in pc.regions],
+                        "numel": pc.values.numel(), "states": [t.numel() for t in states]})
+    return out
+
+
 def _mean_over(value: float, mesh: Mesh, axis: str) -> float:
     """Global loss for the log: a metric, not training traffic, so it bypasses the comm records."""
     if mesh.size(axis) == 1:
@@ -176,9 +179,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     memory["total_peak"] = live.peak
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
-    full = gather_full_parameters(model, full, comm, axis="tp")  # over tp: slices -> whole weights
-    full = experts.gather_full(model, full)  # over ep: each rank's experts -> all of them
-    full = gather_stage_parameters(full, mesh, axis="pp")  # over pp: stages -> the whole model
+    full = gather_full_parameters(model, full, mesh)  # tp slices, ep experts, pp stages -> whole
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "metered_step": cfg.steps - start - 1,  # ran under the live-bytes meter: slower ops
            "resumed_from_step": start,
@@ -187,6 +188,8 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
            "recompute": {"segment_forwards": recompute.forward_calls,
                          "recomputed_forwards": recompute.recomputed_calls},
            **runner.report(), **context.report(), **experts.report()}
+    if cfg.extra.get("owned"):  # (tests/test_placement.py: the live description vs the twin)
+        out["owned"] = owned_report(strategy, model)
     if cfg.reference and mesh.rank == 0:  # PipeDream: the same micro-batches, one update each
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
         out["reference_losses"] = ref_losses[start:]  # uninterrupted, from step 0: these steps

@@ -10,14 +10,40 @@ declared here: it never asks which class it holds.
     loss = runner.train_step(step, batch)  # per step: calls strategy.zero_grad, strategy.sync,
                                            # strategy.finish_gradient_sync, strategy.step
 
-To add a strategy, implement one of these Protocols; docs/architecture.md walks through it.
+To add a strategy, implement one of these Protocols (subclass it to inherit the no-op defaults);
+docs/architecture.md walks through it. What a strategy owns is said in full-model coordinates,
+boxes of the reference's tensors (placement.py): checkpoints read that, never a strategy's insides.
 """
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from .placement import Block, Box, Region  # noqa: F401  (the vocabulary of `owned`)
+
+Held = dict  # {local parameter: (its full tensor's name, [Block])}: placement.held_by(model)
+
+
+@dataclass
+class Piece:
+    """One tensor this rank's optimizer steps, `values` [numel] (a whole parameter, or a slice of
+    a flat buffer; fp32: the master copy under bf16-mixed), and the boxes of full tensors it is
+    (`regions`; a padding piece has one region named placement.PADDING). Its optimizer states are
+    optimizer.state[index], as many elements as values. `saved` False: a replica beside the owner's
+    piece (ZeRO-1/2's gathered parameters): filled on resume, never written."""
+    regions: list[Region]
+    values: torch.Tensor | None = None
+    optimizer: object = None
+    index: int | None = None
+    saved: bool = True
+
+    def view(self, region: Region, t: torch.Tensor) -> torch.Tensor:
+        """The window of t ([numel], values or one of its states) that holds region's box."""
+        run = t[region.start:region.start + region.run.numel].view(region.run.sizes)
+        return run[region.local.within(region.run)]
 
 
 class GradientStrategy(Protocol):
@@ -52,6 +78,21 @@ class GradientStrategy(Protocol):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter this rank's model holds, by name, unsharded over the strategy's own axes
         (collective under ZeRO-3): to compare with the single-process reference."""
+
+    def owned(self, held: Held) -> list[Piece]:
+        """What this rank owns (steps, and saves in a checkpoint): parameters and optimizer states
+        as boxes of the full model's tensors, given where each local parameter sits (`held`)."""
+
+    def loaded(self) -> None:
+        """After a checkpoint filled the owned pieces: refresh what is computed from them (the
+        bf16 compute copies of fp32 masters). Nothing by default."""
+
+    def grad_deferred(self, p: torch.nn.Parameter) -> None:
+        """A zero-bubble pipeline's B left p's weight gradient to a later W (pipeline.py): only a
+        strategy that reduces as gradients arrive (ZeRO-3) cares. Nothing by default."""
+
+    def grad_accumulated(self, p: torch.nn.Parameter) -> None:
+        """That W has added its micro-batch's gradient to p.grad. Nothing by default."""
 
 
 class StepRunner(Protocol):

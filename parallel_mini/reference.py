@@ -38,6 +38,7 @@ def train_reference(cfg, device="cpu", per_microbatch: bool = False
 def max_abs_diff(losses, params, ref_losses, ref_params) -> dict[str, float]:
     """Largest |ours - reference| over the per-step losses and over every final parameter element."""
     loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0)
-    param_diff = max(((params[n].float() - ref_params[n]).abs().max().item() for n in ref_params),
+    param_diff = max(((params[n].float().cpu() - ref_params[n].cpu()).abs().max().item()
+                      for n in ref_params),
                      default=0.0)
     return {"losses": loss_diff, "params": param_diff}

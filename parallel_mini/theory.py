@@ -12,8 +12,10 @@ course uses for every collective:
 from __future__ import annotations
 
 from fractions import Fraction
+from types import SimpleNamespace
 
 from .mesh import role_names  # axis names, grid arithmetic only (mesh.py imports no torch here)
+from .placement import gpt_held, gpt_units, held_numel, stage_blocks  # what a rank holds
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8}
 
@@ -112,11 +114,11 @@ def moe_blocks(layers: int, experts: int, moe_every: int = 1) -> list[int]:
 
 def expert_unit_sizes(cfg, blocks) -> list[int]:
     """The E/ep experts of each MoE block among `blocks`, one entry per block: with expert parallel
-    each is a unit of its own under ZeRO-3 (and one group of parameters under the other
-    strategies), over the edp ranks (parallel/expert.py)."""
-    E = getattr(cfg, "experts", 0)
-    moe = set(moe_blocks(cfg.layers, E, getattr(cfg, "moe_every", 1)))
-    return [(E // getattr(cfg, "ep", 1)) * mlp_params(cfg.d_model) for i in blocks if i in moe]
+    each is a unit of their own under ZeRO-3 (and one group of parameters under the other
+    strategies), over the edp ranks (parallel/expert.py). Counted from the placement."""
+    held = gpt_held(cfg, (1, 0), (getattr(cfg, "ep", 1), 0))
+    return [sum(held_numel(held[n]) for n in names) for unit, names in gpt_units(held, True)
+            if ".experts" in unit and int(unit.split(".")[1]) in blocks]
 
 
 def ep_wire_bytes_per_step(cfg, blocks=None) -> float:
@@ -171,14 +173,17 @@ def gpt_unit_sizes(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1,
     hold 1/t; per block (12h^2 + 7h)/t + 6h: row-parallel biases and LayerNorms stay whole.
     A mixture-of-experts block: attention (4h^2 + 3h)/t + h, LayerNorms 4h, the router h*E and
     E/ep experts, all whole on every tp rank; `experts_apart` (expert parallel: the experts are
-    units of their own, expert_unit_sizes) leaves the experts out."""
-    h = d_model
-    moe = set(moe_blocks(layers, experts, moe_every))
-    dense = (12 * h * h + 7 * h) // tp + 6 * h
-    sparse = (4 * h * h + 3 * h) // tp + 5 * h + h * experts \
-        + (0 if experts_apart else (experts // ep) * mlp_params(h))
-    blocks = [sparse if i in moe else dense for i in range(layers)]
-    return [vocab * h // tp + seq * h] + blocks + [2 * h + h * vocab // tp]
+    units of their own, expert_unit_sizes) leaves the experts out.
+    Counted, not re-derived: the elements of the blocks placement.gpt_held says a rank holds (the
+    cuts the parallel modules make), grouped into zero3's units (placement.gpt_units)."""
+    model = SimpleNamespace(vocab=vocab, seq=seq, d_model=d_model, layers=layers, experts=experts,
+                            moe_every=moe_every)
+    return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0)), experts_apart)
+
+
+def _unit_sizes(held: dict, experts_apart: bool) -> list[int]:
+    return [sum(held_numel(held[n]) for n in names) for unit, names in gpt_units(held, experts_apart)
+            if ".experts" not in unit]
 
 
 def gpt_local_param_count(vocab: int, seq: int, d_model: int, layers: int, tp: int = 1) -> int:
@@ -407,7 +412,6 @@ def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
     HYBRID_SHARD (mesh.split_expert_replicas): an ep group inside a shard group of S = dp_shard x
     cp ranks leaves S/ep of an expert's replicas in each shard group, which shard its states;
     an ep group spanning whole shard groups leaves one (the experts are replicated, not sharded)."""
-    from types import SimpleNamespace
     dense = _rank_theory(SimpleNamespace(**{**vars(cfg), "ep": 1}), units)
     edp = cfg.dp * cfg.cp // cfg.ep
     shard = cfg.dp_shard * cfg.cp
@@ -448,8 +452,7 @@ def _pipeline_theory(cfg) -> dict:
     for r in range(cfg.pp):
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
                                      cfg.tp, **_moe(cfg), experts_apart=apart)
-        per = cfg.layers // len(schedule.owner)
-        mine = [i for c, o in enumerate(schedule.owner) if o == r for i in range(c * per, (c + 1) * per)]
+        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r)[0])  # the stage's blocks
         stage = _rank_theory(cfg, units, expert_unit_sizes(cfg, mine) if apart else [])
         if getattr(cfg, "ep", 1) > 1:
             stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
@@ -646,17 +649,12 @@ def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner:
                          ep: int = 1, experts_apart: bool = False) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
-    one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier."""
-    units = gpt_unit_sizes(vocab, seq, d_model, layers, tp, experts, moe_every, ep, experts_apart)
-    embeddings, blocks, head = units[:1], units[1:1 + layers], units[1 + layers:]
-    n_chunks, per = len(owner), layers // len(owner)
-    mine = []
-    for c in range(n_chunks):
-        if owner[c] != rank:
-            continue
-        mine += (embeddings if c == 0 else []) + blocks[c * per:(c + 1) * per]
-        mine += head if c == n_chunks - 1 else []
-    return mine
+    one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier.
+    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes."""
+    model = SimpleNamespace(vocab=vocab, seq=seq, d_model=d_model, layers=layers, experts=experts,
+                            moe_every=moe_every)
+    stage = stage_blocks(owner, layers, rank)
+    return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0), stage), experts_apart)
 
 
 def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int) -> int:

@@ -15,7 +15,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from parallel_mini.__main__ import main
-from parallel_mini.checkpoint import _meta, flat_boxes
+from parallel_mini.checkpoint import _meta
+from parallel_mini.placement import flat_boxes
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.launch import RankError
@@ -37,7 +38,8 @@ def test_flat_boxes_tile_the_range_in_order(shape):
     n = math.prod(shape)
     for lo, hi in itertools.combinations(range(n + 1), 2):
         seen = []
-        for off, size in flat_boxes(shape, lo, hi):
+        for box in flat_boxes(shape, lo, hi):
+            off, size = box.offsets, box.sizes
             idx = torch.arange(n).view(shape)
             box = idx[tuple(slice(o, o + s) for o, s in zip(off, size))].flatten().tolist()
             assert box == list(range(box[0], box[0] + len(box))), (shape, lo, hi, off, size)

@@ -424,7 +424,11 @@ def chunk_blocks(spec: ModelSpec, n_chunks: int) -> list[list[int]]:
 def _stages(spec: ModelSpec, tp: int, pp: int, schedule: str, v: int, ep: int) -> tuple:
     """Per pipeline rank: (units: parameters per ZeRO-3 unit, experts: the routed-expert
     parameters inside each unit (0 outside MoE blocks), chunks: the blocks of each chunk it holds,
-    holds_embedding, holds_head)."""
+    holds_embedding, holds_head).
+    A twin of placement.py's description, written for any ModelSpec (GQA, SwiGLU, MLA, shared
+    experts: shapes the tiny GPT's placement does not have). On the tiny GPT it is proved equal to
+    the placement, every rank's units and states on every layout of the composition matrix
+    (tests/test_placement.py, check_planner)."""
     n_chunks = pp * v
     owner = chunk_owner(schedule if pp > 1 else "1f1b", pp, v)
     chunks = chunk_blocks(spec, n_chunks)
@@ -455,7 +459,8 @@ def stage_states(units: tuple, experts: tuple, lay: Layout, precision: str,
     averaged over dp x cp, the E/ep experts over (dp x cp)/ep; else all over dp x cp. `experts`:
     the routed-expert parameters inside each of `units`; with ep > 1 under ZeRO-3 each MoE
     layer's experts are a unit of their own (padded on their own), the rest of the block another.
-    Returns (memory {params, grads, optimizer}, wire {"dp": bytes, "edp": bytes})."""
+    Returns (memory {params, grads, optimizer}, wire {"dp": bytes, "edp": bytes}). The twin of
+    what the strategies own (placement.owned_by_rank), proved equal with _stages."""
     shard = lay.dp * lay.cp
     if lay.ep > 1 and any(experts):
         parts = [([u - e for u, e in zip(units, experts)], shard, "dp"),

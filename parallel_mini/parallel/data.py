@@ -25,6 +25,9 @@ agree); frozen parameters (requires_grad=False) never communicate; with gradient
 only the last micro-step synchronises (`no_sync` on the others); a parameter that gets no gradient
 in a step is an error unless `find_unused_parameters=True`, which then averages it as zero where
 unused and leaves it untouched (grad None) if no rank used it.
+
+`PlainDataParallel` (at the end) is the engine's GradientStrategy for it: DataParallel plus a whole
+optimizer on every rank.
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ from contextlib import contextmanager
 import torch
 
 from ..comm import Comm
+from ..interfaces import GradientStrategy, Held, Piece
+from ..optim import MasterWeights, make_optimizer
+from ..placement import regions
 
 
 def broadcast_parameters(model: torch.nn.Module, comm: Comm, axis: str = "dp") -> None:
@@ -238,3 +244,50 @@ class DataParallel:
         used = torch.tensor(used_here, dtype=torch.int32)
         self.comm.all_reduce(used, self.axis, kind="unused-map")
         return [bool(u) for u in used]
+
+
+class PlainDataParallel(GradientStrategy):
+    """GradientStrategy: DataParallel (gradient averaging) plus a whole optimizer on every rank."""
+
+    def __init__(self, model, comm, cfg, axis: str = "dp", average_fn=None):
+        self.model = model
+        if cfg.fp32_grad_accum:
+            accumulate_grads_in_fp32(model.parameters())
+        self.dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
+                               average_fn=average_fn, axis=axis)
+        self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
+        self.sync = self.dp.sync
+        self.finish_gradient_sync = self.dp.finish_gradient_sync
+        self.zero_grad = self.optimizer.zero_grad
+        self.step = self.optimizer.step
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        grads += [p.main_grad for p in params if hasattr(p, "main_grad")]
+        return {"params": params, "grads": grads,
+                "optimizer": self.optimizer.state_tensors()}
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The gradient buckets: allocated once, held across steps."""
+        return [b.flat for b in self.dp.buckets]
+
+    def transient_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def owned(self, held: Held) -> list[Piece]:
+        """Every parameter whole, as the optimizer steps it (bf16-mixed: its fp32 master)."""
+        opt = self.optimizer
+        inner, values = (opt.inner, opt.masters) if isinstance(opt, MasterWeights) else (opt, opt.params)
+        return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
+                for j, (p, v) in enumerate(zip(opt.params, values))]
+
+    @torch.no_grad()
+    def loaded(self) -> None:
+        """bf16-mixed: the compute copies from the fp32 masters just loaded (the step's rounding)."""
+        if isinstance(self.optimizer, MasterWeights):
+            for p, m in zip(self.optimizer.params, self.optimizer.masters):
+                p.copy_(m)

@@ -42,7 +42,9 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from ..interfaces import GradientStrategy, Held, Piece
 from ..moe import MoE, Experts
+from ..placement import Block, split
 from .context import positions_of
 from .tensor import sum_gradients_over_tp
 
@@ -74,14 +76,20 @@ class ShardedExperts(Experts):
     that brings them their rows from every rank of the ep group."""
 
     def __init__(self, full: Experts, comm: Comm, axis: str, layer: int):
-        P, p = comm.size(axis), comm.rank(axis)
-        n = len(full) // P
-        super().__init__(n, full.fc_weight.shape[2], first=p * n)
+        # (plain attributes may be set before nn.Module's __init__: placement needs them)
+        self.full_shapes = {name: tuple(p.shape) for name, p in full.named_parameters()}
+        self.comm, self.axis, self.n_total, self.layer = comm, axis, len(full), layer
+        (block,) = self.placement("fc_weight")
+        super().__init__(block.full.sizes[0], full.fc_weight.shape[2], first=block.full.offsets[0])
         self.to(full.fc_weight)  # the run's dtype and device
         with torch.no_grad():
             for name, param in self.named_parameters():
-                param.copy_(getattr(full, name)[p * n:(p + 1) * n])
-        self.n_total, self.comm, self.axis, self.layer = len(full), comm, axis, layer
+                param.copy_(getattr(full, name)[self.placement(name)[0].full.index()])
+
+    def placement(self, p_name: str) -> list[Block]:
+        """Experts [first, first + E/P) of every stacked expert tensor."""
+        return split(self.full_shapes[p_name], 0, self.comm.size(self.axis),
+                     self.comm.rank(self.axis))
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         P, n, tags = self.comm.size(self.axis), len(self), {"layer": "moe", "block": self.layer}
@@ -189,20 +197,6 @@ class ExpertParallel:
         return {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, Experts)
                 for p, _ in m.named_parameters()}
 
-    def gather_full(self, model: nn.Module, params: dict[str, torch.Tensor]) -> dict:
-        """Every expert on every rank: the slices concatenated along the expert dimension
-        (collective over ep), to compare with the reference."""
-        if not self.sharded:
-            return params
-        names, n = self.expert_parameter_names(model), self.comm.size(self.axis)
-        out = dict(params)
-        for name in sorted(names & set(params)):
-            t = params[name].contiguous()
-            full = t.new_empty(n * t.shape[0], *t.shape[1:])
-            self.comm.all_gather(full, t, self.axis)
-            out[name] = full
-        return out
-
     def report(self) -> dict:
         """The MoE layers that ran here (a pipeline stage has only its own) and their logs."""
         ran = [m for m in self.layers if m.log]
@@ -256,7 +250,7 @@ def split_parameters(model: nn.Module, expert_names: set[str]) -> tuple[Paramete
             ParameterSubset([(n, p) for n, p in named if n in expert_names]))
 
 
-class ExpertAndDense:
+class ExpertAndDense(GradientStrategy):
     """GradientStrategy (interfaces.py) made of two: one for the dense parameters, one for the
     experts. Every call goes to both, dense first, in the same order on every rank."""
 
@@ -298,3 +292,18 @@ class ExpertAndDense:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {k: v for s in self.parts for k, v in s.full_parameters().items()}
+
+    def owned(self, held: Held) -> list[Piece]:
+        return [piece for s in self.parts for piece in s.owned(held)]
+
+    def loaded(self) -> None:
+        for s in self.parts:
+            s.loaded()
+
+    def grad_deferred(self, p: nn.Parameter) -> None:
+        for s in self.parts:
+            s.grad_deferred(p)
+
+    def grad_accumulated(self, p: nn.Parameter) -> None:
+        for s in self.parts:
+            s.grad_accumulated(p)

@@ -240,8 +240,8 @@ class PipelineRunner:
     # -- the StepRunner interface ---------------------------------------------------------------
     def attach(self, strategy) -> None:
         self.strategy = strategy
-        if self.store is not None and hasattr(strategy, "grad_deferred"):  # ZeRO-3
-            self.store.observer = strategy  # must hear of the gradients W computes
+        if self.store is not None:  # (ZeRO-3 must hear of the gradients W computes)
+            self.store.observer = strategy
 
     def train_step(self, step: int, batch) -> float:
         """The schedule's ops over m micro-batches of this rank's share [b/dp, s], then, after the

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..model import GPT, MLP, Embedding, LMHead, linear, token_positions
+from ..placement import Block, Box, local_shape, split, whole
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,28 +129,37 @@ def reduce_from_tp(x, comm, sp=False, module="", axis="tp"):
 # ---------------------------------------------------------------------------------------------
 # layers
 # ---------------------------------------------------------------------------------------------
-def _rows(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
-    """Slice r of n along dim 0, as a fresh Parameter-ready tensor."""
-    return t.detach().chunk(n, dim=0)[r].clone()
+def _cut(t: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
+    """This rank's blocks of the full tensor t, each put at its local offsets: a fresh tensor."""
+    out = t.new_empty(local_shape(blocks))
+    for b in blocks:
+        out[Box(b.local, b.full.sizes).index()] = t.detach()[b.full.index()]
+    return out
 
 
 class ColumnParallelLinear(nn.Module):
-    """y[..., out/tp] = f(x)[..., in] @ W_r^T + b_r, W_r = rows r of W [out, in] (a slice of outputs)."""
+    """y[..., out/tp] = f(x)[..., in] @ W_r^T + b_r, W_r = rows r of W [out, in] (a slice of outputs).
+    `parts`: W's rows are that many equal blocks (QKV: [q | k | v], 3), each split over tp, so that
+    rank r holds [q_r | k_r | v_r]: whole heads."""
 
     weight_grads = None  # the zero-bubble seam, as model.Linear's
 
-    def __init__(self, layer: nn.Linear, comm: Comm, axis: str = "tp", row_order=None,
+    def __init__(self, layer: nn.Linear, comm: Comm, axis: str = "tp", parts: int = 1,
                  sp: bool = False):
         super().__init__()
-        self.comm, self.axis, self.sp = comm, axis, sp
-        n, r = comm.size(axis), comm.rank(axis)
-        w, b = layer.weight, layer.bias
-        if row_order is not None:  # e.g. QKV: take each of q, k, v's slice r, not the r-th third
-            w = row_order(w)
-            b = row_order(b) if b is not None else None
-        self.weight = nn.Parameter(_rows(w, r, n))  # [out/tp, in]
-        self.bias = nn.Parameter(_rows(b, r, n)) if b is not None else None  # [out/tp]
+        self.comm, self.axis, self.sp, self.parts = comm, axis, sp, parts
+        self.full_shapes = {"weight": tuple(layer.weight.shape)}
+        self.weight = nn.Parameter(_cut(layer.weight, self.placement("weight")))  # [out/tp, in]
+        self.bias = None
+        if layer.bias is not None:
+            self.full_shapes["bias"] = tuple(layer.bias.shape)
+            self.bias = nn.Parameter(_cut(layer.bias, self.placement("bias")))  # [out/tp]
         self.name = ""  # set by apply_tensor_parallel: the layer's name in the comm records
+
+    def placement(self, p_name: str) -> list[Block]:
+        """Which rows of the full weight (bias) this rank holds: rows r of each of the parts."""
+        return split(self.full_shapes[p_name], 0, self.comm.size(self.axis),
+                     self.comm.rank(self.axis), self.parts)
 
     def forward(self, x):  # x: [b, s, in] (SP: [b, s/tp, in]) -> [b, s, out/tp]
         x = copy_to_tp(x, self.comm, self.sp, self.name, self.axis)
@@ -164,10 +174,16 @@ class RowParallelLinear(nn.Module):
     def __init__(self, layer: nn.Linear, comm: Comm, axis: str = "tp", sp: bool = False):
         super().__init__()
         self.comm, self.axis, self.sp = comm, axis, sp
-        n, r = comm.size(axis), comm.rank(axis)
-        self.weight = nn.Parameter(layer.weight.detach().chunk(n, dim=1)[r].clone())  # [out, in/tp]
+        self.full_shape = tuple(layer.weight.shape)
+        self.weight = nn.Parameter(_cut(layer.weight, self.placement("weight")))  # [out, in/tp]
         self.bias = nn.Parameter(layer.bias.detach().clone()) if layer.bias is not None else None
         self.name = ""
+
+    def placement(self, p_name: str) -> list[Block]:
+        """Columns r of the full weight; the bias whole (added once, after the sum)."""
+        if p_name == "bias":
+            return whole(tuple(self.bias.shape))
+        return split(self.full_shape, 1, self.comm.size(self.axis), self.comm.rank(self.axis))
 
     def forward(self, x):  # x: [b, s, in/tp] -> [b, s, out] (SP: [b, s/tp, out])
         partial = linear(x, self.weight, None, self)
@@ -182,11 +198,15 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, emb: nn.Embedding, comm: Comm, axis: str = "tp", sp: bool = False):
         super().__init__()
         self.comm, self.axis, self.sp = comm, axis, sp
-        n, r = comm.size(axis), comm.rank(axis)
-        self.per_rank = emb.num_embeddings // n
-        self.start = r * self.per_rank
-        self.weight = nn.Parameter(_rows(emb.weight, r, n))  # [v/tp, h]
+        self.full_shape = tuple(emb.weight.shape)
+        (block,) = self.placement("weight")
+        self.per_rank, self.start = block.full.sizes[0], block.full.offsets[0]
+        self.weight = nn.Parameter(_cut(emb.weight, [block]))  # [v/tp, h]
         self.name = ""
+
+    def placement(self, p_name: str) -> list[Block]:
+        """Rows [start, start + v/tp) of the table."""
+        return split(self.full_shape, 0, self.comm.size(self.axis), self.comm.rank(self.axis))
 
     def forward(self, idx):  # idx: [b, s] -> [b, s, h] (SP: [b, s/tp, h])
         local = idx - self.start
@@ -261,7 +281,7 @@ class ParallelLMHead(nn.Module):
         self.comm, self.axis = comm, axis
         self.norm = head.norm
         self.out = ColumnParallelLinear(head.out, comm, axis, sp=sp)
-        self.vocab_start = comm.rank(axis) * (head.out.out_features // comm.size(axis))
+        self.vocab_start = self.out.placement("weight")[0].full.offsets[0]
 
     def forward(self, x, targets=None):  # x: [b, s, h] (SP: [b, s/tp, h])
         logits = self.out(self.norm(x))  # [b, s, v/tp]: never the full vocabulary
@@ -276,7 +296,8 @@ class ParallelLMHead(nn.Module):
 # ---------------------------------------------------------------------------------------------
 def qkv_rows_by_rank(n):
     """QKV's weight rows are [q (h) | k (h) | v (h)]: reorder so that chunk r holds q, k and v of
-    rank r's heads (then any contiguous row split, ours or DTensor's, gives each rank whole heads)."""
+    rank r's heads, the rows ColumnParallelLinear(parts=3) cuts (placement.split). Then a
+    contiguous row split, DTensor's (course/peers.py), gives each rank whole heads too."""
     def order(t):
         q, k, v = t.chunk(3, dim=0)
         return torch.cat([torch.cat([a.chunk(n, 0)[r] for a in (q, k, v)]) for r in range(n)])
@@ -291,7 +312,7 @@ def apply_tensor_parallel(model: GPT, comm: Comm, sp: bool = False, axis: str = 
         return model
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(attn.qkv, comm, axis, row_order=qkv_rows_by_rank(n), sp=sp)
+        attn.qkv = ColumnParallelLinear(attn.qkv, comm, axis, parts=3, sp=sp)  # q, k, v
         attn.proj = RowParallelLinear(attn.proj, comm, axis, sp=sp)  # attention infers a/tp heads
         # A mixture of experts stays whole on every tp rank. Without SP its input and output
         # gradient are the same on all of them; with SP each routes its own sequence shard
@@ -334,33 +355,3 @@ def _sum_over_tp(grad: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
     grad = grad.contiguous()
     comm.all_reduce(grad, axis, layer="sp-grads")
     return grad
-
-
-# ---------------------------------------------------------------------------------------------
-# reassembling full weights (to compare with the reference)
-# ---------------------------------------------------------------------------------------------
-def gather_full_parameters(model: GPT, local: dict[str, torch.Tensor], comm: Comm,
-                           axis: str = "tp") -> dict:
-    """Full tensors from every rank's slices (collective over tp). Column-parallel weights and the
-    vocabulary-split tables concatenate along dim 0 (QKV then un-reordered), row-parallel weights
-    along dim 1; replicated parameters are returned as they are."""
-    n = comm.size(axis)
-    if n == 1:
-        return local
-    out = {}
-    for name, t in local.items():
-        owner = model.get_submodule(name.rsplit(".", 1)[0])
-        dim = 1 if isinstance(owner, RowParallelLinear) and name.endswith("weight") else 0
-        sharded = isinstance(owner, (ColumnParallelLinear, VocabParallelEmbedding)) or dim == 1
-        if not sharded:
-            out[name] = t
-            continue
-        parts = [torch.empty_like(t) for _ in range(n)]
-        torch.distributed.all_gather(parts, t.contiguous(), group=comm.mesh.groups[axis])
-        full = torch.cat(parts, dim=dim)
-        if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # undo qkv_rows_by_rank
-            per = full.shape[0] // (3 * n)
-            blocks = full.split(per, dim=0)  # [q0, k0, v0, q1, k1, v1, ...]
-            full = torch.cat([torch.cat(blocks[i::3]) for i in range(3)])
-        out[name] = full
-    return out

@@ -31,7 +31,9 @@ from contextlib import contextmanager
 import torch
 
 from ..comm import Comm
+from ..interfaces import GradientStrategy, Held, Piece
 from ..optim import make_optimizer
+from ..placement import flat_layout, flat_owned, flat_pieces, regions
 from .data import broadcast_parameters
 
 
@@ -55,16 +57,13 @@ def refuse_unsupported(model: torch.nn.Module, who: str) -> None:
 
 
 class FlatLayout:
-    """Where each parameter sits in a flat buffer of `padded` elements split into n shards."""
+    """Where each parameter sits in a flat buffer of `padded` elements split into n shards (the
+    arithmetic is placement.flat_layout's: the same one checkpoints and theory read)."""
 
     def __init__(self, params: list[torch.Tensor], n: int):
         self.params, self.n = params, n
-        self.offsets, off = [], 0
-        for p in params:
-            self.offsets.append((off, off + p.numel()))
-            off += p.numel()
-        self.numel = off
-        self.padded = -(-off // n) * n  # round up to a multiple of n
+        self.offsets, self.padded = flat_layout([p.numel() for p in params], n)
+        self.numel = sum(p.numel() for p in params)
         self.shard_numel = self.padded // n
 
     @property
@@ -80,12 +79,14 @@ class FlatLayout:
     def pieces(self, r: int) -> list[tuple[int | None, int, int]]:
         """Slice r cut at parameter boundaries: (i, lo, hi), offsets into the slice [k], i the
         index of the parameter the piece belongs to, None for the padding at the end."""
-        start, end = r * self.shard_numel, (r + 1) * self.shard_numel
-        out = [(i, max(a, start) - start, min(b, end) - start)
-               for i, (a, b) in enumerate(self.offsets) if max(a, start) < min(b, end)]
-        if max(self.numel, start) < end:
-            out.append((None, max(self.numel, start) - start, end - start))
-        return out
+        return flat_pieces([p.numel() for p in self.params], self.n, r)
+
+    def owned(self, held: Held, r: int, optimizer, first: int = 0) -> list[Piece]:
+        """Slice r as boxes of the full tensors: one Piece per piece, stepped by
+        optimizer.params[first + j] (the padding piece too: its region is named PADDING)."""
+        cuts = flat_owned([held[p] for p in self.params], self.n, r)
+        return [Piece(cut, optimizer.params[first + j], optimizer, first + j)
+                for j, cut in enumerate(cuts)]
 
 
 def piece_views(slice_: torch.Tensor, pieces) -> list[torch.Tensor]:
@@ -127,7 +128,7 @@ class UsedParameters:
         return {p for p, u in zip(self.params, used.tolist()) if not u}
 
 
-class ZeroDataParallel:
+class ZeroDataParallel(GradientStrategy):
     """ZeRO stage 1 or 2 over the mesh's dp axis; owns the optimizer.
 
     Use:  zero = ZeroDataParallel(model, comm, stage=2, optimizer="adam", lr=3e-3)
@@ -253,3 +254,10 @@ class ZeroDataParallel:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def owned(self, held: Held) -> list[Piece]:
+        """My slice of the flat buffer (what I step); besides, every parameter whole, a replica
+        of what the other ranks own (filled on resume, saved by its owner)."""
+        replicas = [Piece(regions(*held[p], 0, p.numel()), p.data.view(-1), saved=False)
+                    for p in self.params]
+        return self.layout.owned(held, self.r, self.optimizer) + replicas

@@ -316,3 +316,19 @@ class Zero3DataParallel:
                 self._free(u)
         return {name: out[p] if p in out else p.detach()
                 for name, p in self.model.named_parameters()}
+
+    # -- what this rank owns (interfaces.GradientStrategy.owned: checkpoints read it) -----------
+    def owned(self, held) -> list:
+        """My slice of every unit's flat buffer, as boxes of the full tensors (one optimizer
+        steps every unit's pieces, in unit order)."""
+        out = []
+        for u in self.units:
+            out += u.layout.owned(held, u.r, self.optimizer, first=len(out))
+        return out
+
+    @torch.no_grad()
+    def loaded(self) -> None:
+        """bf16-mixed: the compute slices from the fp32 masters a checkpoint filled."""
+        if self.mixed:
+            for u in self.units:
+                u.shard.copy_(u.master)
