@@ -46,7 +46,7 @@ class RunReport:
 
     def wire_groups_apportioned(self, rank: int = 0) -> set[str]:
         """Groups whose measured bytes include a share of an interval in which another group's op
-        was also writing (see comm.WireMeter): their split is by model bytes, their sum exact."""
+        was also writing (see meters.WireMeter): their split is by model bytes, their sum exact."""
         return {rec["group"] for rec in self.ranks[rank]["comm"] if rec["step"] >= 0
                 and len(rec.get("wire_shared_with", [])) > 1}
 

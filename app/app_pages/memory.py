@@ -9,7 +9,7 @@ import streamlit as st
 
 import presentation as pm
 from live_runs import StepBar, fmt_bytes, last_result, run_live, training_run
-from parallel_mini import theory
+from parallel_mini import preflight, theory
 from parallel_mini.course import viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.viz.units import format_bytes
@@ -151,8 +151,8 @@ configs = [{"dp": gpus, "tp": tp, "sp": sp, **pipe, "zero": k, "precision": prec
 
 def first_config_error(cfgs: list[dict]) -> ConfigError | None:
     try:
-        for cfg in cfgs:
-            RunConfig.from_dict(cfg)
+        for cfg in cfgs:  # the values, then what this machine can hold (refused before a run)
+            preflight.check_fits(RunConfig.from_dict(cfg))
     except ConfigError as err:
         return err
     return None

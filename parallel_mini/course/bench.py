@@ -50,7 +50,7 @@
     the counts exchange, and the experts' compute (forward timed in the layer, backward between
     two autograd marks around the experts).
 (i) Each collective on a sweep of sizes and world sizes, on gloo: the bytes this rank's process
-    wrote to its sockets during the op (comm.WireMeter: /proc/self/io's wchar, gloo's threads
+    wrote to its sockets during the op (meters.WireMeter: /proc/self/io's wchar, gloo's threads
     included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
     ones write more (per-message headers, and the algorithm gloo picks for small tensors).
 (j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny

@@ -350,15 +350,3 @@ class PipelineRunner:
 
     def _sampling(self):
         return self.held.after(self.strategy)  # (meters.HeldBytes: the bytes held after the op)
-
-
-def gather_stage_parameters(params: dict[str, torch.Tensor], mesh, axis: str = "pp"
-                            ) -> dict[str, torch.Tensor]:
-    """Every stage's parameters on every rank of the pipeline (to compare with the reference).
-    Bookkeeping outside training: an object all-gather, not a recorded collective."""
-    if mesh.size(axis) == 1:
-        return params
-    parts = [None] * mesh.size(axis)
-    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in params.items()},
-                           group=mesh.groups[axis])
-    return {k: v for part in parts for k, v in part.items()}

@@ -14,9 +14,14 @@ One module per topic, each listing its charts in its docstring:
     pipeline.py  pipeline schedules, the bubble, memory in flight (lesson 05, Pipeline page)
     context.py   context parallel: the K/V ring, tile maps, Ulysses, activations vs s
                                                                   (lesson 06, Long sequences page)
+    experts.py   routing, the all-to-all matrix, expert load     (lesson 07, Experts page)
+    plan.py      the planner's layouts and the toy's memory       (lessons 08-09, Plan a run page)
+    animate.py   frames drawn in the browser by the chart's own timer (Ring, Long sequences)
+    style.py     fitting a chart to its container, presentation sizes
     units.py     what they share: units, autosize, grouped bars by source
 
-Every chart is also here, so `viz.loss_curves(report)` works without knowing its module.
+The charts of lessons 01-06 are also here, so `viz.loss_curves(report)` works without knowing its
+module; the experts' and the planner's are imported from `viz.experts` and `viz.plan`.
 """
 from .context import (BLOCK_COLORS, CP_COMM_COLORS, CP_COMM_KINDS, SKIPPED_COLOR,
                       cp_activation_curve, cp_bytes_chart, cp_comm_frame, cp_comm_timeline,
