@@ -1,4 +1,6 @@
 """Ring all-reduce, run live: the ring animation decoded from the run, bytes, steps and bandwidth."""
+import time
+
 import pandas as pd
 import streamlit as st
 
@@ -28,7 +30,8 @@ timed_mb = c3.select_slider("Timed tensor (MB)", [1, 4, 16, 64], key=pm.kept("ri
 fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 key = {"n": n, "numel": numel, "timed_mb": timed_mb}
 
-if controls.run_button():
+pressed = controls.run_button()
+if pressed:
     run_live("ring", key, f"Running a ring all-reduce on {n} ranks…", ring_experiment,
              n, numel, timed_mb, fresh=fresh, ranks=n, where=controls.run_area)
 
@@ -45,6 +48,27 @@ theory_bytes = theory.wire_bytes("all_reduce", x_bytes, n)
 sent = exp["sent_bytes_per_rank"]  # counted: the payloads each rank handed to send
 written = exp.get("written_bytes_per_rank") or [None] * n  # measured: written to its sockets
 messages = exp.get("messages_per_rank") or [0] * n
+
+
+# After a press: once the browser has drawn the animation (its bound controls included), scroll
+# the page so that its top is under the header, if its bottom is below the screen (normal mode at
+# N = 8: the controls above push it past the first screen). NONCE: each press's script is new, so
+# the browser runs it again.
+_SCROLL_TO_THE_RING = """<script>/* NONCE */
+(() => {
+  let tries = 0;
+  const go = () => {
+    const el = [...document.querySelectorAll('[data-testid="stMain"] [data-testid="stVegaLiteChart"]')]
+        .find(e => e.querySelector('.vega-bindings') && e.querySelector('.marks'));
+    if (!el) { if (++tries < 200) setTimeout(go, 50); return; }
+    if (el.getBoundingClientRect().bottom <= window.innerHeight) return;
+    const header = document.querySelector('header[data-testid="stHeader"]');
+    el.style.scrollMarginTop = `${header ? header.getBoundingClientRect().height : 0}px`;
+    el.scrollIntoView({block: "start"});
+  };
+  go();
+})();
+</script>"""
 
 
 def _spread(values) -> str:
@@ -86,6 +110,9 @@ def what_the_ranks_did() -> None:
 frames = len(exp["frames"])
 pm.chart(autoplay(viz.ring_animation(exp, drawn_font=pm.drawn_font(), compact=True), "step",
                   frames))
+if pressed:  # the whole animation on the screen after Run live (normal mode: under the controls)
+    st.html(_SCROLL_TO_THE_RING.replace("NONCE", str(time.time_ns())),
+            unsafe_allow_javascript=True)
 st.caption("It plays by itself: untick **play** under the chart to hold a step, or move the "
            "**step** slider; **speed** sets the pace. Every frame is decoded from the messages of "
            "the live run: each message carries, in its values, which ranks' data it holds.")
