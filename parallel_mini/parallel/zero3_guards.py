@@ -313,3 +313,22 @@ def check_units_complete(units, model) -> None:
             raise RuntimeError(f"ZeRO-3: unit {type(u.module).__name__} got no complete "
                                f"gradient this step (missing: {names[:5]}); pass "
                                f"find_unused_parameters=True")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. zero-bubble deferral: the strategy's half (pipeline.py's W ops call it)
+# ---------------------------------------------------------------------------------------------
+class ZeroBubbleUnits:
+    """Zero3DataParallel's GradientStrategy hooks for a zero-bubble pipeline's W ops."""
+
+    def grad_deferred(self, p: torch.nn.Parameter) -> None:
+        """B queued p's weight gradient for a W: for this backward it counts as arrived (the unit
+        may be freed), and from now on the unit is reduced by W (`grad_accumulated`), not by B."""
+        self._unit_of[p].guard.later.add(p)
+        self._on_grad_ready(p)
+
+    def grad_accumulated(self, p: torch.nn.Parameter) -> None:
+        """W added its micro-batch's gradient to p.grad: once the unit holds that micro-batch's
+        whole gradient, reduce-scatter it (the unit stays freed: reducing reads p.grad, not p)."""
+        if self._unit_of[p].guard.whole_after_w(p) and not self.find_unused:
+            self._reduce(self._unit_of[p])
