@@ -197,7 +197,7 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
         self._maybe_done(unit)
 
     def _maybe_done(self, unit: Unit) -> None:
-        """All its gradients and its inputs' arrived: nothing reads it again. Reduce, free."""
+        """Its gradients and its inputs' gradient are complete: nothing reads it again."""
         if unit.guard.in_backward or len(unit.ready) < len(unit.params):
             return  # 4: an op of a call's backward may still read the weights
         unit.ready.clear()
