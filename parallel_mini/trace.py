@@ -1,5 +1,5 @@
 """Timelines of a run: as measured on the wall clock, replayed "as if each rank had its own
-device", and the bubble in both (the CLI's --trace file: course/chrome_trace.py).
+device", the bubble in both, and a trace file.
 
 Measured (wall clock): every op event's start and end. When the machine has at least as many cores
 as the run has ranks, the launcher pins each rank to a core of its own with one thread
@@ -21,6 +21,7 @@ its last, across the pipeline) in which the rank ran no F, B or W.
 """
 from __future__ import annotations
 
+import json
 import statistics
 
 from . import theory
@@ -305,6 +306,37 @@ def bubble(report) -> dict:
     replayed = {"overall": statistics.fmean(per_rank), "per_rank": per_rank,
                 "each_op": statistics.fmean(x for f in each for x in f)}
     return {"wall": wall, "replayed": replayed, "theory": formula, "steps": steps, "op_cpu_s": costs}
+
+
+# ---------------------------------------------------------------------------------------------
+# Chrome / Perfetto trace (open in chrome://tracing or ui.perfetto.dev)
+# ---------------------------------------------------------------------------------------------
+def chrome_trace(report) -> dict:
+    """Every op event and comm record of every rank, one process per rank (thread 0: ops, thread
+    1: communication), times in microseconds. The JSON Trace Event Format's complete events."""
+    events = []
+    for r in report.ranks:
+        pid = r["rank"]
+        events.append({"name": "process_name", "ph": "M", "pid": pid,
+                       "args": {"name": f"rank {pid} " + " ".join(f"{a}{v}" for a, v in r["coords"].items())}})
+        for tid, name in ((0, "ops"), (1, "comm")):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+        for e in r["events"]:
+            label = e["kind"] if e.get("microbatch") is None else f"{e['kind']}{e['microbatch']}"
+            events.append({"name": label, "cat": e["kind"], "ph": "X", "pid": pid, "tid": 0,
+                           "ts": 1e6 * e["start"], "dur": 1e6 * (e["end"] - e["start"]),
+                           "args": {k: v for k, v in e.items() if k not in ("start", "end")}})
+        for c in r["comm"]:
+            if "end" in c:
+                events.append({"name": c["op"], "cat": c["group"], "ph": "X", "pid": pid, "tid": 1,
+                               "ts": 1e6 * c["start"], "dur": 1e6 * (c["end"] - c["start"]),
+                               "args": {k: v for k, v in c.items() if k not in ("start", "end")}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(report, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(chrome_trace(report), fh)
 
 
 def replay_ops(schedule, cost: dict[str, float]) -> list[dict]:
