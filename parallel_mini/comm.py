@@ -193,17 +193,3 @@ def probe_input(numel: int, rank: int, n: int) -> torch.Tensor:
     """x[p] = p * 2^n + 2^rank (int64). A sum over a set S of ranks at position p is
     |S|*p*2^n + mask(S): the low n bits say *whose* data a message carries, the rest *where*."""
     return torch.arange(numel, dtype=torch.int64) * (1 << n) + (1 << rank)
-
-
-def decode_probe(value: int, n: int) -> tuple[int, int]:
-    """(position, contributor mask) of a probe value."""
-    mask = value % (1 << n)
-    k = bin(mask).count("1")
-    return (value >> n) // max(k, 1), mask
-
-
-def chunk_of(position: int, numel: int, n: int) -> int:
-    """Which of torch.tensor_split's n chunks holds `position`."""
-    q, rem = divmod(numel, n)
-    big = rem * (q + 1)  # the first `rem` chunks hold one extra element
-    return position // (q + 1) if position < big else rem + (position - big) // max(q, 1)

@@ -30,10 +30,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 def tensors_bytes(tensors) -> int:
     """Bytes of distinct storages among `tensors` (a view or a shared weight counts once)."""
     seen, total = set(), 0

@@ -17,8 +17,6 @@ from types import SimpleNamespace
 from .mesh import role_names  # axis names, grid arithmetic only (mesh.py imports no torch here)
 from .placement import gpt_held, gpt_units, held_numel, stage_blocks  # what a rank holds
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int64": 8}
-
 
 def wire_bytes(op: str, payload_bytes: int, n: int, rank_in_chain: int = 0) -> int:
     """Bytes one rank sends for `op` over a group of `n` ranks with payload S = `payload_bytes`.
@@ -458,21 +456,17 @@ def _pipeline_theory(cfg) -> dict:
             stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
             schedule.owner, r, cfg.microbatches, boundary)
+        chunks = [c for c, o in enumerate(schedule.owner) if o == r]
+        blocks = len(chunks) * cfg.layers // len(schedule.owner)  # the stage's blocks
+        moe_here = len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
+                                                  getattr(cfg, "moe_every", 1))))
         if cfg.tp > 1:
-            chunks = [c for c, o in enumerate(schedule.owner) if o == r]
-            moe_here = len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
-                                                      getattr(cfg, "moe_every", 1))))
             stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
-                cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner), embed=0 in chunks,
-                head=len(schedule.owner) - 1 in chunks, moe=moe_here) \
-                + moe_sp_wire_bytes_per_step(cfg, moe_here)
+                cfg, blocks=blocks, embed=0 in chunks, head=len(schedule.owner) - 1 in chunks,
+                moe=moe_here) + moe_sp_wire_bytes_per_step(cfg, moe_here)
         if cfg.cp > 1:
-            chunks = [c for c, o in enumerate(schedule.owner) if o == r]
             wire = stage["wire_bytes_per_step"]
-            wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(
-                cfg, blocks=len(chunks) * cfg.layers // len(schedule.owner),
-                moe=len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
-                                                   getattr(cfg, "moe_every", 1)))))
+            wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg, blocks=blocks, moe=moe_here)
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,

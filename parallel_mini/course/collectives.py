@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import theory
-from ..comm import Comm, chunk_of, decode_probe, probe_input, ring_all_reduce
+from ..comm import Comm, probe_input, ring_all_reduce
 from ..config import RunConfig
 from ..launch import rank_device, run_ranks
 from ..mesh import build_mesh
@@ -25,6 +25,21 @@ from ..mesh import build_mesh
 def _dp_comm(n: int) -> Comm:
     """A Comm over a pure data-parallel grid of n ranks (the primitives' lessons need no more)."""
     return Comm(build_mesh(RunConfig(dp=n, batch=n)))
+
+
+# reading comm.probe_input's values back
+def decode_probe(value: int, n: int) -> tuple[int, int]:
+    """(position, contributor mask) of a probe value."""
+    mask = value % (1 << n)
+    k = bin(mask).count("1")
+    return (value >> n) // max(k, 1), mask
+
+
+def chunk_of(position: int, numel: int, n: int) -> int:
+    """Which of torch.tensor_split's n chunks holds `position`."""
+    q, rem = divmod(numel, n)
+    big = rem * (q + 1)  # the first `rem` chunks hold one extra element
+    return position // (q + 1) if position < big else rem + (position - big) // max(q, 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,30 +1,22 @@
 """ZeRO stage 3 (FSDP's FULL_SHARD): the parameters are sharded too (ZeRO: Rajbhandari et al., SC
 2020; FSDP: Zhao et al., VLDB 2023).
 
-Between uses, rank r keeps only slice r of every layer's weights: 1/N of the parameters, of the
-gradients and of the optimizer states, 16P/N bytes with mixed-precision Adam. A layer's weights
-exist in full only while it computes:
+Between uses, rank r keeps only slice r of every unit's weights: 1/N of the parameters, gradients
+and optimizer states (16P/N bytes with mixed-precision Adam). A unit exists in full only while
+it computes:
     forward:  all-gather the unit's slices -> full weights -> compute -> free
     backward: all-gather again -> compute gradients -> reduce-scatter them -> free
-Per step that is all-gather (Psi) + all-gather (Psi) + reduce-scatter (Psi): 3 Psi on the wire, 1.5x
-what data parallel moves, in exchange for memory that falls as 1/N.
+3 Psi on the wire per step (1.5x data parallel), for memory that falls as 1/N.
 
-Read `plan_units` (what moves together), `Unit` (one sharded flat buffer: `gather`, `free`), then
-`Zero3DataParallel`: forward hooks gather and free, gradient hooks reduce-scatter and free.
+Read `plan_units` (what moves together: each block, the embedding, the head; tied or root
+parameters in a root unit; modules in `apart` over their own axes, as torchtitan shards MoE
+experts), `Unit` (one sharded flat buffer: `gather`, `free`), then `Zero3DataParallel`: forward
+hooks gather and free, gradient hooks reduce-scatter and free.
 
-Units (a fixed wrapping policy): each member of a top-level ModuleList (the blocks) and each other
-top-level child with trainable parameters (the embedding, the head) is one flat buffer. The root's
-own parameters and any parameter two units share (tied weights) form the *root unit*, gathered for
-the root's whole forward and kept for backward (as FSDP2 keeps its root); our GPT has none. A
-module in `apart` is a unit of its own over its own axes (FSDP2's nested fully_shard, as torchtitan
-shards MoE experts over their replicas, edp: parallel/expert.py). Frozen parameters are in no unit.
-
-Freeing uses `storage.resize_(0)`, as FSDP's first version did: the parameters and autograd's saved
-references keep pointing at the same storage, which gets its bytes back when the unit is gathered.
-What makes that safe on any module (a parameter read outside its unit, a weight read after its
-gradient arrived, a custom autograd.Function, zero-bubble W ops) is in zero3_guards.py, each guard
-called here with a one-line why. Not supported (as in FSDP2): a unit whose forward runs on some
-ranks only (measured: its all-gather meets another collective and the ranks deadlock).
+Freeing is `storage.resize_(0)`, as FSDP's first version: parameters and autograd's saved
+references keep pointing at the storage, which gets its bytes back when gathered. What makes that
+safe on any module is in zero3_guards.py, each guard called here with a one-line why. Not supported
+(as in FSDP2): a unit whose forward runs on some ranks only (its all-gather would deadlock).
 """
 from __future__ import annotations
 
@@ -42,9 +34,8 @@ from .zero import (FlatLayout, UsedParameters, piece_grads, piece_views, refuse_
 
 def plan_units(model: torch.nn.Module, apart=()) -> list[tuple[torch.nn.Module,
                                                              list[torch.nn.Parameter]]]:
-    """[(module, its trainable parameters)]: the root unit first when it has any, then each
-    top-level child (a ModuleList: each member) that keeps a parameter of its own, then each
-    module of `apart` (its parameters are its own unit's, not the child's around it)."""
+    """[(module, its trainable parameters)]: the root unit if any, each top-level child (of a
+    ModuleList: each member), then each module of `apart`; frozen parameters are in none."""
     modules = [m for child in model.children()
                for m in (child if isinstance(child, torch.nn.ModuleList) else [child])]
     home: dict[torch.nn.Parameter, int | None] = {}  # parameter -> its module; None: shared
@@ -63,9 +54,8 @@ def plan_units(model: torch.nn.Module, apart=()) -> list[tuple[torch.nn.Module,
 
 
 class Unit:
-    """Some parameters as one sharded flat buffer, over its own axes: `axis` (its data-parallel
-    ranks: the gradient is averaged over them), `shard_axis` (the ranks holding its slices) and
-    `replicate_axis` (HYBRID_SHARD: the ranks holding the same slice; None without)."""
+    """Some parameters as one sharded flat buffer over its own axes: `axis` (gradient averaged),
+    `shard_axis` (holding its slices), `replicate_axis` (HYBRID_SHARD: the same slice; or None)."""
 
     def __init__(self, module, params, comm: Comm, axes: dict, param_dtype, mixed, names):
         self.axis, self.shard_axis = axes["axis"], axes["shard_axis"]
@@ -87,36 +77,30 @@ class Unit:
         self.ready: set = set()  # parameters whose gradient arrived in this backward
         self.active = False  # inside the module's own forward
         self.guard = guards.UnitGuards(params, names)  # the guards' state (numbered as there)
-        self.gathered = True
         self.free()
 
     def free(self) -> None:
-        if self.gathered:
-            self.storage.resize_(0)  # bytes released; views stay attached
-            self.guard.wear(freed=True)  # 1: from now on an op that would read it is refused
-            self.gathered = False
+        self.storage.resize_(0)  # bytes released; views stay attached
+        self.guard.wear(freed=True)  # 1: from now on an op that would read it is refused
+        self.gathered = False
 
     def gather(self, comm: Comm) -> None:
-        if self.gathered:
-            return
         self.storage.resize_(self.layout.padded * self.full.element_size())
         comm.all_gather(self.full, self.shard, self.shard_axis)  # n x [k] -> [padded]
         self.guard.wear(freed=False)  # readable again
         self.gathered = True
 
 
-class Zero3DataParallel:
-    """ZeRO-3 over the data-parallel axes it is given; owns the optimizer. Same loop interface
-    as ZeroDataParallel."""
+class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accumulated there
+    """ZeRO-3 over the data-parallel axes it is given; owns the optimizer (GradientStrategy)."""
 
     def __init__(self, model: torch.nn.Module, comm: Comm, optimizer: str = "adam",
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
                  shard_axis: str = "dp", replicate_axis: str | None = None,
                  find_unused_parameters: bool = False, apart: dict | None = None):
-        """`axis`: the data-parallel axis (batch split, gradient average). HYBRID_SHARD: shard over
-        `shard_axis`, all-reduce the reduced slices over `replicate_axis` (see ZeroDataParallel).
-        `find_unused_parameters`: DDP's (zero3_guards.py, 5). `apart` {module: {axis, shard_axis,
-        replicate_axis}}: units of their own over other ranks (experts over edp; see above)."""
+        """`axis`: batch split, gradient average; HYBRID_SHARD: shard over `shard_axis`, all-reduce
+        over `replicate_axis`. `apart` {module: {axis, shard_axis, replicate_axis}}: units over
+        other ranks (experts over edp). `find_unused_parameters`: DDP's (zero3_guards.py, 5)."""
         refuse_unsupported(model, "ZeRO-3")
         apart = apart or {}
         if find_unused_parameters and apart:  # its 0/1 map would mix parameters of other ranks
@@ -143,8 +127,7 @@ class Zero3DataParallel:
         self.optimizer = make_optimizer(optimizer, views, lr)  # one, over every unit's pieces
 
     def _start_alike(self, model, axes: dict, apart: dict) -> None:
-        """Every rank starts from its data-parallel group's first rank's weights, as in data
-        parallel: each parameter over its unit's axis (an expert's replicas: edp)."""
+        """Every rank starts from its data-parallel group's first rank's weights (per unit axis)."""
         axis_of = {p: a["axis"] for m, a in apart.items() for p in m.parameters()}
         step, self.comm.step = self.comm.step, -1  # one-time setup traffic
         for p in model.parameters():
@@ -214,8 +197,7 @@ class Zero3DataParallel:
         self._maybe_done(unit)
 
     def _maybe_done(self, unit: Unit) -> None:
-        """Every gradient of the unit arrived and its inputs' gradient is complete: no op of this
-        backward reads its weights again. Reduce (unless find_unused_parameters) and free."""
+        """Its gradients and its inputs' gradient are complete: nothing reads it again."""
         if unit.guard.in_backward or len(unit.ready) < len(unit.params):
             return  # 4: an op of a call's backward may still read the weights
         unit.ready.clear()
@@ -240,19 +222,6 @@ class Zero3DataParallel:
         piece /= unit.dp
         unit.grad_shard = piece if unit.grad_shard is None else unit.grad_shard.add_(piece)
 
-    # 6: zero-bubble pipelines (parallel/pipeline.py's W ops) compute weight gradients after B
-    def grad_deferred(self, p: torch.nn.Parameter) -> None:
-        """B queued p's weight gradient for a W: for this backward it counts as arrived (the unit
-        may be freed), and from now on the unit is reduced by W (`grad_accumulated`), not by B."""
-        self._unit_of[p].guard.later.add(p)  # from now on W reduces the unit, not B
-        self._on_grad_ready(p)
-
-    def grad_accumulated(self, p: torch.nn.Parameter) -> None:
-        """W added its micro-batch's gradient to p.grad: once the unit holds that micro-batch's
-        whole gradient, reduce-scatter it (the unit stays freed: reducing reads p.grad, not p)."""
-        if self._unit_of[p].guard.whole_after_w(p) and not self.find_unused:
-            self._reduce(self._unit_of[p])
-
     # -- the training-loop interface ------------------------------------------------------------
     def zero_grad(self) -> None:
         for u in self.units:
@@ -264,8 +233,7 @@ class Zero3DataParallel:
         yield  # every micro-step reduce-scatters (as FSDP does by default): nothing to defer
 
     def finish_gradient_sync(self) -> None:
-        """With find_unused_parameters: every unit reduce-scatters now, in unit order, on every
-        rank; then one 0/1 map says which parameters no rank used."""
+        """find_unused_parameters: every unit reduces now, in unit order; a 0/1 map says unused."""
         if not self.find_unused:
             guards.check_units_complete(self.units, self.model)  # 5: DDP's rule
         else:
@@ -310,8 +278,7 @@ class Zero3DataParallel:
         for u in self.units:
             was_gathered = u.gathered
             self.gather(u)
-            for p in u.params:
-                out[p] = p.detach().clone()
+            out.update({p: p.detach().clone() for p in u.params})
             if not was_gathered:
                 self._free(u)
         return {name: out[p] if p in out else p.detach()
@@ -319,8 +286,7 @@ class Zero3DataParallel:
 
     # -- what this rank owns (interfaces.GradientStrategy.owned: checkpoints read it) -----------
     def owned(self, held) -> list:
-        """My slice of every unit's flat buffer, as boxes of the full tensors (one optimizer
-        steps every unit's pieces, in unit order)."""
+        """My slice of every unit's flat buffer, as boxes of the full tensors, in unit order."""
         out = []
         for u in self.units:
             out += u.layout.owned(held, u.r, self.optimizer, first=len(out))

@@ -31,15 +31,15 @@ of a freed unit reads memory that is gone and the rank dies of SIGSEGV (measured
    every reduce-scatter waits for finish_gradient_sync, where all units go in a fixed order, zeros
    where a gradient did not arrive; a parameter no rank used is not stepped. The price: full
    gradients live until then (ZeRO-2's gradient memory).
-6. zero-bubble deferral (`UnitGuards.later`, `whole_after_w`): a zero-bubble pipeline's W
-   computes weight gradients after B, outside autograd, so no hook sees them. B computes only
-   dX = dY W (it needs the gathered weights) and queues X and dY; W computes dW = dY^T X into
-   p.grad and reads no weight: the unit is freed when B is done, as after a full backward, and W
-   does not gather it again. Its reduce-scatter waits
-   for W: then, per micro-batch as under 1F1B, the same 3 Psi, and the full weight gradient lives
-   only inside W. What B left in p.grad (the LayerNorms') waits there, full size, and rides along;
-   a B of the next micro-batch may add to it first, which changes nothing: a reduce-scatter of a
-   sum is the sum of two. (A unit with no Linear, the embeddings, is reduced by B as before.)
+6. zero-bubble deferral (`ZeroBubbleUnits`, `UnitGuards.later`, `whole_after_w`): a zero-bubble
+   pipeline's W computes weight gradients after B, outside autograd, so no hook sees them. B
+   computes only dX = dY W (it needs the gathered weights) and queues X and dY; W computes
+   dW = dY^T X into p.grad and reads no weight: the unit is freed when B is done, as after a full
+   backward, and W does not gather it again. Its reduce-scatter waits for W: then, per micro-batch
+   as under 1F1B, the same 3 Psi, and the full weight gradient lives only inside W. What B left in
+   p.grad (the LayerNorms') waits there, full size, and rides along; a B of the next micro-batch
+   may add to it first, which changes nothing: a reduce-scatter of a sum is the sum of two. (A
+   unit with no Linear, the embeddings, is reduced by B as before.)
    torch.distributed.pipelining keeps an FSDP2 stage unsharded for W instead, and reduce-scatters
    once after the last micro-batch: full gradients and weights for the whole step.
 """
@@ -313,3 +313,22 @@ def check_units_complete(units, model) -> None:
             raise RuntimeError(f"ZeRO-3: unit {type(u.module).__name__} got no complete "
                                f"gradient this step (missing: {names[:5]}); pass "
                                f"find_unused_parameters=True")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. zero-bubble deferral: the strategy's half (pipeline.py's W ops call it)
+# ---------------------------------------------------------------------------------------------
+class ZeroBubbleUnits:
+    """Zero3DataParallel's GradientStrategy hooks for a zero-bubble pipeline's W ops."""
+
+    def grad_deferred(self, p: torch.nn.Parameter) -> None:
+        """B queued p's weight gradient for a W: for this backward it counts as arrived (the unit
+        may be freed), and from now on the unit is reduced by W (`grad_accumulated`), not by B."""
+        self._unit_of[p].guard.later.add(p)
+        self._on_grad_ready(p)
+
+    def grad_accumulated(self, p: torch.nn.Parameter) -> None:
+        """W added its micro-batch's gradient to p.grad: once the unit holds that micro-batch's
+        whole gradient, reduce-scatter it (the unit stays freed: reducing reads p.grad, not p)."""
+        if self._unit_of[p].guard.whole_after_w(p) and not self.find_unused:
+            self._reduce(self._unit_of[p])
