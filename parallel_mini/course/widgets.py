@@ -37,7 +37,6 @@ import time
 
 import altair as alt
 import ipywidgets as W
-import pandas as pd
 
 from .. import engine, theory, trace
 from ..config import RunConfig
@@ -553,27 +552,6 @@ def planned_report(layout: str, c: int, seq: int) -> dict:
                        "context": {"tiles": planned_tiles(layout, c, k)}} for k in range(c)]}
 
 
-def work_theory_chart(layout: str, c: int, seq: int) -> alt.LayerChart:
-    """Attention scores (query × key token pairs) each cp rank computes in one layer's forward,
-    by the formula (viz.tiles_theory × tile size²). Belongs in viz/context.py beside
-    cp_work_bars, which draws a run's measured work against the same formula."""
-    size = seq // n_chunks(layout, c)
-    df = pd.DataFrame([{"rank": f"rank {k}", "pairs": viz.tiles_theory(layout, c, k)[0] * size ** 2}
-                       for k in range(c)])
-    base = alt.Chart(df).encode(
-        x=alt.X("rank:N", title="cp rank", sort=None, axis=alt.Axis(labelAngle=0)),
-        y=alt.Y("pairs:Q", title="attention scores computed (query × key pairs)"),
-        tooltip=["rank:N", alt.Tooltip("pairs:Q", format=",")])
-    return alt.layer(base.mark_bar(color="#9ecae9"),
-                     base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("pairs:Q", format=","))
-                     ).properties(autosize=PAD, width=max(240, 48 * c), height=200,
-                                  title=alt.TitleParams(
-                                      f"Work per rank (formula): {layout}, C = {c}, s = {seq}",
-                                      subtitle="tiles_theory × tile size²; most/least = "
-                                               f"{df['pairs'].max() / df['pairs'].min():.2g}",
-                                      anchor="start"))
-
-
 class TilesExplorer(Explorer):
     """Causal attention tiles per cp rank, planned (theory) at once, run live on a button."""
 
@@ -621,7 +599,7 @@ class TilesExplorer(Explorer):
                       "formula: contiguous, rank r computes r + 1 of C tiles; zigzag, every rank "
                       f"2C + 1 = {2 * c + 1} of 4C = {4 * c}"],
             panel=max(70, min(150, 640 // c)))
-        self.work_chart = work_theory_chart(layout, c, seq)
+        self.work_chart = viz.cp_work_theory_bars(layout, c, seq)
         self.show(self.chart)
         self.show(self.work_chart, 1)
         why = self.refresh_button()

@@ -25,8 +25,8 @@ module; the experts' and the planner's are imported from `viz.experts` and `viz.
 """
 from .context import (BLOCK_COLORS, CP_COMM_COLORS, CP_COMM_KINDS, SKIPPED_COLOR,
                       cp_activation_curve, cp_bytes_chart, cp_comm_frame, cp_comm_timeline,
-                      cp_ranks, cp_sent_bytes, cp_work_bars, ring_kv_animation, ring_kv_frames,
-                      tile_map, tile_map_frame, tile_maps, tiles_theory)
+                      cp_ranks, cp_sent_bytes, cp_work_bars, cp_work_theory_bars, ring_kv_animation,
+                      ring_kv_frames, tile_map, tile_map_frame, tile_maps, tiles_theory)
 from .memory import (HOST_COLOR, STAGE_CATEGORIES, STAGE_COLORS, activation_bars,
                      memory_measured_vs_theory, memory_measured_vs_theory_frame, memory_stages,
                      memory_stages_frame)

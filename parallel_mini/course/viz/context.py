@@ -401,6 +401,27 @@ def tile_map(report, title: str | None = None, subtitle=None, panel: int = 150) 
                      panel)
 
 
+def cp_work_theory_bars(layout: str, c: int, seq: int) -> alt.LayerChart:
+    """Attention scores (query x key token pairs) each cp rank computes in one layer's forward, by
+    the formula alone (tiles_theory x tile size²), before any run: what `cp_work_bars` then draws
+    beside a run's measured work."""
+    size = seq // (2 * c if layout == "zigzag" else c)  # a chunk: zigzag cuts 2C of them
+    df = pd.DataFrame([{"rank": f"rank {k}", "pairs": tiles_theory(layout, c, k)[0] * size ** 2}
+                       for k in range(c)])
+    base = alt.Chart(df).encode(
+        x=alt.X("rank:N", title="cp rank", sort=None, axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("pairs:Q", title="attention scores computed (query × key pairs)"),
+        tooltip=["rank:N", alt.Tooltip("pairs:Q", format=",")])
+    return alt.layer(base.mark_bar(color="#9ecae9"),
+                     base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("pairs:Q", format=","))
+                     ).properties(autosize=PAD, width=max(240, 48 * c), height=200,
+                                  title=alt.TitleParams(
+                                      f"Work per rank (formula): {layout}, C = {c}, s = {seq}",
+                                      subtitle="tiles_theory × tile size²; most/least = "
+                                               f"{df['pairs'].max() / df['pairs'].min():.2g}",
+                                      anchor="start"))
+
+
 def cp_work_bars(reports: dict, title: str = "Attention work per rank: measured vs formula",
                  subtitle: str | list[str] | None = None) -> alt.LayerChart:
     """Grouped bars per cp rank: query x key token pairs each rank scored in one layer's forward,
