@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import streamlit as st
-from streamlit.delta_generator import DeltaGenerator
 
 from parallel_mini import engine
 from parallel_mini.course import collectives, experiments
@@ -352,7 +351,7 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
     except ValueError as err:  # a bad PARALLEL_MINI_MAX_RANKS: said in one line, nothing started
         st.error(f"The server's run queue is misconfigured: {err}")
         return None
-    warming = getattr(_LOCAL, "warming", False)
+    warm_up = warming()
     st.session_state[f"{page}_running"] = {"key": key, "label": label}
     box = st if where is None else where
     status = box.status(label, expanded=False)
@@ -363,7 +362,7 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
     entry = None if fresh else SHARED.get(page, tag)
     how = "cache"
     while entry is None:
-        flight, leader = SHARED.begin(page, tag, "warm-up" if warming else "session")
+        flight, leader = SHARED.begin(page, tag, "warm-up" if warm_up else "session")
         if leader:
             how = "now"
             entry, error, waited = _lead(page, tag, flight, queue, fn, args, attempt, ranks,
@@ -407,7 +406,7 @@ def run_live(page: str, key: dict, label: str, fn, *args, fresh: bool = False, r
     status.update(label=f"{name}: done in {total:.1f} s, {said}{alone}", state="complete")
     result = entry.result()
     st.session_state[f"{page}_last"] = {"key": key, "result": result}
-    if warming:
+    if warm_up:
         raise _Warmed()
     return result
 
@@ -459,7 +458,7 @@ def _fail(status, error: str, details: str | None):
     if details:
         with st.expander("Full output of the failed rank"):
             st.code(details)
-    if getattr(_LOCAL, "warming", False):
+    if warming():
         raise _Warmed(error)
     return None
 
@@ -471,15 +470,12 @@ WARM_ENV = "PARALLEL_MINI_WARM"  # "all" (unset), "none", or the url paths to wa
 _WARM_LOCK = threading.Lock()
 _WARM: dict[str, str] = {}  # page title -> "waiting" | "running" | "measured at 09:31:05 in 3.2 s"
 _WARM_STARTED = False
-_REAL_BUTTON = DeltaGenerator.button
 
 
-def _button(self, label, *args, **kwargs):
-    """DeltaGenerator.button (st.button, st.sidebar.button, a container's), except in the warm-up's
-    thread, where "Run live" is pressed."""
-    if getattr(_LOCAL, "warming", False) and label == "Run live":
-        return True
-    return _REAL_BUTTON(self, label, *args, **kwargs)
+def warming() -> bool:
+    """True in the warm-up's thread: there a page's Run live counts as pressed
+    (presentation.Controls.run_button asks), in every other thread the browser decides."""
+    return getattr(_LOCAL, "warming", False)
 
 
 def _is_real_server() -> bool:
@@ -521,7 +517,6 @@ def start_warmup(pages: list[tuple[str, str, str]], main_script: str) -> None:
             return
         _WARM_STARTED = True
         _WARM.update({title: "waiting" for title, _, _ in todo})
-    DeltaGenerator.button = _button  # the same button for every other thread
     threading.Thread(target=_warm_all, args=(todo, main_script), daemon=True,
                      name="parallel_mini warm-up").start()
 

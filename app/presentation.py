@@ -129,6 +129,9 @@ Run live), wherever the page calls run_button: Run live stays on the first scree
 
     def run_button(self, label: str = "Run live", **kwargs) -> bool:
         pressed = self._slot.button(label, type="primary", **kwargs)
+        if not pressed and not kwargs.get("disabled"):
+            from live_runs import warming  # the server's warm-up presses every page's Run live
+            pressed = warming()
         self.run_area = self._slot.container()
         return pressed
 
