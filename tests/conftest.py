@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -23,3 +24,22 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def in_ci() -> bool:
     return os.environ.get("CI") == "true"
+
+
+@pytest.fixture(scope="session")
+def shared_run():
+    """`shared_run(cfg)`: engine.run(cfg), run once per configuration for the whole session and
+    shared by every test that asks for the same RunConfig (a report is read, never changed: treat
+    it as frozen). Ranks are the suite's main cost on CI's 2 cores; a configuration that several
+    tests read is paid once."""
+    from parallel_mini.engine import run
+
+    reports: dict = {}
+
+    def shared(cfg):
+        key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+        if key not in reports:
+            reports[key] = run(cfg)
+        return reports[key]
+
+    return shared

@@ -3,7 +3,7 @@
 Routing is tested as pure functions first (ties, queue order, capacity, gates, the losses); then
 runs: every layout equals the single-process reference (fp32, 1e-5), drops exactly the tokens the
 reference drops, records its all-to-alls, and holds the model states theory predicts to the byte.
-The matrix up to 8 ranks is cheap (about a second a run here), so all of it is in `make test`.
+The matrix (test_matrix) runs one entry per behaviour by default and the rest under `-m slow`.
 """
 import json
 import math
@@ -197,20 +197,39 @@ def test_ep_shards_expert_states_one_over_p():
     assert saved == 16 * experts * 3 // 4  # fp32 Adam: 16 bytes per parameter, 3/4 of them gone
 
 
+def _slow(kw: dict, covered_by: str):
+    return pytest.param(kw, marks=pytest.mark.slow, id=repr(kw))
+
+
 @pytest.mark.parametrize("kw", [
-    dict(dp=2, ep=2),
-    dict(dp=4, ep=4, zero=1),
-    dict(dp=4, ep=2, experts=8, top_k=1, capacity_factor=1.0),
-    dict(dp=2, ep=2, pp=2, schedule="zb", moe_every=2),
-    dict(dp=2, ep=2, pp=2, schedule="interleaved", layers=4, zero=2),
-    dict(dp=2, ep=2, pp=2, schedule="gpipe", tp=2),
-    dict(dp=2, ep=2, checkpointing="full", grad_accum=2),
-    dict(dp=2, ep=2, checkpointing="selective"),
-    dict(dp=8, ep=8, experts=8, batch=16),
-    dict(dp=8, ep=4, experts=8, zero=1, batch=16),
-    dict(dp=2, experts=4, zero=3),
-], ids=repr)
+    # in `make test`: one of each behaviour no test above has (a zero-bubble schedule's split
+    # backward through the all-to-alls, four axes with gpipe, full recomputation re-dispatching)
+    pytest.param(dict(dp=2, ep=2, pp=2, schedule="zb", moe_every=2),
+                 id=repr(dict(dp=2, ep=2, pp=2, schedule="zb", moe_every=2))),
+    pytest.param(dict(dp=2, ep=2, pp=2, schedule="gpipe", tp=2),
+                 id=repr(dict(dp=2, ep=2, pp=2, schedule="gpipe", tp=2))),
+    pytest.param(dict(dp=2, ep=2, checkpointing="full", grad_accum=2),
+                 id=repr(dict(dp=2, ep=2, checkpointing="full", grad_accum=2))),
+    # `-m slow`: each behaviour below is also run by a default test (named)
+    _slow(dict(dp=2, ep=2), "test_done_means_dp2_ep2_tp2_top1"),
+    _slow(dict(dp=4, ep=4, zero=1), "test_ep_with_pp_and_zero1, test_done_means_dp4_ep4_..."),
+    _slow(dict(dp=4, ep=2, experts=8, top_k=1, capacity_factor=1.0),
+          "test_ep_inside_dp_with_zero2_and_grad_accum, test_done_means_dp2_ep2_tp2_top1"),
+    _slow(dict(dp=2, ep=2, pp=2, schedule="interleaved", layers=4, zero=2),
+          "the zb and gpipe entries, test_ep_with_pp_and_zero1"),
+    _slow(dict(dp=2, ep=2, checkpointing="selective"), "the checkpointing='full' entry"),
+    _slow(dict(dp=8, ep=8, experts=8, batch=16), "test_done_means_dp4_ep4_eight_experts_top2"),
+    _slow(dict(dp=8, ep=4, experts=8, zero=1, batch=16),
+          "test_ep_inside_dp_with_zero2_and_grad_accum"),
+    _slow(dict(dp=2, experts=4, zero=3), "tests/test_experts_zero3.py"),
+])
 def test_matrix(kw):
+    """Expert parallel composed with the other axes. The default suite runs three entries, one per
+    behaviour that no other default test covers: the zero-bubble schedule (its split backward
+    through the all-to-alls), four axes at once (dp x ep x pp x tp, gpipe) and full
+    recomputation with accumulation (every dispatch and combine issued twice, counted by
+    check_moe). The others are `-m slow`, each beside the default test that covers its behaviour
+    (see each entry's second argument)."""
     check_moe(run(moe_config(**kw)))
 
 

@@ -18,8 +18,8 @@ def test_seed_table_7b_on_8_gpus():
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_fp32_equals_reference_memory_and_wire(dp, zero):
-    report = run(RunConfig(dp=dp, zero=zero, steps=3, reference=True))
+def test_fp32_equals_reference_memory_and_wire(dp, zero, shared_run):
+    report = shared_run(RunConfig(dp=dp, zero=zero, steps=3, reference=True))
     assert report.max_abs_diff <= 1e-5, report.max_abs_diff_detail
     for rank in report.ranks:
         m = rank["memory"]
@@ -39,19 +39,26 @@ def test_zero3_uneven_world_pads_and_states_it():
         report.theory["wire_bytes_per_step"]["dp"], rel=1e-12)
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
+@pytest.mark.parametrize("dp", [pytest.param(1, marks=pytest.mark.slow), 2, 4])
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_with_gradient_accumulation(dp, zero):
-    report = run(RunConfig(dp=dp, zero=zero, grad_accum=2, steps=2, reference=True))
+def test_with_gradient_accumulation(dp, zero, shared_run):
+    """Accumulation under each stage at 2 and 4 ranks (dp=1, where no stage shards anything, is
+    `-m slow`); the dp=2 runs are also test_checkpointing_equal_less_memory_and_recomputes's
+    baselines (shared_run: run once)."""
+    report = shared_run(RunConfig(dp=dp, zero=zero, grad_accum=2, steps=2, reference=True))
     assert report.max_abs_diff <= 1e-5
     assert report.wire_bytes_per_step()["dp"] == report.theory["wire_bytes_per_step"]["dp"]
 
 
-def test_zero_sharding_shrinks_memory_as_predicted():
-    """Per-rank model states at dp=4: each stage strictly below the previous one."""
+def test_zero_sharding_shrinks_memory_as_predicted(shared_run):
+    """Per-rank model states at dp=4: each stage strictly below the previous one. (States do not
+    depend on the number of steps: stages 1-3 read test_fp32_equals_reference_memory_and_wire's
+    dp=4 runs, shared_run.)"""
     states = []
     for zero in (0, 1, 2, 3):
-        m = run(RunConfig(dp=4, zero=zero, steps=1)).ranks[0]["memory"]
+        cfg = RunConfig(dp=4, zero=zero, steps=3, reference=True) if zero else RunConfig(
+            dp=4, zero=0, steps=1)
+        m = shared_run(cfg).ranks[0]["memory"]
         states.append(m["params"] + m["grads"] + m["optimizer"])
     assert states[0] > states[1] > states[2] > states[3]
 
@@ -82,10 +89,13 @@ def test_bf16_mixed_is_16_bytes_per_param_unsharded():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointing_equal_less_memory_and_recomputes(zero, mode):
+def test_checkpointing_equal_less_memory_and_recomputes(zero, mode, shared_run):
     """Checkpointing changes memory and compute, never the result: equal to the reference, fewer
-    activation bytes, and each checkpointed segment's forward measured to run again in backward."""
-    base = run(RunConfig(dp=2, zero=zero, grad_accum=2, steps=2))
+    activation bytes, and each checkpointed segment's forward measured to run again in backward.
+    The baseline without checkpointing is run once per stage (shared_run; with the reference on
+    rank 0 after the steps, which changes no measured byte of them), for both modes and
+    test_with_gradient_accumulation."""
+    base = shared_run(RunConfig(dp=2, zero=zero, grad_accum=2, steps=2, reference=True))
     ck = run(RunConfig(dp=2, zero=zero, grad_accum=2, steps=2, checkpointing=mode, reference=True))
     assert ck.max_abs_diff <= 1e-5
     assert ck.ranks[0]["memory"]["activations_peak"] < base.ranks[0]["memory"]["activations_peak"]
