@@ -484,8 +484,13 @@ def test_route_stub_is_not_attempted():
     assert "capacity" in check_route(route_right, capacity_stub).message
 
 
-@pytest.mark.parametrize("right", [route_right, route_right_vectorised])
+@pytest.mark.parametrize("right", [pytest.param(route_right, marks=pytest.mark.slow),
+                                   route_right_vectorised])
 def test_route_right_answers_train_as_the_library_on_real_ranks(right):
+    """A right route, on real ranks. By default the vectorised form: its gates are computed
+    another way than the library's (a softmax of the chosen logits), so the check is also shown
+    not to refuse a right answer whose arithmetic differs; the loop form (route_right) is
+    `-m slow`."""
     from parallel_mini.course.grading import ROUTE_RUN_CASES, check_route
     grade = check_route(right, capacity_right)
     assert grade.status == "correct", grade

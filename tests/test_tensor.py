@@ -26,18 +26,18 @@ def test_tp_equals_reference(tp):
 
 
 @pytest.mark.parametrize("zero", [0, 1, 3])
-def test_tp_composes_with_data_parallel_and_zero(zero):
-    report = run(RunConfig(dp=2, tp=2, zero=zero, steps=2, reference=True))
+def test_tp_composes_with_data_parallel_and_zero(zero, shared_run):
+    report = shared_run(RunConfig(dp=2, tp=2, zero=zero, steps=2, reference=True))
     assert report.max_abs_diff <= 1e-5
     _check(report, "tp")
     _check(report, "dp")
 
 
-def test_tp_with_checkpointing_and_accumulation():
+def test_tp_with_checkpointing_and_accumulation(shared_run):
     """Full checkpointing re-runs one all-reduce per block in backward (measured; see
     theory.tp_wire_bytes_per_step for why not two)."""
     plain = run(RunConfig(tp=2, grad_accum=2, steps=2))
-    ck = run(RunConfig(tp=2, grad_accum=2, checkpointing="full", steps=2, reference=True))
+    ck = shared_run(RunConfig(tp=2, grad_accum=2, checkpointing="full", steps=2, reference=True))
     assert ck.max_abs_diff <= 1e-5
     _check(ck, "tp")
     extra = ck.wire_bytes_per_step()["tp"] - plain.wire_bytes_per_step()["tp"]
@@ -72,12 +72,14 @@ def test_bad_layout_refused(bad, field):
 
 @pytest.mark.parametrize("kw", [dict(tp=2), dict(tp=4), dict(tp=2, dp=2, zero=3),
                                 dict(tp=2, grad_accum=2, checkpointing="full")])
-def test_sequence_parallel_equal_same_activation_bytes_less_memory(kw):
+def test_sequence_parallel_equal_same_activation_bytes_less_memory(kw, shared_run):
     """SP: equal to the reference; the activation traffic is the same bytes as plain TP (each
     all-reduce became an all-gather + a reduce-scatter), plus the sequence-sharded parameters'
-    gradients; activation memory per rank goes down."""
+    gradients; activation memory per rank goes down. The plain run is shared (shared_run) with
+    the test above that runs it, where one does (the reference is computed after the steps:
+    their measured bytes are the same with it)."""
     sp = run(RunConfig(sp=True, steps=2, reference=True, **kw))
-    plain = run(RunConfig(steps=2, **kw))
+    plain = shared_run(RunConfig(steps=2, reference=True, **kw))
     assert sp.max_abs_diff <= 1e-5
     _check(sp, "tp")
     assert sp.ranks[0]["memory"]["activations_peak"] < plain.ranks[0]["memory"]["activations_peak"]
