@@ -58,6 +58,22 @@ def app_url(request, tmp_path_factory):
     yield url
 
 
+# every chart drawn (vega-embed draws after the script run has ended)
+ALL_DRAWN = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')]
+    .every(e => e.querySelector('svg.marks, canvas.marks'))"""
+
+
+def screenshot_whole_page(page, path: str, width: int) -> None:
+    """A picture of the whole page for a reader (no assertion): Streamlit scrolls inside its main
+    block, so the viewport is made as tall as the page; then every chart drawn and two frames
+    painted (states, not a fixed wait) before the screenshot."""
+    height = page.evaluate('document.querySelector(\'[data-testid="stMain"]\').scrollHeight')
+    page.set_viewport_size({"width": width, "height": min(int(height) + 50, 12_000)})
+    page.wait_for_function(ALL_DRAWN, timeout=60_000)
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    page.screenshot(path=path, full_page=True)
+
+
 def _svg_texts(chart) -> list[str]:
     return chart.locator("svg text").all_text_contents()
 
@@ -141,8 +157,10 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
             assert _caption_step(chart) == held
             assert page.locator('[data-testid="stException"]').count() == 0
 
+            # each step below is a state that stays (play is off): 60 s is a hang guard (10 s, the
+            # old one, was short on a loaded CI: 'step 2 of 14' never appeared within it)
             slider.fill("0")  # the start: each rank holds only its own data
-            chart.locator("svg text", has_text=f"step 0 of {steps}").first.wait_for(timeout=10_000)
+            chart.locator("svg text", has_text=f"step 0 of {steps}").first.wait_for(timeout=60_000)
             before_png = chart.screenshot()
             before_texts = _svg_texts(chart)
             assert f"all {n}" not in before_texts
@@ -153,7 +171,7 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
 
             slider.fill(str(steps))  # the last step: the all-reduce is complete
             last = chart.locator("svg text", has_text=f"step {steps} of {steps}")
-            last.wait_for(timeout=10_000)
+            last.wait_for(timeout=60_000)
             after_texts = _svg_texts(chart)
             # every rank x chunk now holds all 8 ranks' data (decoded from the run's messages)
             assert sum(t.startswith(f"all {n}") for t in after_texts) == n * n, after_texts
@@ -167,7 +185,7 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
                 assert text["y"] + text["height"] <= box["y"] + box["height"] + 0.5, (line, text, box)
 
             slider.fill("2")  # mid reduce-scatter: partial sums, three ranks' data at most
-            chart.locator("svg text", has_text=f"step 2 of {steps}").wait_for(timeout=10_000)
+            chart.locator("svg text", has_text=f"step 2 of {steps}").wait_for(timeout=60_000)
             mid = _svg_texts(chart)
             assert not any(t.startswith(f"all {n}") for t in mid)
             assert any(t.count("+") == 2 for t in mid), mid  # e.g. "0+6+7"

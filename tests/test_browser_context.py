@@ -12,7 +12,7 @@ import re
 import pytest
 
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, _wait_for_ticks,  # noqa: F401
-                          app_url, wait_for_the_rerun)
+                          app_url, screenshot_whole_page, wait_for_the_rerun)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/long_sequences_page.png"
@@ -51,7 +51,7 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             slider = ring.locator('input[type="range"]')
             expect(slider).to_have_attribute("max", "7")  # 2C - 1 frames for the default C = 4
             slider.fill("0")
-            ring.locator("svg text", has_text="frame 0 of 7").wait_for(timeout=10_000)
+            ring.locator("svg text", has_text="frame 0 of 7").wait_for(timeout=60_000)
             assert _discs(ring) == ["K/V 0", "K/V 1", "K/V 2", "K/V 3"]  # everyone its own block
             texts = ring.locator("svg text").all_text_contents()
             # the caption lists every hop as recorded: K and V of [4, 4, 8, 16] fp32 = 16,384 B
@@ -59,12 +59,12 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             before = ring.screenshot()
 
             slider.fill("2")  # forward ring step 2: rank r holds block r - 2
-            ring.locator("svg text", has_text="frame 2 of 7").wait_for(timeout=10_000)
+            ring.locator("svg text", has_text="frame 2 of 7").wait_for(timeout=60_000)
             assert _discs(ring) == ["K/V 2", "K/V 3", "K/V 0", "K/V 1"]
             assert ring.screenshot() != before
             slider.fill("7")  # backward's last hop: dK, dV go home
             ring.locator("svg text", has_text="the last hop takes dK, dV home").wait_for(
-                timeout=10_000)
+                timeout=60_000)
 
             # the tile maps: contiguous rank 3 computes all 4 tiles, zigzag every rank 9 of 16
             tiles = charts.filter(has=page.locator("svg text",
@@ -101,10 +101,6 @@ def test_long_sequences_page_runs_live_and_the_ring_moves(app_url):  # noqa: F81
             assert _frame(ring) == held
             assert page.locator('[data-testid="stException"]').count() == 0
 
-            # Streamlit scrolls inside its main block: a viewport as tall as the page shows it all
-            height = page.evaluate('document.querySelector(\'[data-testid="stMain"]\').scrollHeight')
-            page.set_viewport_size({"width": 1500, "height": min(int(height) + 50, 12_000)})
-            page.wait_for_timeout(1000)  # let the charts finish drawing before the screenshot
-            page.screenshot(path=SCREENSHOT, full_page=True)
+            screenshot_whole_page(page, SCREENSHOT, 1500)
         finally:
             browser.close()

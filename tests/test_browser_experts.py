@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from parallel_mini.moe import capacity
-from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
+                          screenshot_whole_page)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/experts_page.png"
@@ -71,11 +72,6 @@ def test_experts_page_runs_live_and_draws_the_routing(app_url):  # noqa: F811
             assert heat0.screenshot() != before
             assert page.locator('[data-testid="stException"]').count() == 0
 
-            # Streamlit scrolls inside its main block: a viewport as tall as the page shows it all
-            height = page.evaluate(
-                'document.querySelector(\'[data-testid="stMain"]\').scrollHeight')
-            page.set_viewport_size({"width": 1500, "height": min(int(height) + 50, 12_000)})
-            page.wait_for_timeout(1000)  # let the charts finish drawing before the screenshot
-            page.screenshot(path=SCREENSHOT, full_page=True)
+            screenshot_whole_page(page, SCREENSHOT, 1500)
         finally:
             browser.close()

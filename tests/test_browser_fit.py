@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
-                          wait_for_the_rerun)
+from test_browser import (ALL_DRAWN, CHROMIUM, CHROMIUM_ARGS,  # noqa: F401  (app_url: the fixture)
+                          app_url, wait_for_the_rerun)
 
 pytestmark = pytest.mark.browser
 
@@ -54,9 +54,6 @@ CHART_BOXES = """() => {
   });
 }"""
 
-# every chart drawn (vega-embed draws after the script run has ended)
-ALL_DRAWN = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')]
-    .every(e => e.querySelector('svg.marks, canvas.marks'))"""
 
 # every text drawn on the page (HTML text nodes and chart text) smaller than MIN_TEXT_PX
 SMALL_TEXTS = r"""(least) => {
@@ -244,7 +241,7 @@ def ring_problems(page) -> list[str]:
 
     try:
         page.wait_for_function(f"() => {{ const b = ({RING_ON_ONE_SCREEN})(); "
-                               "return b.top >= 0 && b.bottom <= b.height; }", timeout=15_000)
+                               "return b.top >= 0 && b.bottom <= b.height; }", timeout=60_000)
     except PlaywrightTimeout:
         box = page.evaluate(RING_ON_ONE_SCREEN)
         return [f"the ring animation spans y {box['top']:.0f}-{box['bottom']:.0f} of the "

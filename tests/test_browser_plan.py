@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from parallel_mini.course import guide, planner
-from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
+                          screenshot_whole_page)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/plan_page.png"
@@ -64,10 +65,6 @@ def test_plan_page_guide_and_toy_run(app_url):  # noqa: F811
             assert any(t.startswith("memory per rank (") for t in toy_texts), toy_texts
             assert page.locator('[data-testid="stException"]').count() == 0
 
-            height = page.evaluate(
-                'document.querySelector(\'[data-testid="stMain"]\').scrollHeight')
-            page.set_viewport_size({"width": 1440, "height": min(int(height) + 50, 12_000)})
-            page.wait_for_timeout(500)
-            page.screenshot(path=SCREENSHOT, full_page=True)
+            screenshot_whole_page(page, SCREENSHOT, 1440)
         finally:
             browser.close()

@@ -50,17 +50,20 @@ written = exp.get("written_bytes_per_rank") or [None] * n  # measured: written t
 messages = exp.get("messages_per_rank") or [0] * n
 
 
-# After a press: once the browser has drawn the animation (its bound controls included), scroll
-# the page so that its top is under the header, if its bottom is below the screen (normal mode at
-# N = 8: the controls above push it past the first screen). NONCE: each press's script is new, so
-# the browser runs it again.
+# After a press, in normal mode: once the script run has ended (no stale element left to move the
+# layout) and the browser has drawn the animation (its bound controls included), scroll the page
+# so that its top is under the header, if its bottom is below the screen (at N = 8 the controls
+# above push it past the first screen). Presentation mode lays it on the first screen: no script
+# (one measured while a loaded browser was still laying the page out scrolled it to y = -1465).
+# NONCE: each press's script is new, so the browser runs it again. The 2 min of tries are a guard.
 _SCROLL_TO_THE_RING = """<script>/* NONCE */
 (() => {
   let tries = 0;
   const go = () => {
+    const idle = document.querySelector('[data-testid="stApp"][data-test-script-state="notRunning"]');
     const el = [...document.querySelectorAll('[data-testid="stMain"] [data-testid="stVegaLiteChart"]')]
         .find(e => e.querySelector('.vega-bindings') && e.querySelector('.marks'));
-    if (!el) { if (++tries < 200) setTimeout(go, 50); return; }
+    if (!idle || !el) { if (++tries < 2400) setTimeout(go, 50); return; }
     if (el.getBoundingClientRect().bottom <= window.innerHeight) return;
     const header = document.querySelector('header[data-testid="stHeader"]');
     el.style.scrollMarginTop = `${header ? header.getBoundingClientRect().height : 0}px`;
@@ -110,7 +113,7 @@ def what_the_ranks_did() -> None:
 frames = len(exp["frames"])
 pm.chart(autoplay(viz.ring_animation(exp, drawn_font=pm.drawn_font(), compact=True), "step",
                   frames))
-if pressed:  # the whole animation on the screen after Run live (normal mode: under the controls)
+if pressed and not pm.on():  # the whole animation on the screen after Run live (under the controls)
     st.html(_SCROLL_TO_THE_RING.replace("NONCE", str(time.time_ns())),
             unsafe_allow_javascript=True)
 st.caption("It plays by itself: untick **play** under the chart to hold a step, or move the "
