@@ -380,8 +380,8 @@ def _nbval(notebook: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
          "--nbval-current-env", "--nbval-sanitize-with", str(SANITIZE),
-         "--nbval-cell-timeout", "120", str(notebook)],
-        cwd=ROOT, capture_output=True, text=True, timeout=400)
+         "--nbval-cell-timeout", "300", str(notebook)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)  # hang guards: a cell, the notebook
 
 
 @pytest.fixture(scope="session")
@@ -397,7 +397,7 @@ def nbval_results(request):
 
 
 @pytest.mark.notebooks
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_notebook_runs_and_checks_hold(notebook, nbval_results):
     res = nbval_results[notebook].result()
