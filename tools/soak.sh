@@ -22,7 +22,9 @@ for i in $(seq 1 "$n"); do
   dir="$work/round_$i"
   git clone -q "$repo" "$dir"
   start=$(date +%s)
-  (cd "$dir" && CI="${CI:-}" PYTHONUNBUFFERED=1 make test) > "$work/round_$i.log" 2>&1
+  # --durations: each round's log ends with its 25 slowest tests (where a loaded round spends)
+  (cd "$dir" && CI="${CI:-}" PYTHONUNBUFFERED=1 PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} --durations=25" \
+    make test) > "$work/round_$i.log" 2>&1
   rc=$?
   took=$(( $(date +%s) - start ))
   if [ "$rc" -eq 0 ]; then
