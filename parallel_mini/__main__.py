@@ -284,6 +284,10 @@ def main(argv=None) -> int:
         if last[0].startswith("FloatingPointError: "):  # a run that diverged (engine._train)
             print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)
             return 1
+        lost = _report_lost_after_save(cfg, e)
+        if lost:  # trained and saved: only the report is gone
+            print(f"error: {lost}", file=sys.stderr)
+            return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
     except _Stopped as e:
@@ -294,6 +298,27 @@ def main(argv=None) -> int:
         if dist.get_rank() != 0:
             return 0
     return _write_outputs(report, args)
+
+
+def _report_lost_after_save(cfg, e) -> str | None:
+    """A rank that died without its report (killed, say) after the run's last checkpoint was
+    whole: the training and the save are done, only the report is lost. Says so in one line
+    (None when that is not what happened: no --save, a rank that raised, a checkpoint not at the
+    last step or not complete)."""
+    head = e.details.strip().splitlines()[0] if e.details.strip() else ""
+    if not cfg.save or not head.startswith(f"rank {e.rank} ") or "without a result" not in head \
+            and "before returning a result" not in head:
+        return None
+    try:
+        folder, meta = preflight.resolve(cfg.save)
+    except ConfigError:
+        return None
+    if meta["step"] != cfg.steps:
+        return None
+    how = head.split(" before returning a result")[0].split(", and its exit status")[0]
+    return (f"{how} after the run's last save: all {cfg.steps} steps trained and {folder} is "
+            f"complete (latest names it); only the run's report was lost with rank {e.rank}. "
+            f"Its parameters are in the checkpoint: --resume {cfg.save} with more --steps goes on")
 
 
 def _write_outputs(report, args) -> int:
