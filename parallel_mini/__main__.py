@@ -290,6 +290,9 @@ def main(argv=None) -> int:
             return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # engine.run's own checks, after torch's import took its memory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except _Stopped as e:
         print(f"stopped by {e.name}: every rank was ended; no report", file=sys.stderr)
         return 128 + e.signum
