@@ -267,6 +267,10 @@ def main(argv=None) -> int:
         _refuse_ignored(given, cfg)
         preflight.check_output("--json", args.json)
         preflight.check_output("--trace", args.trace)
+        if args.json and args.trace and args.json != "-" and \
+                os.path.realpath(args.json) == os.path.realpath(args.trace):
+            raise ConfigError(f"--trace {args.trace}: the same file as --json (the report would "
+                              f"overwrite the trace); give each its own name")
         preflight.check(cfg)
         _check_backend(cfg)
     except ConfigError as e:

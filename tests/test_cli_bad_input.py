@@ -123,6 +123,9 @@ BAD = [
     (["--json", "/proc"], "--json"), (["--trace", "/tmp"], "--trace"),
     (["--json", LONG], "--json"), (["--trace", LONG], "--trace"),
     (["--json", "/nonexistent/" + "b" * 300], "--json"),
+    # one file for both: the report overwrote the trace, silently
+    (["--json", "/tmp/pm_same.json", "--trace", "/tmp/pm_same.json"], "same file"),
+    (["--json", "/tmp/pm_same.json", "--trace", "/tmp/../tmp/pm_same.json"], "same file"),
     # checkpoint directories that cannot be one
     (["--save", "/nonexistent/ckpt"], "--save"), (["--save", "/dev/null"], "--save"),
     (["--save", "/proc/self/status"], "--save"), (["--resume", "/nonexistent/ckpt"], "--resume"),
