@@ -40,7 +40,7 @@ from .data import global_batch, shard
 from .interfaces import GradientStrategy, StepRunner
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import Mesh, build_mesh
-from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
+from .meters import ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, model_state_bytes
 from .model import build_model
 from .moe import Experts
 from .optim import PARAM_DTYPE
@@ -154,9 +154,10 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     naive mode's gradient averaging (a learner's exercise runs through here)."""
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)  # 1
-    comm, timeline, live = Comm(mesh), Timeline(), LiveBytes()
-    act = ActivationMeter(live)
     device = rank_device()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    comm, timeline, live = Comm(mesh), Timeline(device), LiveBytes()
+    act = ActivationMeter(live)
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
     apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 3
     context = apply_context_parallel(model, comm, cfg.cp_impl, axis="cp")  # 4
@@ -170,6 +171,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     start = checkpoint.load(cfg.resume, model, strategy, mesh) if cfg.resume else 0
 
     losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start)
+    timeline.resolve()  # CUDA: each op's GPU start/end from its events (no-op on CPU)
     if cfg.save:  # after the last step; DCP's own collectives, not training traffic
         checkpoint.save(cfg.save, cfg.steps, model, strategy, mesh, cfg,
                         kill_rank=cfg.extra.get("kill_rank_during_save"))
@@ -177,12 +179,15 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     memory["transient"] = strategy.transient_bytes()
     memory["activations_peak"] = runner.activation_peak()
     memory["total_peak"] = live.peak
+    cuda_memory = ({"cuda_memory": cuda_allocator_view(strategy.state_tensors(), strategy.buffers(),
+                                                       base)} if device.type == "cuda" else {})
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     full = gather_full_parameters(model, full, mesh)  # tp slices, ep experts, pp stages -> whole
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "metered_step": cfg.steps - start - 1,  # ran under the live-bytes meter: slower ops
            "resumed_from_step": start,
+           **cuda_memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,

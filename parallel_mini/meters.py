@@ -1,7 +1,8 @@
 """Meters: everything that only measures, so that each core file keeps only its topic.
 
     memory          tensors_bytes, model_state_bytes, ActivationMeter, LiveBytes (engine.py)
-    op events       Timeline: kind, step, micro-batch, stage, wall and CPU time (runners)
+    op events       Timeline: kind, step, micro-batch, stage, wall and CPU time (runners),
+                    and GPU time from CUDA events on a CUDA device
     communication   CommMeter, WireMeter: one record per collective, bytes as the ring model
                     says and as written to the sockets (comm.py's Comm calls them)
     experts         ComputeTimer, log_routing: compute time, the routing log (moe.py)
@@ -47,6 +48,32 @@ def model_state_bytes(states: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """Bytes by category from a strategy's `state_tensors()`: {"params": [...], "grads": [...],
     "optimizer": [...]}, each storage counted once."""
     return {category: tensors_bytes(tensors) for category, tensors in states.items()}
+
+
+def cuda_allocator_view(states: dict[str, list[torch.Tensor]], buffers, base: int) -> dict:
+    """On a CUDA device: what the caching allocator says the states take, beside the meter.
+    The allocator hands out blocks in multiples of 512 bytes, so each storage is counted rounded
+    up to 512; `allocated` is torch.cuda.memory_allocated() minus `base` (before the model);
+    `other_blocks` lists the sizes of live blocks that are none of these storages."""
+    def storages(tensors):
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if t.is_cuda}
+
+    def rounded(tensors):
+        return sum(-(-n // 512) * 512 for n in storages(tensors).values())
+    torch.cuda.synchronize()
+    gc.collect()
+    everything = [t for ts in states.values() for t in ts] + list(buffers)
+    known, other = storages(everything), []
+    for seg in torch.cuda.memory_snapshot():
+        address = seg["address"]
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated" and address not in known:
+                other.append(block["size"])
+            address += block["size"]
+    return {"allocated": torch.cuda.memory_allocated() - base, "rounded_512_total": rounded(everything),
+            "rounded_512": {**{k: rounded(ts) for k, ts in states.items()}, "buffers": rounded(buffers)},
+            "other_blocks": sorted(other, reverse=True)[:20], "other_bytes": sum(other)}
 
 
 class ActivationMeter:
@@ -157,19 +184,47 @@ class Timeline:
     """Op events for one rank: kind, step, microbatch, stage, wall start/end, own CPU seconds.
 
     Wall times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux, shared by all local ranks, so
-    ranks line up); `cpu` is this thread's CPU time, what the op would take on a device of its own."""
+    ranks line up); `cpu` is this thread's CPU time, what the op would take on a device of its own.
+    On a CUDA device the host only queues kernels, so wall time says when an op was *launched*:
+    each op also records two CUDA events on the current stream, and `resolve()` (after the last
+    step) turns them into `gpu_start`/`gpu_end` on the same clock, when the GPU really ran it."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         self.events: list[dict] = []
+        self._cuda = device is not None and device.type == "cuda"
+        if self._cuda:  # the origin: an event recorded when the host clock reads `_t0`
+            torch.cuda.synchronize(device)
+            self._origin, self._t0 = torch.cuda.Event(enable_timing=True), time.perf_counter()
+            self._origin.record()
 
     @contextmanager
     def op(self, kind: str, step: int = 0, microbatch: int | None = None, stage: int = 0, **extra):
         start, cpu0 = time.perf_counter(), time.thread_time()
+        marks = self._mark() if self._cuda else None
         yield
+        if marks:
+            marks[1].record()
         self.events.append({"kind": kind, "step": step, "microbatch": microbatch, "stage": stage,
                             "start": start, "end": time.perf_counter(),
-                            "cpu": time.thread_time() - cpu0, **extra})
+                            "cpu": time.thread_time() - cpu0, **extra,
+                            **({"_cuda": marks} if marks else {})})
 
+    @staticmethod
+    def _mark():
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return begin, end
+
+    def resolve(self) -> None:
+        """CUDA events -> seconds on the host clock (waits for the GPU once; events cannot be
+        pickled, so this runs before the rank returns its records)."""
+        if not self._cuda:
+            return
+        torch.cuda.synchronize()
+        for e in self.events:
+            begin, end = e.pop("_cuda")
+            e["gpu_start"] = self._t0 + self._origin.elapsed_time(begin) / 1e3
+            e["gpu_end"] = self._t0 + self._origin.elapsed_time(end) / 1e3
 
 
 # ---------------------------------------------------------------------------------------------
