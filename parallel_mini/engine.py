@@ -40,7 +40,8 @@ from .data import global_batch, shard
 from .interfaces import GradientStrategy, StepRunner
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import Mesh, build_mesh
-from .meters import ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, model_state_bytes
+from .meters import (ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, cuda_bytes_freed,
+                     model_state_bytes)
 from .model import build_model
 from .moe import Experts
 from .optim import PARAM_DTYPE
@@ -199,6 +200,8 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
         out["reference_losses"] = ref_losses[start:]  # uninterrupted, from step 0: these steps
         out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses[start:], ref_params)
+    if cuda_memory and cfg.extra.get("cuda_free_states"):  # last: frees every state (test_gpu)
+        out["cuda_freed"] = cuda_bytes_freed(strategy.state_tensors())
     return out
 
 

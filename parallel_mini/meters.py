@@ -50,30 +50,62 @@ def model_state_bytes(states: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     return {category: tensors_bytes(tensors) for category, tensors in states.items()}
 
 
-def cuda_allocator_view(states: dict[str, list[torch.Tensor]], buffers, base: int) -> dict:
-    """On a CUDA device: what the caching allocator says the states take, beside the meter.
-    The allocator hands out blocks in multiples of 512 bytes, so each storage is counted rounded
-    up to 512; `allocated` is torch.cuda.memory_allocated() minus `base` (before the model);
-    `other_blocks` lists the sizes of live blocks that are none of these storages."""
-    def storages(tensors):
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in tensors if t.is_cuda}
+def _cuda_storages(tensors) -> dict[int, torch.UntypedStorage]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors
+            if t.is_cuda and t.untyped_storage().nbytes()}
 
-    def rounded(tensors):
-        return sum(-(-n // 512) * 512 for n in storages(tensors).values())
+
+def _rounded(tensors) -> int:
+    """Bytes of the distinct CUDA storages among `tensors` as the caching allocator hands them
+    out: in blocks of 512 bytes."""
+    return sum(-(-st.nbytes() // 512) * 512 for st in _cuda_storages(tensors).values())
+
+
+def cuda_allocator_view(states: dict[str, list[torch.Tensor]], buffers, base: int) -> dict:
+    """On a CUDA device: what the caching allocator holds beside the meter's model states.
+    `allocated`: torch.cuda.memory_allocated() minus `base` (read before the model was built);
+    `rounded_512`: each category's storages rounded up to the allocator's 512-byte blocks;
+    `other_blocks`: sizes of live blocks that are none of these storages (libraries' workspaces),
+    and the same after asking PyTorch to free its cuBLAS workspaces."""
     torch.cuda.synchronize()
     gc.collect()
     everything = [t for ts in states.values() for t in ts] + list(buffers)
-    known, other = storages(everything), []
-    for seg in torch.cuda.memory_snapshot():
-        address = seg["address"]
-        for block in seg["blocks"]:
-            if block["state"] == "active_allocated" and address not in known:
-                other.append(block["size"])
-            address += block["size"]
-    return {"allocated": torch.cuda.memory_allocated() - base, "rounded_512_total": rounded(everything),
-            "rounded_512": {**{k: rounded(ts) for k, ts in states.items()}, "buffers": rounded(buffers)},
-            "other_blocks": sorted(other, reverse=True)[:20], "other_bytes": sum(other)}
+    known = set(_cuda_storages(everything))
+
+    def other_blocks():
+        sizes = []
+        for seg in torch.cuda.memory_snapshot():
+            address = seg["address"]
+            for block in seg["blocks"]:
+                if block["state"] == "active_allocated" and address not in known:
+                    sizes.append(block["size"])
+                address += block["size"]
+        return sorted(sizes, reverse=True)
+    view = {"allocated": torch.cuda.memory_allocated() - base, "rounded_512_total": _rounded(everything),
+            "rounded_512": {**{k: _rounded(ts) for k, ts in states.items()}, "buffers": _rounded(buffers)},
+            "storages": {k: len(_cuda_storages(ts)) for k, ts in states.items()},
+            "other_blocks": other_blocks()}
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
+        view["other_blocks_after_clearing_cublas_workspaces"] = other_blocks()
+        view["allocated_after_clearing_cublas_workspaces"] = torch.cuda.memory_allocated() - base
+    return view
+
+
+def cuda_bytes_freed(states: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Free each category's CUDA storages (resize to 0 bytes: the allocator takes the block back)
+    and read how far torch.cuda.memory_allocated() falls: the allocator's own count of what the
+    category held. Destroys the states: the last thing a rank does (tests/test_gpu.py)."""
+    torch.cuda.synchronize()
+    freed, done = {}, set()
+    for kind in ("optimizer", "grads", "params"):
+        before = torch.cuda.memory_allocated()
+        for ptr, st in _cuda_storages(states.get(kind, [])).items():
+            if ptr not in done:
+                done.add(ptr)
+                st.resize_(0)
+        freed[kind] = before - torch.cuda.memory_allocated()
+    return freed
 
 
 class ActivationMeter:
