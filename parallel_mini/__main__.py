@@ -302,7 +302,7 @@ def _write_outputs(report, args) -> int:
     flag, path = "--trace", args.trace
     try:
         if args.trace:
-            from .trace import write_chrome_trace
+            from .course.timelines import write_chrome_trace
             write_chrome_trace(report, args.trace)
         flag, path = "--json", args.json
         if args.json == "-":

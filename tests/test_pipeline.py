@@ -13,7 +13,8 @@ from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.parallel import schedules as S
 from parallel_mini.launch import MAX_LOCAL_RANKS, run_ranks
-from parallel_mini.trace import bubble, chrome_trace, own_device_costs, own_device_replay, wall_gap, wall_view
+from parallel_mini.course.timelines import chrome_trace, wall_view
+from parallel_mini.trace import bubble, own_device_costs, own_device_replay, wall_gap
 
 
 # -- schedules, no ranks ------------------------------------------------------------------------
