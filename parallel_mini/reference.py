@@ -55,17 +55,22 @@ def simulate_local_sgd(cfg, device="cpu") -> tuple[list[float], dict[str, torch.
         batch, step_loss = global_batch(cfg, step), 0.0
         for r, (model, opt) in enumerate(zip(models, opts)):
             x, y = shard(batch, r, n)  # [b/dp, s]: replica r's own rows
-            loss = model(x.to(device), y.to(device))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step_loss += loss.item() / n
+            step_loss += _step(model, opt, x.to(device), y.to(device)) / n
         losses.append(step_loss)
         if (step + 1) % cfg.sync_every == 0 or step == cfg.steps - 1:
             _average([list(m.parameters()) for m in models])
             if cfg.sync_optimizer:
                 _average([opt.state_tensors() for opt in opts])
     return losses, {k: p.detach().float().clone() for k, p in models[0].named_parameters()}
+
+
+def _step(model, opt, x, y) -> float:
+    """One optimizer step on (x, y); returns its loss."""
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
 
 
 @torch.no_grad()
@@ -99,10 +104,7 @@ def simulate_federated(cfg, device="cpu") -> dict:
                     p.copy_(w)
             opt = make_optimizer(cfg.optimizer, params, cfg.lr, cfg.precision)
             for e in range(cfg.local_steps):
-                x, y = client_batch(cfg, k, shards[k], round_, e)
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+                _step(model, opt, *client_batch(cfg, k, shards[k], round_, e))
             trained[k] = [p.detach().clone() for p in params]
         total = sum(sizes[k] for k in chosen)
         with torch.no_grad():

@@ -7,11 +7,14 @@ import sys
 
 import pytest
 
+from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
+from parallel_mini.course.experiments import fedavg_rounds_to_target, rounds_to_target
 from parallel_mini.data import client_mixture, client_shard, client_size, successor_table
 from parallel_mini.engine import run
 from parallel_mini.parallel.federated import sample_clients
 from parallel_mini.reference import simulate_federated
+from test_local_sgd import one_thread  # noqa: F401  (autouse: simulations on one thread)
 
 TOY = dict(layers=1, d_model=32, heads=2, seq=16, vocab=64, batch=4)
 
@@ -104,6 +107,24 @@ def test_rounds_set_the_steps():
     assert RunConfig(federated=True, steps=4).steps == 4  # --rounds 0: --steps rounds
     cfg = RunConfig(federated=True, rounds=5)
     assert RunConfig.from_dict(cfg.to_dict()).steps == 5
+
+
+def test_rounds_to_target_and_the_round_formula():
+    assert rounds_to_target([4.0, 3.5, 2.9, 2.5], 3.0) == 3
+    assert rounds_to_target([4.0, 3.5], 3.0) is None
+    predicted = theory.run_theory(config(dp=4), 0)  # a round: one all-reduce of fp32 weights
+    assert predicted["wire_bytes_per_step"] == {"dp": theory.wire_bytes(
+        "all_reduce", 4 * predicted["n_params"], 4)}
+
+
+@pytest.mark.slow
+def test_fedavg_experiment_rows():
+    """The lesson's figure: one live run per (A, E); more local steps, fewer rounds to 3.0 here."""
+    rows = fedavg_rounds_to_target(non_iid=(0.0,), local_steps=(1, 4), rounds=8)
+    assert [(r["non_iid"], r["local_steps"]) for r in rows] == [(0.0, 1), (0.0, 4)]
+    assert rows[1]["rounds_to_target"] is not None
+    assert rows[0]["rounds_to_target"] is None or rows[0]["rounds_to_target"] > rows[1]["rounds_to_target"]
+    assert all(len(r["union_loss"]) == 8 for r in rows)
 
 
 # -- -m slow: 1, 2 and 4 ranks, several clients per rank, both optimizers, IID and not -------------

@@ -9,10 +9,22 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
+from parallel_mini.course.experiments import local_sgd_bytes
 from parallel_mini.engine import run
 from parallel_mini.reference import simulate_local_sgd, train_reference
 
 TOY = dict(layers=1, d_model=32, heads=2, seq=16, vocab=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The in-process simulations on one thread, as every rank runs (launch.py): on a loaded
+    2-core machine torch's default two threads spin against each other (seen: 70x the wall time)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def config(**kw) -> RunConfig:
@@ -117,3 +129,16 @@ def test_local_sgd_matrix(dp, kw):
 def test_local_sgd_with_experts():
     """A mixture-of-experts model on dp ranks (its experts whole on every rank) trains apart too."""
     check(run(config(dp=2, experts=2, layers=2)))
+
+
+@pytest.mark.slow
+def test_local_sgd_bytes_experiment():
+    """The lesson's figure: bytes per sample, DDP's and local SGD's at H = 1, 2, 4 on 2 ranks."""
+    rows = local_sgd_bytes(dp=2, every=(1, 2, 4), steps=4)
+    assert [r["sync_every"] for r in rows] == [0, 1, 2, 4]
+    assert [r["ratio_to_ddp"] for r in rows] == [1, 1, 0.5, 0.25]
+    for r in rows:
+        b = r["bytes_per_sample"]
+        assert b["counted"] == pytest.approx(b["theory"])
+        if b["measured"] is not None:
+            assert b["measured"] == pytest.approx(b["counted"], rel=0.03)

@@ -29,9 +29,9 @@ import torch
 
 from ..comm import Comm
 from ..interfaces import GradientStrategy, Held, Piece
-from ..optim import MasterWeights, make_optimizer
-from ..placement import held_by, regions
-from .data import broadcast_parameters
+from ..optim import make_optimizer
+from ..placement import held_by
+from .data import broadcast_parameters, copy_masters, whole_pieces
 
 
 class LocalSteps(GradientStrategy):
@@ -112,17 +112,10 @@ class LocalSteps(GradientStrategy):
 
     def owned(self, held: Held) -> list[Piece]:
         """Every parameter whole, as the optimizer steps it (bf16-mixed: its fp32 master)."""
-        opt = self.optimizer
-        inner, values = (opt.inner, opt.masters) if isinstance(opt, MasterWeights) else (opt, opt.params)
-        return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
-                for j, (p, v) in enumerate(zip(opt.params, values))]
+        return whole_pieces(self.optimizer, held)
 
-    @torch.no_grad()
     def loaded(self) -> None:
-        """bf16-mixed: the compute copies from the fp32 masters just written."""
-        if isinstance(self.optimizer, MasterWeights):
-            for p, m in zip(self.optimizer.params, self.optimizer.masters):
-                p.copy_(m)
+        copy_masters(self.optimizer)
 
 
 class LocalSGD(LocalSteps):
