@@ -48,6 +48,7 @@ from .optim import PARAM_DTYPE
 from .placement import Box, held_by
 from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import PlainDataParallel
+from .parallel import federated, local_sgd
 from .parallel.expert import ExpertAndDense, ExpertParallel, apply_expert_parallel, split_parameters
 from .parallel.pipedream import PipeDreamRunner
 from .parallel.pipeline import PipelineRunner
@@ -69,6 +70,10 @@ def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | Non
     ZeRO-3 makes each layer's experts a unit of their own (FSDP2's nested fully_shard), the
     other strategies are built twice, once per group of parameters (ExpertAndDense)."""
     mesh = comm.mesh
+    if cfg.sync_every:  # local SGD: each dp rank steps alone, weights averaged every H steps
+        return local_sgd.LocalSGD(model, comm, cfg, mesh.axis_for("loss"))
+    if cfg.federated:  # clients step alone, the server averages their weights every round
+        return federated.FederatedAveraging(model, comm, cfg, mesh.axis_for("loss"))
     axes = dict(axis=mesh.axis_for("loss"), shard_axis=mesh.axis_for("shard"),
                 replicate_axis=mesh.axis_for("replicate"))
     if experts is None or not experts.sharded:
@@ -95,6 +100,8 @@ def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> Grad
 
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
     """The step runner for `cfg` (step 6 above). A pipeline keeps only this rank's stage."""
+    if cfg.federated:  # a step is a round: the clients on this rank train on their own data
+        return federated.FederatedRounds(model, comm, cfg, timeline)
     if cfg.pp == 1:
         return PlainStep(model, cfg.grad_accum, timeline, act)
     schedule = for_config(cfg)
@@ -272,6 +279,10 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
         if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
             print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained "
                   f"steps {start + 1}-{cfg.steps}", file=sys.stderr)
+    if cfg.sync_every:  # what the averages cost, counted, predicted and measured
+        report.extra["local_sgd"] = local_sgd.summary(report)
+    if cfg.federated:  # per round: clients' losses, drift; what crossed the network
+        report.extra["federated"] = federated.summary(report)
     if cfg.save:
         report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
     return report

@@ -330,6 +330,15 @@ def hybrid_replica_wire_bytes(zero: int, n_params: int, precision: str, shard: i
                             for u in unit_sizes)
 
 
+def local_sgd_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Local SGD (parallel/local_sgd.py): one all-reduce of the fp32 parameters (with
+    --sync-optimizer, of Adam's two moments too) after every H-th of T steps and after the last,
+    ceil(T/H) in all: per step ceil(T/H)/T x 2(N-1)/N x 4P(1 + states), about DDP's bytes / H."""
+    states = 2 if cfg.sync_optimizer and cfg.optimizer == "adam" else 0
+    averages = -(-cfg.steps // cfg.sync_every)
+    return averages * wire_bytes("all_reduce", 4 * n_params * (1 + states), cfg.dp) / cfg.steps
+
+
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report. With pipeline stages the
     ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
@@ -340,6 +349,10 @@ def run_theory(cfg, n_params: int) -> dict:
                            experts_apart=apart)
     out = _rank_theory(cfg, units, expert_unit_sizes(cfg, range(cfg.layers)) if apart else [])
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
+    if getattr(cfg, "sync_every", 0):  # local SGD: parameters averaged, not gradients
+        out["wire_bytes_per_step"] = {"dp": local_sgd_wire_bytes_per_step(cfg, sum(units))}
+    if getattr(cfg, "federated", False):  # a step is a round: one all-reduce of the weights
+        out["wire_bytes_per_step"] = {"dp": wire_bytes("all_reduce", 4 * sum(units), cfg.dp)}
     if cfg.tp > 1:
         out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg) \
             + moe_sp_wire_bytes_per_step(cfg)
