@@ -34,7 +34,14 @@ _HELP = {
             "after the last step",
     "resume": "continue from the checkpoint in this --save directory up to --steps (any layout; "
               "without --layers, the checkpoint's)",
+    "asynchronous": "asynchronous SGD: rank 0 a parameter server, ranks 1..dp-1 workers that "
+                    "pull, compute and push (parallel/async_ps.py)",
+    "max_staleness": "with --async: a worker runs at most K steps ahead of the slowest (0: a "
+                     "barrier every step; -1: no bound)",
+    "straggler": "RANK:FACTOR: that rank's forward and backward take FACTOR times as long (a "
+                 "real sleep), with --dp or --async",
 }
+_ALIASES = {"asynchronous": ("--async",)}  # a Python keyword cannot name the field
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -58,14 +65,15 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = (flag, *_ALIASES.get(f.name, ()))
         if f.type in ("bool", bool):
-            run.add_argument(flag, action="store_true", help="compare with the single-process reference"
-                             if f.name == "reference" else None,
+            run.add_argument(*flags, action="store_true", help="compare with the single-process reference"
+                             if f.name == "reference" else _HELP.get(f.name),
                              **({"default": argparse.SUPPRESS} if explicit else {}))
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
-            run.add_argument(flag, type=typ, default=argparse.SUPPRESS if explicit else default,
+            run.add_argument(*flags, type=typ, default=argparse.SUPPRESS if explicit else default,
                              help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
@@ -181,6 +189,8 @@ IGNORED_UNLESS = {
         (lambda c: c.experts > 0, "a mixture-of-experts model reads", "add --experts E"),
     ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed",
                      "bucketed data parallel reads", "ZeRO and --dp-mode naive do not bucket"),
+    ("dp_mode", "bucket_mb"): (lambda c: not c.asynchronous, "synchronous data parallel reads",
+                               "--async pushes each gradient to the server whole"),
 }
 
 
