@@ -114,6 +114,12 @@ def _summary(report) -> str:
                          f"{[sum(x) for x in zip(*(e['routed'] for e in log))]}, dropped "
                          f"{sum(e['dropped'] for e in log)}, aux loss "
                          f"{sum(e['aux'] for e in log) / len(log):.4f}")
+    if "async" in report.extra:  # parallel/async_ps.py: counted from the server's records
+        a = report.extra["async"]
+        lines.append(f"async: {len(a['updates'])} updates, {a['updates_per_s']:.1f}/s (measured); "
+                     f"per worker {a['updates_per_worker']}; staleness histogram "
+                     f"{a['staleness_histogram']}, mean {a['staleness_mean']:.2f} (theory "
+                     f"{a['theory']['mean']})")
     if "bubble" in report.extra:
         b = report.extra["bubble"]
         wall, gap = b["wall"], b["wall"]["gap_to_formula"]

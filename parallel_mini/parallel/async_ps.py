@@ -131,14 +131,15 @@ class ParameterServer:
 
     def _dispatch(self, w: int) -> str:
         """Worker w's next pull: stop (the budget is spent), hold (it is too far ahead), or grant."""
-        if self.granted >= self.budget:
-            self._send(w, STOP)
-            return "stopped"
-        if not may_start(self.pushed[w], self.pushed, self.cfg.max_staleness):
+        if self.granted < self.budget and not may_start(self.pushed[w], self.pushed,
+                                                        self.cfg.max_staleness):
             self.held.setdefault(w, time.perf_counter())
             return "held"
         if w in self.held:
             self.held_s[w] += time.perf_counter() - self.held.pop(w)
+        if self.granted >= self.budget:
+            self._send(w, STOP)
+            return "stopped"
         self.granted += 1
         self._send(w, float(self.version))
         return "granted"
