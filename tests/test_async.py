@@ -224,3 +224,19 @@ def test_async_matrix_equals_its_replay(seed, dp, straggler, bound):
     cfg, report = _run(dp=dp, batch=batch, seed=seed, straggler=straggler, max_staleness=bound,
                        steps=4)
     _check(cfg, report)
+
+
+@pytest.mark.slow
+def test_bench_async_runs_and_reports():
+    from parallel_mini.course.bench import _print_async, bench_async
+    res = bench_async(4, 2.0, 2, 12, model=dict(layers=1, d_model=16, heads=2, seq=8, vocab=32))
+    runs = {r["run"]: r for r in res["runs"]}
+    assert set(runs) == {"sync DP, straggler", "async K=0, straggler", "async, straggler",
+                         "sync DP", "async"}
+    assert runs["sync DP"]["updates"] == runs["sync DP, straggler"]["updates"] == 2
+    assert [p["loss"] for p in runs["sync DP"]["curve"]] == \
+        [p["loss"] for p in runs["sync DP, straggler"]["curve"]]  # a straggler costs time only
+    for r in res["runs"]:
+        assert r["samples_to_target"] is not None and r["curve"][-1]["samples"] == 24
+    assert runs["async K=0, straggler"]["staleness_histogram"] == {"0": 2, "1": 2, "2": 2}
+    _print_async(res)

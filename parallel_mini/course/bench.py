@@ -979,7 +979,7 @@ def async_runs(ranks: int, factor: float, steps: int, batch: int, seed: int, mod
     }
 
 
-def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 24, batch: int = 12,
+def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 12, batch: int = 48,
                 seed: int = 0, target: float | None = None, model: dict | None = None) -> dict:
     """Each configuration of `async_runs` once, through the engine; per run: steps (updates) and
     samples per second on the wall clock (measured), the loss against samples and against time,
@@ -990,7 +990,8 @@ def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 24, batch: int
     from ..engine import run
     from ..parallel.async_ps import worker_batch
     from ..reference import replay_updates
-    model = model if model is not None else dict(layers=2, d_model=64, heads=4, seq=32, vocab=128)
+    # 16 sequences of 64 tokens per worker step: compute, not the 0.9 MB messages, sets the pace
+    model = model if model is not None else dict(layers=2, d_model=64, heads=4, seq=64, vocab=128)
     rows = []
     for name, cfg in async_runs(ranks, factor, steps, batch, seed, model).items():
         report = run(cfg.validate())
@@ -1085,7 +1086,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--app-repeats", type=int, default=5, help="warm presses per page for (k)")
     ap.add_argument("--app-pages", nargs="+", default=APP_PAGES, choices=APP_PAGES,
                     help="pages for (k)")
-    ap.add_argument("--async-steps", type=int, default=24, help="steps (x batch samples) for (l)")
+    ap.add_argument("--async-steps", type=int, default=12, help="steps (x batch samples) for (l)")
+    ap.add_argument("--async-batch", type=int, default=48, help="global batch for (l): a "
+                    "multiple of 12 (4 ranks, 3 workers)")
     ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
     ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
                     "highest final loss of its runs")
@@ -1135,7 +1138,7 @@ def main(argv=None) -> int:
         out["app"] = bench_app(tuple(args.app_pages), args.app_repeats)
         show(_print_app, out["app"])
     if args.what in ("async", "all"):
-        out["async"] = bench_async(4, args.async_factor, args.async_steps, 12,
+        out["async"] = bench_async(4, args.async_factor, args.async_steps, args.async_batch,
                                    target=args.async_target)
         show(_print_async, out["async"])
     if args.what in ("warm", "all"):
