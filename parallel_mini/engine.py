@@ -246,15 +246,15 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
     preflight.check(cfg.validate())  # the values, then what this machine and disk allow
     t0 = time.perf_counter()
+    backend = None if cfg.backend == "auto" else cfg.backend
+    backend = "gloo" if cfg.asynchronous else backend  # the server receives from any worker
     if under_torchrun():
-        init_from_env(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s)
+        init_from_env(backend, cfg.timeout_s)
         mine = train_rank(cfg.to_dict(), average_fn=average_fn)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         per_rank = gathered
     else:
-        backend = None if cfg.backend == "auto" else cfg.backend
-        backend = "gloo" if cfg.asynchronous else backend  # the server receives from any worker
         results = run_ranks(train_rank, cfg.world_size, cfg.to_dict(), timeout=cfg.timeout_s,
                             pg_timeout=min(cfg.timeout_s, 60.0), backend=backend,
                             average_fn=average_fn)

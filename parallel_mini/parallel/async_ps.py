@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import math
+import sys
 import time
 
 import torch
@@ -128,6 +129,9 @@ class ParameterServer:
                              "loss": loss, "time": time.perf_counter() - t0})
         self.version += 1
         self.pushed[w] += 1
+        if self.cfg.extra.get("progress"):
+            print(f"update {self.version}/{self.budget}  worker {w} step {int(step)}  staleness "
+                  f"{self.updates[-1]['staleness']}  loss {loss:.4f}", file=sys.stderr, flush=True)
 
     def _dispatch(self, w: int) -> str:
         """Worker w's next pull: stop (the budget is spent), hold (it is too far ahead), or grant."""
