@@ -43,7 +43,14 @@ _HELP = {
             "after the last step",
     "resume": "continue from the checkpoint in this --save directory up to --steps (any layout; "
               "without --layers, the checkpoint's)",
+    "asynchronous": "asynchronous SGD: rank 0 a parameter server, ranks 1..dp-1 workers that "
+                    "pull, compute and push (parallel/async_ps.py)",
+    "max_staleness": "with --async: a worker runs at most K steps ahead of the slowest (0: a "
+                     "barrier every step; -1: no bound)",
+    "straggler": "RANK:FACTOR: that rank's forward and backward take FACTOR times as long (a "
+                 "real sleep), with --dp or --async",
 }
+_ALIASES = {"asynchronous": ("--async",)}  # a Python keyword cannot name the field
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -67,14 +74,15 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = (flag, *_ALIASES.get(f.name, ()))
         if f.type in ("bool", bool):
-            run.add_argument(flag, action="store_true", help="compare with the single-process reference"
+            run.add_argument(*flags, action="store_true", help="compare with the single-process reference"
                              if f.name == "reference" else _HELP.get(f.name),
                              **({"default": argparse.SUPPRESS} if explicit else {}))
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
-            run.add_argument(flag, type=typ, default=argparse.SUPPRESS if explicit else default,
+            run.add_argument(*flags, type=typ, default=argparse.SUPPRESS if explicit else default,
                              help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
@@ -115,6 +123,12 @@ def _summary(report) -> str:
                          f"{[sum(x) for x in zip(*(e['routed'] for e in log))]}, dropped "
                          f"{sum(e['dropped'] for e in log)}, aux loss "
                          f"{sum(e['aux'] for e in log) / len(log):.4f}")
+    if "async" in report.extra:  # parallel/async_ps.py: counted from the server's records
+        a = report.extra["async"]
+        lines.append(f"async: {len(a['updates'])} updates, {a['updates_per_s']:.1f}/s (measured); "
+                     f"per worker {a['updates_per_worker']}; staleness histogram "
+                     f"{a['staleness_histogram']}, mean {a['staleness_mean']:.2f} (theory "
+                     f"{a['theory']['mean']})")
     if "bubble" in report.extra:
         b = report.extra["bubble"]
         wall, gap = b["wall"], b["wall"]["gap_to_formula"]
@@ -195,6 +209,8 @@ IGNORED_UNLESS = {
         (lambda c: c.federated, "federated averaging reads", "add --federated"),
     ("steps",): (lambda c: not (c.federated and c.rounds), "a run without --rounds reads",
                  "a federated run trains --rounds rounds"),
+    ("dp_mode", "bucket_mb"): (lambda c: not c.asynchronous, "synchronous data parallel reads",
+                               "--async pushes each gradient to the server whole"),
 }
 
 

@@ -140,6 +140,10 @@ class RunConfig(GPTConfig):
     local_steps: int = 1  # E optimizer steps each sampled client takes per round
     rounds: int = 0  # R rounds (it sets --steps); 0 = --steps
     non_iid: float = 0.0  # A: 0 = every client the same topic mixture; larger, mostly its own
+    # asynchronous SGD (parallel/async_ps.py): rank 0 a parameter server, ranks 1..dp-1 workers
+    asynchronous: bool = False  # the flag --async (a Python keyword: the field has its long name)
+    max_staleness: int = -1  # SSP's bound: a worker runs at most K steps ahead of the slowest; -1 none
+    straggler: str = ""  # "RANK:FACTOR": that rank computes FACTOR times slower (a real sleep)
     # pipeline
     schedule: str = "1f1b"
     microbatches: int = 4  # per step and data-parallel rank, with --pp > 1
@@ -261,6 +265,7 @@ class RunConfig(GPTConfig):
                               "gradients itself; drop --dp-mode or use --zero 0")
         self._validate_experts()
         self._validate_without_barrier()
+        self._validate_async()
         if self.world_size > MAX_LOCAL_RANKS and not under_torchrun():  # torchrun: no local cap
             raise ConfigError(f"world size {self.world_size} (dp*tp*pp*cp): local runs take at "
                               f"most {MAX_LOCAL_RANKS} ranks on one machine; lower the degrees "
@@ -382,6 +387,64 @@ class RunConfig(GPTConfig):
                               f"it, replicated across); choose an ep that divides dp-shard x cp = "
                               f"{shard} or is a multiple of it")
 
+    def _validate_async(self) -> None:
+        """--async, --max-staleness, --straggler: they compose with --dp alone."""
+        if not isinstance(self.max_staleness, int) or isinstance(self.max_staleness, bool) \
+                or self.max_staleness < -1:
+            raise ConfigError(f"--max-staleness {_show(self.max_staleness)}: a whole number >= 0 "
+                              f"(steps a worker may run ahead of the slowest), or -1 for no bound")
+        if self.max_staleness != -1 and not self.asynchronous:
+            raise ConfigError("--max-staleness: only asynchronous SGD reads it; add --async")
+        if not isinstance(self.straggler, str):
+            raise ConfigError(f"--straggler {self.straggler!r}: write RANK:FACTOR, e.g. 3:3")
+        if not (self.asynchronous or self.straggler):
+            return
+        what = "--async" if self.asynchronous else "--straggler"
+        others = [name for name, bad in (
+            ("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--cp", self.cp > 1),
+            ("--experts", self.experts > 0)) if bad]
+        if others:
+            raise ConfigError(f"{what} with {others[0]}: composes with --dp alone (one whole model "
+                              f"per rank); drop {others[0]}")
+        if self.dp < 2:
+            raise ConfigError(f"{what}: needs --dp 2 or more (" + (
+                "rank 0 serves the parameters, the other ranks compute gradients)"
+                if self.asynchronous else "with one rank nobody waits for a straggler)"))
+        if self.asynchronous:
+            for flag, bad, why in (
+                    ("--zero", self.zero, "the server holds the whole optimizer; use --zero 0"),
+                    ("--grad-accum", self.grad_accum != 1, "each push is one gradient; leave it at 1"),
+                    ("--precision", self.precision != "fp32",
+                     "the replay oracle is exact in fp32; use --precision fp32"),
+                    ("--checkpointing", self.checkpointing != "none",
+                     "workers run the plain model; use --checkpointing none"),
+                    ("--save", self.save, "checkpoints of a parameter server are not available"),
+                    ("--resume", self.resume, "checkpoints of a parameter server are not available"),
+                    ("--backend", self.backend == "nccl",
+                     "the server receives from any worker, which NCCL cannot; use gloo or auto")):
+                if bad:
+                    raise ConfigError(f"--async with {flag}: {why}")
+            workers = self.dp - 1
+            if self.batch % workers:
+                raise ConfigError(f"--batch {self.batch}: with --async each of the {workers} "
+                                  f"workers (ranks 1..{self.dp - 1}) computes on batch/{workers} "
+                                  f"sequences; choose a multiple of {workers * self.dp} "
+                                  f"(also divisible by --dp {self.dp})")
+        if self.straggler:
+            parsed = straggler_of(self.straggler)
+            if parsed is None:
+                raise ConfigError(f"--straggler {self.straggler!r}: write RANK:FACTOR, e.g. 3:3 "
+                                  f"(rank 3 three times slower)")
+            rank, factor = parsed
+            first = 1 if self.asynchronous else 0
+            if not first <= rank < self.dp:
+                raise ConfigError(f"--straggler {self.straggler}: RANK must be a " + (
+                    f"worker, 1..{self.dp - 1} (rank 0 is the parameter server; it computes no "
+                    f"gradient to slow)" if self.asynchronous else f"rank, 0..{self.dp - 1}"))
+            if not 1 <= factor <= 100:
+                raise ConfigError(f"--straggler {self.straggler}: FACTOR must be between 1 (no "
+                                  f"slower) and 100 (a step 100 times as long)")
+
     def _validate_context(self) -> None:
         c, impl = self.cp, self.cp_impl
         parts = 2 * c if impl == "zigzag" else c  # zigzag cuts the sequence into 2C chunks
@@ -436,6 +499,16 @@ class RunConfig(GPTConfig):
         if self.fp32_grad_accum:
             raise ConfigError(f"--fp32-grad-accum with --pp {self.pp}: fp32 gradient buffers inside "
                               f"pipeline stages are not available yet; use one of them at a time")
+
+
+def straggler_of(text: str) -> tuple[int, float] | None:
+    """--straggler "RANK:FACTOR" as (rank, factor); None when it is not of that form."""
+    rank, sep, factor = text.partition(":")
+    try:
+        parsed = int(rank), float(factor)
+    except ValueError:
+        return None
+    return parsed if sep and math.isfinite(parsed[1]) else None
 
 
 def _flag(name: str) -> str:

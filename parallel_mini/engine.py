@@ -46,6 +46,7 @@ from .model import build_model
 from .moe import Experts
 from .optim import PARAM_DTYPE
 from .placement import Box, held_by
+from .parallel.async_ps import slow_down, train_async
 from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import PlainDataParallel
 from .parallel import federated, local_sgd
@@ -167,13 +168,16 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     comm, timeline, live = Comm(mesh), Timeline(device), LiveBytes()
     act = ActivationMeter(live)
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
+    if cfg.asynchronous:  # a parameter server and its workers instead of steps
+        return train_async(cfg, mesh, comm, timeline, model)
     apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 3
     context = apply_context_parallel(model, comm, cfg.cp_impl, axis="cp")  # 4
     micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # losses divided by this
     experts = apply_expert_parallel(model, comm, mesh.axis_for("expert"), 1 / micro_steps)
     experts.route_whole_sequences(context, cfg.seq, "tp" if cfg.sp else None)  # whole sequences
     recompute = apply_checkpointing(model, cfg.checkpointing)  # 5
-    runner = make_runner(cfg, model, comm, timeline, live, act)  # 6
+    runner = slow_down(make_runner(cfg, model, comm, timeline, live, act), cfg, mesh.rank,
+                       timeline)  # 6 (--straggler: one rank sleeps after computing)
     strategy = parallelize(model, comm, cfg, average_fn, experts)  # 7
     runner.attach(strategy)  # 8
     start = checkpoint.load(cfg.resume, model, strategy, mesh) if cfg.resume else 0
@@ -257,14 +261,15 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
     preflight.check(cfg.validate())  # the values, then what this machine and disk allow
     t0 = time.perf_counter()
+    backend = None if cfg.backend == "auto" else cfg.backend
+    backend = "gloo" if cfg.asynchronous else backend  # the server receives from any worker
     if under_torchrun():
-        init_from_env(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s)
+        init_from_env(backend, cfg.timeout_s)
         mine = train_rank(cfg.to_dict(), average_fn=average_fn)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         per_rank = gathered
     else:
-        backend = None if cfg.backend == "auto" else cfg.backend
         results = run_ranks(train_rank, cfg.world_size, cfg.to_dict(), timeout=cfg.timeout_s,
                             pg_timeout=min(cfg.timeout_s, 60.0), backend=backend,
                             average_fn=average_fn)
@@ -274,6 +279,8 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
     # bytes, the bubble's timed steps), and says where it started.
     merged = dataclasses.replace(cfg, steps=cfg.steps - start) if start else cfg
     report = merge_rank_results(merged, per_rank, wall_s=time.perf_counter() - t0)
+    if cfg.asynchronous:  # the server's records are the run's (parallel/async_ps.py)
+        report.extra["async"] = report.ranks[0].pop("async")
     if cfg.resume:
         report.extra["resumed_from_step"] = start
         if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)

@@ -339,6 +339,32 @@ def local_sgd_wire_bytes_per_step(cfg, n_params: int) -> float:
     return averages * wire_bytes("all_reduce", 4 * n_params * (1 + states), cfg.dp) / cfg.steps
 
 
+def async_staleness(workers: int, factor: float = 1.0, max_staleness: int = -1) -> dict:
+    """Expected staleness of asynchronous SGD with a parameter server (parallel/async_ps.py): W
+    workers, one of them `factor` times slower (1: none). Unbounded (K = -1), every worker always
+    has a gradient in flight, so one on a step of time t_i misses t_i * sum_(j != i) 1/t_j
+    updates: W - 1 for all without a straggler; with one, F(W-1) for it and W - 2 + 1/F for the
+    others, and still W - 1 on average over updates. K = 0: each round's W gradients come from one
+    version and are applied in turn, 0..W-1: (W - 1)/2 exactly. No formula for 0 < K: the bound
+    (W - 1)(2K + 1) holds for every K >= 0."""
+    W, F = workers, factor
+    out = {"bound": None if max_staleness < 0 else (W - 1) * (2 * max_staleness + 1)}
+    if max_staleness == 0:
+        return {**out, "mean": (W - 1) / 2, "straggler": None, "others": None}
+    if max_staleness > 0:
+        return {**out, "mean": None, "straggler": None, "others": None}
+    slow = F * (W - 1) if F != 1 else None
+    return {**out, "mean": W - 1, "straggler": slow,
+            "others": (W - 2 + 1 / F) if F != 1 else W - 1}
+
+
+def async_server_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Bytes the server sends per --steps step: a grant of [version, weights] (fp32) per update,
+    --steps x W of them, and a last one to each worker that says stop."""
+    workers = cfg.dp - 1
+    return (cfg.steps * workers + workers) * 4 * (n_params + 1) / cfg.steps
+
+
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report. With pipeline stages the
     ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
@@ -348,6 +374,8 @@ def run_theory(cfg, n_params: int) -> dict:
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp, **_moe(cfg),
                            experts_apart=apart)
     out = _rank_theory(cfg, units, expert_unit_sizes(cfg, range(cfg.layers)) if apart else [])
+    if getattr(cfg, "asynchronous", False):  # a parameter server's grants, not an all-reduce
+        out["wire_bytes_per_step"] = {"dp": async_server_wire_bytes_per_step(cfg, sum(units))}
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
     if getattr(cfg, "sync_every", 0):  # local SGD: parameters averaged, not gradients
         out["wire_bytes_per_step"] = {"dp": local_sgd_wire_bytes_per_step(cfg, sum(units))}
