@@ -406,6 +406,9 @@ class RunConfig(GPTConfig):
         if others:
             raise ConfigError(f"{what} with {others[0]}: composes with --dp alone (one whole model "
                               f"per rank); drop {others[0]}")
+        if self.straggler and self.federated:
+            raise ConfigError("--straggler with --federated: a federated round's clients are not "
+                              "ranks; drop --straggler")
         if self.dp < 2:
             raise ConfigError(f"{what}: needs --dp 2 or more (" + (
                 "rank 0 serves the parameters, the other ranks compute gradients)"
@@ -421,7 +424,10 @@ class RunConfig(GPTConfig):
                     ("--save", self.save, "checkpoints of a parameter server are not available"),
                     ("--resume", self.resume, "checkpoints of a parameter server are not available"),
                     ("--backend", self.backend == "nccl",
-                     "the server receives from any worker, which NCCL cannot; use gloo or auto")):
+                     "the server receives from any worker, which NCCL cannot; use gloo or auto"),
+                    ("--sync-every", self.sync_every, "local SGD averages in lock step; choose one"),
+                    ("--federated", self.federated, "federated rounds wait for every sampled "
+                                                    "client; choose one")):
                 if bad:
                     raise ConfigError(f"--async with {flag}: {why}")
             workers = self.dp - 1
