@@ -273,7 +273,7 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
     if cfg.resume:
         report.extra["resumed_from_step"] = start
         if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
-            print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained "
+            print(f"resumed from step {start} of {cfg.resume}: trained "
                   f"steps {start + 1}-{cfg.steps}" if start else f"--resume {cfg.resume}: no "
                   f"checkpoint there yet; trained from step 0", file=sys.stderr)
     if cfg.save:

@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import stat
+import sys
 import tempfile
 
 from .config import GPTConfig, ConfigError, under_torchrun
@@ -162,6 +163,12 @@ def check_flags(cfg) -> None:
                               f"weight versions are not in a checkpoint yet; checkpoints work with "
                               f"data parallel, ZeRO 1/2/3, tensor, context, expert parallel and "
                               f"the synchronous pipeline schedules")
+    if cfg.resume and under_torchrun() and os.environ.get("RANK") == "0" \
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print("note: torchrun's workers share its agents' store: a restarted group can read the "
+              "last group's keys and fail again (pytorch issue 135712); set "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun", file=sys.stderr)
     start = 0
     if cfg.resume and not _first_launch(cfg):
         if not os.path.isdir(cfg.resume):
