@@ -88,6 +88,7 @@ def save(directory: str, step: int, model, strategy, mesh, cfg) -> str:
     followed through a symbolic link: a planted step_N.tmp, step_N or latest.tmp is removed, not
     written through. A failure on any rank ends every rank with one CheckpointSaveError."""
     import torch.distributed.checkpoint as dcp  # here: importing it costs every run ~1-2 s
+    from torch.distributed.checkpoint.api import CheckpointException  # (a BaseException)
     final = os.path.join(directory, f"step_{step}")
     tmp = final + ".tmp"
     _agree(mesh, directory, step, lambda: _prepare(directory, tmp) if mesh.rank == 0 else None)
@@ -104,7 +105,7 @@ def save(directory: str, step: int, model, strategy, mesh, cfg) -> str:
     try:
         dcp.save(state, checkpoint_id=tmp)  # collective: one rank's failure fails them all
         error = None
-    except Exception as e:  # noqa: BLE001 (DCP wraps the rank's OSError in CheckpointException)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 (DCP wraps the rank's OSError)
         error = _why(e)
     if error is None:
         crash_point(cfg, mesh.rank, f"save {step} written")  # this rank's file is whole, not all
