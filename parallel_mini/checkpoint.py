@@ -10,7 +10,7 @@ So a checkpoint is written in full-model coordinates (as torchtitan's and DCP's 
 are): every rank saves the parts it owns as boxes of the full tensors,
     "param/blocks.0.attn.qkv.weight@64,0+32,64"   rows 64..95, columns 0..63 of that weight
     "exp_avg/...", "exp_avg_sq/..."               Adam's moments, the same boxes
-    "step/...@...+..."                            Adam's step count for that box (an int)
+    "step/...@...+..."                            Adam's step count for that box (an int64 scalar)
 with torch.distributed.checkpoint (DCP): each rank writes its own file, replicas (the same box on
 every data-parallel rank) are written once (DCP deduplicates equal keys). On resume each rank
 works out the boxes it owns under the *new* layout, reads the saved boxes that overlap them and
@@ -27,9 +27,17 @@ state is saved anyway and restored when the world size is unchanged. With the sa
 resumed run is bit-identical to the uninterrupted one; under another it sums gradients in another
 order, and equals it within the usual 1e-5.
 
-Atomicity: the ranks write into DIR/step_N.tmp; after a barrier rank 0 adds meta.json, renames it
-to DIR/step_N and only then points DIR/latest at it (written aside, then os.replace). A rank killed
-during a save leaves step_N.tmp half written and `latest` on the previous checkpoint.
+Atomicity: the ranks write into DIR/step_N.tmp; after every rank's part is written rank 0 adds
+meta.json (with every file's size and sha256), renames it to DIR/step_N and only then points
+DIR/latest at it (written aside, then os.replace); only then are older checkpoints pruned (all but
+the newest --keep). A rank killed at any moment leaves `latest` on a whole checkpoint. --save-every K
+saves after every K-th step too, so a run killed at step 900 of 1,000 resumes from the last one;
+--resume DIR with --save DIR is one command line for every launch of a job that torchrun restarts
+(a DIR without `latest` starts from step 0).
+
+Nothing in a checkpoint directory is trusted: preflight.py checks every file's checksum and DCP's
+pickled .metadata's names (an allow-list) before any rank starts, the ranks read .metadata through
+the same allow-list, and a save never writes through a link planted in DIR.
 """
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def _gb(nbytes: float) -> str:
 # checkpoints: what --resume reads before any rank starts (checkpoint.py writes them)
 # ---------------------------------------------------------------------------------------------
 META_TYPES = {"step": int, "world_size": int, "model": dict, "seed": int, "optimizer": str,
-              "precision": str, "files": dict}
+              "precision": str}
 _JSON_NAMES = {int: "whole number", dict: "JSON object", str: "string", list: "list",
                float: "number", bool: "true/false", type(None): "null"}
 
@@ -114,15 +114,20 @@ def resolve(path: str) -> tuple[str, dict]:
         raise _bad(path, f"{meta_file} is not JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(meta, dict):
         raise _bad(path, f"{meta_file} holds a {_JSON_NAMES.get(type(meta), '?')}, not a JSON object")
-    for key, typ in META_TYPES.items():
-        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
-            got = "nothing" if key not in meta else _JSON_NAMES.get(type(meta[key]), "?")
-            raise _bad(path, f"{meta_file}: '{key}' should be a {_JSON_NAMES[typ]}, found {got}")
+
+    def typed(keys):
+        for key in keys:
+            typ = META_TYPES[key]
+            if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+                got = "nothing" if key not in meta else _JSON_NAMES.get(type(meta[key]), "?")
+                raise _bad(path, f"{meta_file}: '{key}' should be a {_JSON_NAMES[typ]}, found {got}")
+    typed(["step", "world_size", "model", "seed", "optimizer"])
     if meta["step"] < 0:
         raise _bad(path, f"{meta_file}: 'step' {meta['step']} is negative")
     missing = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in meta["model"]]
     if missing:
         raise _bad(path, f"{meta_file}: the model lacks {missing}")
+    typed(["precision"])
     return path, meta
 
 
@@ -259,7 +264,10 @@ def verify(path: str, meta: dict) -> None:
     """Every file meta.json lists is there, a regular file, of its size and checksum; and DCP's
     .metadata names only DCP's own classes (read_dcp_metadata). Raises CheckpointError naming the
     first file that differs."""
-    files = meta["files"]
+    files = meta.get("files")
+    if not isinstance(files, dict):  # (a save before checksums: it cannot be verified)
+        raise _bad(path, f"meta.json: 'files' (every file's checksum) should be a JSON object, "
+                         f"found {'nothing' if files is None else _JSON_NAMES.get(type(files), '?')}")
     if ".metadata" not in files:
         raise _bad(path, "meta.json lists no .metadata (DCP's index of the shards)")
     for name, want in sorted(files.items()):

@@ -141,7 +141,7 @@ def test_a_meta_without_checksums_or_precision_is_refused(saved, tmp_path):
     for key in ("files", "precision"):
         raw = {k: v for k, v in meta.items() if k != key}
         (step / "meta.json").write_text(json.dumps(raw))
-        assert f"'{key}' should be a" in _refused(ck)
+        assert f"'{key}'" in _refused(ck) and "should be a" in _refused(ck)
 
 
 def test_cli_one_line_exit_2(saved, tmp_path, capsys):
