@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -272,10 +273,13 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
     report = merge_rank_results(merged, per_rank, wall_s=time.perf_counter() - t0)
     if cfg.resume:
         report.extra["resumed_from_step"] = start
+        step_dir = f"step_{start}"  # (DIR/latest may name a newer one by now)
+        where = cfg.resume if os.path.basename(os.path.normpath(cfg.resume)) == step_dir \
+            else os.path.join(cfg.resume, step_dir)
         if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
-            print(f"resumed from step {start} of {cfg.resume}: trained "
-                  f"steps {start + 1}-{cfg.steps}" if start else f"--resume {cfg.resume}: no "
-                  f"checkpoint there yet; trained from step 0", file=sys.stderr)
+            print(f"resumed from step {start} ({where}): trained steps {start + 1}-{cfg.steps}"
+                  if start else f"--resume {cfg.resume}: no checkpoint there yet; trained from "
+                  f"step 0", file=sys.stderr)
     if cfg.save:
         report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
     return report
