@@ -41,7 +41,8 @@ from .data import global_batch, shard
 from .interfaces import GradientStrategy, StepRunner
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import Mesh, build_mesh
-from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
+from .meters import (ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, cuda_bytes_freed,
+                     model_state_bytes)
 from .model import build_model
 from .moe import Experts
 from .optim import PARAM_DTYPE
@@ -155,9 +156,10 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     naive mode's gradient averaging (a learner's exercise runs through here)."""
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)  # 1
-    comm, timeline, live = Comm(mesh), Timeline(), LiveBytes()
-    act = ActivationMeter(live)
     device = rank_device()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    comm, timeline, live = Comm(mesh), Timeline(device), LiveBytes()
+    act = ActivationMeter(live)
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
     apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 3
     context = apply_context_parallel(model, comm, cfg.cp_impl, axis="cp")  # 4
@@ -175,18 +177,22 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
 
     losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start,
                           save if cfg.save else None)
+    timeline.resolve()  # CUDA: each op's GPU start/end from its events (no-op on CPU)
     if cfg.save:
         save(cfg.steps)
     memory = model_state_bytes(strategy.state_tensors())
     memory["transient"] = strategy.transient_bytes()
     memory["activations_peak"] = runner.activation_peak()
     memory["total_peak"] = live.peak
+    cuda_memory = ({"cuda_memory": cuda_allocator_view(strategy.state_tensors(), strategy.buffers(),
+                                                       base)} if device.type == "cuda" else {})
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     full = gather_full_parameters(model, full, mesh)  # tp slices, ep experts, pp stages -> whole
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "metered_step": cfg.steps - start - 1,  # ran under the live-bytes meter: slower ops
            "resumed_from_step": start,
+           **cuda_memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,
@@ -198,6 +204,8 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
         out["reference_losses"] = ref_losses[start:]  # uninterrupted, from step 0: these steps
         out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses[start:], ref_params)
+    if cuda_memory and cfg.extra.get("cuda_free_states"):  # last: frees every state (test_gpu)
+        out["cuda_freed"] = cuda_bytes_freed(strategy.state_tensors())
     return out
 
 
