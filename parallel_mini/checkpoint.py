@@ -130,9 +130,11 @@ def crash_point(cfg, rank: int, point: str) -> None:
     """Tests: this rank dies by SIGKILL at a named moment of the run ("step 3": after training
     step 3, before its save; "save 4 written": its part of step_4 on disk, not the whole;
     "save 4 renamed": step_4 complete, `latest` not yet on it; "save 4 latest": before pruning).
-    Asked by cfg.extra["kill"] = {"rank": r, "at": point}, or, under torchrun, by the environment
-    variable PARALLEL_MINI_KILL (the same as JSON, with "once": a file created by the first kill,
-    so that the restarted group runs through)."""
+    "save 4 finishing": rank 0, every part written, before meta.json. Asked by cfg.extra["kill"] =
+    {"rank": r, "at": point}, or by the environment variable PARALLEL_MINI_KILL (the same as JSON,
+    with "once": a file created by the first kill, so that torchrun's restarted group runs
+    through). With "fail": errno, the rank raises that OSError there instead (a directory made
+    unwritable, a disk that filled)."""
     spec = cfg.extra.get("kill") or json.loads(os.environ.get("PARALLEL_MINI_KILL") or "null")
     if not spec or spec.get("at") != point or spec.get("rank") != rank:
         return
@@ -141,6 +143,8 @@ def crash_point(cfg, rank: int, point: str) -> None:
             os.close(os.open(spec["once"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except FileExistsError:
             return
+    if spec.get("fail"):
+        raise OSError(spec["fail"], os.strerror(spec["fail"]))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -220,6 +224,7 @@ def _finish(directory: str, step: int, cfg) -> None:
     """Rank 0, once every rank's part is written: meta.json, then step_N, then latest."""
     final = os.path.join(directory, f"step_{step}")
     tmp = final + ".tmp"
+    crash_point(cfg, 0, f"save {step} finishing")
     meta = {**_meta(cfg, step), "files": file_digests(tmp)}
     _write_new(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
     _remove(final)  # a step this run saved before a restart, never pointed at by latest (preflight)

@@ -183,3 +183,22 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp
     listing = out.stdout.split("rc=1", 1)[1].split()
     assert listing[:2] == ["latest", "step_1"] and "resumable" in out.stdout, out.stdout
     assert out.stdout.strip().endswith("resumable False")  # (the check is torch-free)
+
+
+def test_a_save_that_fails_on_rank_0_stops_every_rank_in_one_line(tmp_path):
+    """dp2, a checkpoint every step: rank 0 meets EACCES (a directory made unwritable) while
+    finishing step_2, after both ranks wrote their parts. Rank 1 does not wait for it forever:
+    both stop, the CLI says one line and exits 1, step_2.tmp is gone and step_1 stays `latest`."""
+    ck = tmp_path / "ck"
+    env = {**os.environ, "PARALLEL_MINI_KILL": json.dumps({"rank": 0, "at": "save 2 finishing",
+                                                           "fail": 13})}
+    out = subprocess.run([sys.executable, "-m", "parallel_mini", "run", "--dp", "2", "--steps", "2",
+                          "--save", str(ck), "--save-every", "1", "--json", str(tmp_path / "r.json")]
+                         + [x for k, v in SMALL.items() for x in (f"--{k.replace('_', '-')}", str(v))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 1, out.stderr[-2000:]
+    err = out.stderr.strip().splitlines()
+    assert err == [f"error: --save {ck}: could not write step_2 (Permission denied); the run "
+                   f"stopped; {ck}/step_1 is intact: --resume {ck} continues from it"], err
+    assert sorted(os.listdir(ck)) == ["latest", "step_1"]
+    assert (ck / "latest").read_text() == "step_1\n"
