@@ -165,6 +165,7 @@ print('resumable', 'torch' in sys.modules)" "$1/ck"
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_last_checkpoint(tmp_path):
     """A 700 kB tmpfs (in a user and mount namespace of its own: unshare -Urm) holds step_1
     (~550 kB) but not step_2: the run stops with one line and exit 1, step_2.tmp is removed,
