@@ -283,6 +283,10 @@ def main(argv=None) -> int:
         preflight.check_output("--trace", args.trace)
         preflight.check(cfg)
         _check_backend(cfg)
+    except preflight.RunComplete as e:  # (a finished elastic job, relaunched: nothing to do)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: {e}", file=sys.stderr)
+        return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,12 @@ class CheckpointError(ConfigError):
     """A bad --save/--resume: one line, before any rank starts (or a checkpoint that lies)."""
 
 
+class RunComplete(CheckpointError):
+    """--resume DIR --save DIR where DIR/latest is at --steps already: the job finished before (a
+    relaunch of its command line, or torchrun restarting a group that died after its last save).
+    Not an error: the CLI says so in one line and exits 0."""
+
+
 def check(cfg) -> None:
     """Every check of this module that applies to `cfg` (validated already)."""
     if cfg.pp > 1 and cfg.extra.get("ops"):  # a schedule written out op by op (an exercise's)
@@ -180,6 +186,9 @@ def check_flags(cfg) -> None:
             raise CheckpointError(f"--resume {cfg.resume}: no such directory")
         path, meta = resolve(cfg.resume)
         start = meta["step"]
+        if meta["step"] == cfg.steps and _same_dir(cfg.save, cfg.resume):
+            raise RunComplete(f"--resume {cfg.resume}: {path} was saved after step {cfg.steps} = "
+                              f"--steps: this run is complete, nothing left to train")
         if meta["step"] >= cfg.steps:
             raise CheckpointError(f"--steps {cfg.steps}: the checkpoint in {cfg.resume} was saved "
                                   f"after step {meta['step']}; --steps is the step to train up to, "

@@ -203,3 +203,17 @@ def test_a_save_that_fails_on_rank_0_stops_every_rank_in_one_line(tmp_path):
                    f"stopped; {ck}/step_1 is intact: --resume {ck} continues from it"], err
     assert sorted(os.listdir(ck)) == ["latest", "step_1"]
     assert (ck / "latest").read_text() == "step_1\n"
+
+
+def test_a_finished_job_relaunched_is_complete_not_refused(saved, tmp_path, capsys):
+    """--save DIR --resume DIR at --steps already (torchrun restarting a group that died after its
+    last save, or the same command run again): one line, exit 0, nothing trained. Resumed from
+    another directory, or asked for fewer steps, it is still refused."""
+    ck, _ = _copy(saved, tmp_path)
+    flags = [x for k, v in SMALL.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    assert main(["run", "--steps", "1", "--save", str(ck), "--resume", str(ck), *flags]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("note: ") and "complete" in err[0], err
+    assert main(["run", "--steps", "1", "--save", str(tmp_path / "new"), "--resume", str(ck),
+                 *flags]) == 2
+    assert "saved after step 1" in capsys.readouterr().err
