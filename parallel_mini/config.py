@@ -160,6 +160,8 @@ class RunConfig(GPTConfig):
     reference: bool = False
     save: str = ""  # a directory: save a distributed checkpoint there after the last step
     resume: str = ""  # a --save directory (or its step_N): continue from it up to --steps
+    save_every: int = 0  # with --save: a checkpoint every K steps too (0: after the last step only)
+    keep: int = 3  # with --save: the newest N checkpoints kept in the directory, older ones pruned
     backend: str = "auto"
     timeout_s: float = 120.0
     extra: dict = field(default_factory=dict)  # free-form tags (e.g. which lesson asked)
@@ -299,6 +301,7 @@ class RunConfig(GPTConfig):
         if not self.timeout_s >= 1:
             raise ConfigError(f"--timeout-s {self.timeout_s!r}: must be at least 1 second (the "
                               f"ranks alone take about a second to start)")
+        self._validate_saves()
         if self.steps > 10_000 or self.layers * self.d_model ** 2 > 64 * 1024 ** 2:
             raise ConfigError("the model or run is far beyond toy scale for local ranks: keep "
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
@@ -347,6 +350,18 @@ class RunConfig(GPTConfig):
         if self.grad_accum != 1:
             raise ConfigError("--grad-accum with --federated: a client's local step is one batch "
                               "of --batch sequences; leave --grad-accum at 1")
+
+    def _validate_saves(self) -> None:
+        """--save-every / --keep (checkpoint.py); the directories themselves: preflight.py."""
+        for name in ("save_every", "keep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "save_every" else 1):
+                raise ConfigError(f"{_flag(name)} {_show(v)}: must be a whole number >= "
+                                  + ("1 (a checkpoint every K steps)" if name == "save_every" else
+                                     "1 (the newest checkpoint is the one --resume reads)"))
+        if self.save_every and not self.save:
+            raise ConfigError(f"--save-every {self.save_every}: needs --save DIR (the directory "
+                              f"the checkpoints go to)")
 
     def _validate_experts(self) -> None:
         E, P, k = self.experts, self.ep, self.top_k

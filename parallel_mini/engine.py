@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -180,13 +181,16 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
                        timeline)  # 6 (--straggler: one rank sleeps after computing)
     strategy = parallelize(model, comm, cfg, average_fn, experts)  # 7
     runner.attach(strategy)  # 8
-    start = checkpoint.load(cfg.resume, model, strategy, mesh) if cfg.resume else 0
+    start = checkpoint.resume(cfg, model, strategy, mesh) if cfg.resume else 0
 
-    losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start)
+    def save(step: int) -> None:  # every --save-every steps and after the last; DCP's own
+        checkpoint.save(cfg.save, step, model, strategy, mesh, cfg)  # collectives, not training's
+
+    losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start,
+                          save if cfg.save else None)
     timeline.resolve()  # CUDA: each op's GPU start/end from its events (no-op on CPU)
-    if cfg.save:  # after the last step; DCP's own collectives, not training traffic
-        checkpoint.save(cfg.save, cfg.steps, model, strategy, mesh, cfg,
-                        kill_rank=cfg.extra.get("kill_rank_during_save"))
+    if cfg.save:
+        save(cfg.steps)
     memory = model_state_bytes(strategy.state_tensors())
     memory["transient"] = strategy.transient_bytes()
     memory["activations_peak"] = runner.activation_peak()
@@ -217,14 +221,16 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
 
 
 def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live: LiveBytes,
-           mesh: Mesh, context: ContextParallel, start: int = 0) -> tuple[list[float], float]:
+           mesh: Mesh, context: ContextParallel, start: int = 0, save=None
+           ) -> tuple[list[float], float]:
     """The steps after `start` (a resumed run's checkpoint step); the last one under the
     live-bytes meter. Returns the global loss per step and the wall-clock seconds of all steps.
     Records (comm, events) number the steps of this run from 0; the data are those of step
-    start + step (batches are a pure function of the step: that is the data position)."""
+    start + step (batches are a pure function of the step: that is the data position). `save(n)`
+    writes the checkpoint after step n every --save-every steps (its time is not the steps')."""
     batch_axis, losses = mesh.axis_for("batch"), []
     dist.barrier()  # line the ranks up so their timelines share a start
-    t_start = time.perf_counter()
+    t_start, saving = time.perf_counter(), 0.0
     for step in range(cfg.steps - start):
         comm.step = step
         # The live-bytes meter slows every op ~4x, so it watches only the last step: by then every
@@ -244,7 +250,13 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {start + step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr,
                   flush=True)
-    return losses, time.perf_counter() - t_start
+        done = start + step + 1
+        checkpoint.crash_point(cfg, mesh.rank, f"step {done}")  # (tests: a kill between saves)
+        if save is not None and cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+            t_save = time.perf_counter()
+            save(done)
+            saving += time.perf_counter() - t_save
+    return losses, time.perf_counter() - t_start - saving
 
 
 def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
@@ -283,9 +295,13 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
         report.extra["async"] = report.ranks[0].pop("async")
     if cfg.resume:
         report.extra["resumed_from_step"] = start
+        step_dir = f"step_{start}"  # (DIR/latest may name a newer one by now)
+        where = cfg.resume if os.path.basename(os.path.normpath(cfg.resume)) == step_dir \
+            else os.path.join(cfg.resume, step_dir)
         if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
-            print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained "
-                  f"steps {start + 1}-{cfg.steps}", file=sys.stderr)
+            print(f"resumed from step {start} ({where}): trained steps {start + 1}-{cfg.steps}"
+                  if start else f"--resume {cfg.resume}: no checkpoint there yet; trained from "
+                  f"step 0", file=sys.stderr)
     if cfg.sync_every:  # what the averages cost, counted, predicted and measured
         report.extra["local_sgd"] = local_sgd.summary(report)
     if cfg.federated:  # per round: clients' losses, drift; what crossed the network
