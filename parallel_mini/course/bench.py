@@ -338,7 +338,7 @@ def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
                           for name in schedules}}
 
 
-def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv"), warmup: int = 3,
+def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), warmup: int = 3,
              steps: int = 10, layers: int = 8, microbatches: int = 8, batch: int = 16) -> list[dict]:
     rows = []
     for n in pps:
@@ -492,6 +492,72 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
                 "replayed_within_3_points": sum(abs(r["replayed_points"]) <= 3 for r in runs),
                 "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (f2) DualPipe beside 1F1B, ZB-H1 and ZBV: the DeepSeek-V3 report's table and the same run
+# ---------------------------------------------------------------------------------------------
+DUAL_COMPARED = ("1f1b", "zb", "zbv", "dualpipev", "dualpipe")
+TABLE_ROW = {"1f1b": "1F1B", "zb": "ZB1P", "zbv": None, "dualpipev": "DualPipeV", "dualpipe": "DualPipe"}
+
+
+def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> list[dict]:
+    """The same model, batch and pp ranks under each schedule of DUAL_COMPARED: its bubble (the
+    formula, theory; replayed from measured op costs; the wall clock, measured), parameters per
+    rank (measured bytes; the table says copies), activations (micro-batches in flight, counted
+    from the op list, in units of one pp-way stage; the peak measured in bytes), and the report's
+    formula with this run's measured op costs (no F&B overlap on one CPU: F&B = F + B + W)."""
+    from ..engine import run
+    from ..parallel.schedules import build_schedule, in_flight
+    from ..trace import op_costs
+
+    rows = []
+    for name in DUAL_COMPARED:
+        cfg = RunConfig(pp=pp, microbatches=m, layers=layers, batch=2 * m, schedule=name,
+                        steps=steps, reference=True).validate()
+        report = run(cfg)
+        s = build_schedule(name, pp, m)
+        b, costs = report.extra["bubble"], op_costs(report)
+        chunk = pp / s.stages  # one chunk's size in pp-way stages (1, or 1/2 in a V)
+        stages = pp if name in ("1f1b", "zb", "dualpipe") else 2 * pp
+        split = "W" in costs
+        table = {r["method"]: r for r in theory.pipeline_table(
+            stages, costs if split else {"F": costs["F"], "B": costs["B"], "W": 0.0})}
+        rows.append({
+            "schedule": name, "pp": pp, "microbatches": m, "layers": layers,
+            "table_method": TABLE_ROW[name],
+            "table_bubble_s": table[TABLE_ROW[name]]["bubble"] if TABLE_ROW[name] else None,
+            "bubble_theory": b["theory"], "bubble_replayed": b["replayed"]["overall"],
+            "bubble_wall": b["wall"]["overall"], "ranks_shared_cores": b["wall"]["ranks_shared_cores"],
+            "params_bytes_max": max(r["memory"]["params"] for r in report.ranks),
+            "activations_peak_bytes_max": max(r["memory"]["activations_peak"] for r in report.ranks),
+            "in_flight_stage_units": max(in_flight(s)) * chunk,
+            "table_activations": table[TABLE_ROW[name]]["activations"] * chunk if TABLE_ROW[name] else None,
+            "max_abs_diff": report.max_abs_diff})
+    one = next(r for r in rows if r["schedule"] == "1f1b")
+    for r in rows:
+        r["params_over_1f1b"] = r["params_bytes_max"] / one["params_bytes_max"]
+    return rows
+
+
+def _print_dualpipe(rows):
+    r0 = rows[0]
+    print(f"(f2) DualPipe beside 1F1B, ZB-H1 and ZBV on the same run: pp {r0['pp']}, "
+          f"{r0['microbatches']} micro-batches, {r0['layers']} layers. Table: the DeepSeek-V3 "
+          f"report's formulas with this run's measured op costs (theory; F&B = F+B+W: one CPU "
+          f"overlaps nothing)")
+    print(_table(["schedule", "table row", "table bubble ms", "bubble theory", "replayed", "wall clock",
+                  "params/rank (measured) / 1F1B", "act. in flight (stages)", "table act.",
+                  "act. peak KB (measured)", "max |ours - ref|"],
+                 [[r["schedule"], r["table_method"] or "-",
+                   "-" if r["table_bubble_s"] is None else f"{1e3 * r['table_bubble_s']:.1f}",
+                   f"{r['bubble_theory']:.1%}", f"{r['bubble_replayed']:.1%}", f"{r['bubble_wall']:.1%}",
+                   f"{r['params_over_1f1b']:.2f}x", f"{r['in_flight_stage_units']:g}",
+                   "-" if r["table_activations"] is None else f"{r['table_activations']:g}",
+                   f"{r['activations_peak_bytes_max'] / 1024:.0f}", f"{r['max_abs_diff']:.1e}"]
+                  for r in rows]))
+    print("    the table counts parameters and activations in one stage of its PP stages: DualPipe "
+          "holds 2 of the pp stages (2x); DualPipeV's 2 chunks are half-stages (2 x 1/2 = 1x)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -924,7 +990,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "wire", "plan", "app", "all"])
+                                     "ep", "wire", "plan", "app", "all", "dualpipe"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -969,6 +1035,9 @@ def main(argv=None) -> int:
     if args.what in ("pp", "all"):
         out["pp"] = bench_pp(tuple(args.pp))
         show(_print_pp, out["pp"])
+    if args.what in ("dualpipe", "all"):
+        out["dualpipe"] = bench_dualpipe()
+        show(_print_dualpipe, out["dualpipe"])
     if args.what in ("bubble", "all"):
         setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in args.bubble_setups)
         out["bubble"] = bench_bubble(tuple(args.bubble_schedules), setups, args.bubble_repeats)
