@@ -470,6 +470,11 @@ def _pipeline_theory(cfg) -> dict:
         if cfg.cp > 1:
             wire = stage["wire_bytes_per_step"]
             wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg, blocks=blocks, moe=moe_here)
+        if schedule.directions == 2:  # DualPipe: a rank's blocks see half the micro-batches
+            for k, v in stage["wire_bytes_per_step"].items():
+                stage["wire_bytes_per_step"][k] = v / 2 if k in ("tp", "cp") else v
+            if "ep_all_to_all_uniform" in stage:
+                stage["ep_all_to_all_uniform"] /= 2
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
