@@ -8,39 +8,6 @@ from parallel_mini.engine import run
 from parallel_mini.parallel import schedules as S
 
 
-def fused_idle(s: S.Schedule, costs: dict) -> list[float]:
-    """Each rank's idle time when every overlapped pair (schedules.overlapped_pairs: a forward and
-    the next op, a backward of the rank's other chunk, with its W) runs as ONE unit that starts
-    when both inputs are there: the report's F&B. Transfers free."""
-    pairs = S.overlapped_pairs(s)
-    units = []
-    for r, ops in enumerate(s.ops):
-        row, i = [], 0
-        while i < len(ops):
-            n = pairs.get((r, i), 1)
-            row.append(ops[i:i + n])
-            i += n
-        units.append(row)
-    end, clock, pos = {}, [0.0] * s.pp, [0] * s.pp
-    while any(pos[r] < len(u) for r, u in enumerate(units)):
-        progressed = False
-        for r, row in enumerate(units):
-            while pos[r] < len(row):
-                unit = row[pos[r]]
-                deps = [d for op in unit for d in S.dependencies(op, s.stages) if d not in unit]
-                if any(d not in end for d in deps):
-                    break
-                start = max([clock[r]] + [end[d] for d in deps])
-                clock[r] = start + sum(costs[op.kind] for op in unit)
-                for op in unit:
-                    end[op] = clock[r]
-                pos[r] += 1
-                progressed = True
-        assert progressed, "deadlock"
-    span = max(clock)
-    return [span - sum(costs[op.kind] for op in ops) for ops in s.ops]
-
-
 @pytest.mark.parametrize("name,pp,m", [("dualpipe", 2, 4), ("dualpipe", 4, 8), ("dualpipe", 8, 20),
                                        ("dualpipe", 6, 14), ("dualpipev", 2, 4), ("dualpipev", 4, 10),
                                        ("dualpipev", 3, 7), ("dualpipev", 8, 16)])
@@ -53,7 +20,10 @@ def test_fused_pairs_give_the_reports_bubble(name, pp, m):
     costs = {"F": 1.0, "B": 1.0, "W": 1.0}
     stages = pp if name == "dualpipe" else 2 * pp
     want = theory.dualpipe_idle(stages, costs)
-    assert fused_idle(s, costs) == pytest.approx([want] * pp, abs=1e-9)
+    timed = S.simulate(s, lambda r, op: costs[op.kind], fused=True)
+    span = max(t["end"] for t in timed)
+    idle = [span - sum(t["end"] - t["start"] for t in timed if t["rank"] == r) for r in range(pp)]
+    assert idle == pytest.approx([want] * pp, abs=1e-9)
     unfused = S.idle_fractions(S.simulate(s, lambda r, op: costs[op.kind]), pp)
     assert max(unfused) <= theory.bubble_fraction(name, pp, m) + 1e-9
 

@@ -540,6 +540,97 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
     return rows
 
 
+def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
+    """One rank of the F&B overlap measurement (see bench_fb_overlap)."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    comm = Comm(build_mesh(cfg))
+    n, me = comm.size("dp"), comm.rank("dp")
+    model = build_model(cfg)
+    x, y = shard(global_batch(cfg, 0), me, n)  # micro-batch B: this rank's sequences [b/n, s]
+
+    def compute():  # micro-batch B's forward and backward through the whole toy chunk
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+
+    def seconds(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return _slowest_rank(time.perf_counter() - t0)
+
+    # micro-batch A's expert dispatch: each token's top-k copies of its hidden vector, rows
+    # [tokens * k, h]; scaled (below) until the all-to-all alone lasts about as long as the compute,
+    # as DeepSeek-V3's does (its report: computation and all-to-all about 1:1)
+    rows = x.numel() * cfg.top_k
+    base = torch.randn(rows * n, cfg.d_model, generator=torch.Generator().manual_seed(me))
+    send = base
+    recv = torch.empty_like(send)
+    a2a = lambda: comm.all_to_all(recv, send, "dp")
+    for _ in range(2):  # warm both
+        compute(), a2a()
+    t_comp = statistics.median(seconds(compute) for _ in range(3))
+    for scale in (2 ** i for i in range(10)):  # (seconds() lines the ranks up: all agree)
+        send = base.repeat(scale, 1)
+        recv = torch.empty_like(send)
+        if statistics.median(seconds(a2a) for _ in range(3)) >= t_comp / 2:
+            break
+
+    def serial():
+        comm.all_to_all(recv, send, "dp")
+        compute()
+
+    def overlapped():  # A's all-to-all in flight (gloo's worker thread) while B computes
+        handle = comm.all_to_all(recv, send, "dp", async_op=True)
+        compute()
+        handle.wait()
+
+    times: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "serial", "overlapped")}
+    fns = {"comm": lambda: comm.all_to_all(recv, send, "dp"), "compute": compute,
+           "serial": serial, "overlapped": overlapped}
+    for i in range(repeats + 1):  # the first round warms up; the order rotates each round
+        names = list(fns)[i % 4:] + list(fns)[:i % 4]
+        for name in names:
+            dt = seconds(fns[name])
+            if i:
+                times[name].append(dt)
+    overlapped()
+    got = recv.clone()
+    comm.all_to_all(recv, send, "dp")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"median_s": med, "times_s": times, "payload_bytes": send.numel() * send.element_size(),
+            "overlapped_equals_blocking": bool(torch.equal(got, recv)),
+            "hidden_fraction": (med["serial"] - med["overlapped"]) / min(med["comm"], med["compute"])}
+
+
+def bench_fb_overlap(ranks: int = 2, repeats: int = 7) -> dict:
+    """DualPipe's F&B overlap, on the toy, measured on the wall clock: on each of `ranks` ranks,
+    micro-batch A's expert all-to-all (gloo, async: it runs in gloo's worker thread) in flight
+    while micro-batch B's forward and backward compute, against the two one after the other.
+    hidden_fraction = (serial - overlapped) / min(comm, compute): 1 when the shorter one hides
+    entirely behind the other, 0 when nothing overlaps (medians over `repeats`, slowest rank)."""
+    cfg = RunConfig(dp=ranks, batch=4 * ranks, layers=4, experts=4, top_k=2, steps=1).validate()
+    out = run_ranks(_fb_overlap_rank, ranks, cfg.to_dict(), repeats, timeout=600, backend="gloo")
+    result = out[0].value
+    result.update(ranks=ranks, repeats=repeats, cpus=len(os.sched_getaffinity(0))
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                  load_average=os.getloadavg()[0])
+    return result
+
+
+def _print_fb_overlap(r):
+    med = r["median_s"]
+    print(f"(f3) F&B overlap on the toy ({r['ranks']} ranks, {r['cpus']} CPUs, load {r['load_average']:.1f}): "
+          f"an all-to-all of {r['payload_bytes'] / 1024:.0f} KiB per rank in flight during another "
+          f"micro-batch's forward and backward, measured on the wall clock (median of {r['repeats']})")
+    print(_table(["all-to-all ms", "compute ms", "one after the other ms", "overlapped ms",
+                  "hidden (measured)", "same result"],
+                 [[f"{1e3 * med['comm']:.1f}", f"{1e3 * med['compute']:.1f}",
+                   f"{1e3 * med['serial']:.1f}", f"{1e3 * med['overlapped']:.1f}",
+                   f"{r['hidden_fraction']:.0%}", r["overlapped_equals_blocking"]]]))
+    print("    hidden = (one after the other - overlapped) / the shorter of the two; on cores shared "
+          "with other ranks the all-to-all's copies compete with the compute for the same cores")
+
+
 def _print_dualpipe(rows):
     r0 = rows[0]
     print(f"(f2) DualPipe beside 1F1B, ZB-H1 and ZBV on the same run: pp {r0['pp']}, "
@@ -1038,6 +1129,8 @@ def main(argv=None) -> int:
     if args.what in ("dualpipe", "all"):
         out["dualpipe"] = bench_dualpipe()
         show(_print_dualpipe, out["dualpipe"])
+        out["fb_overlap"] = bench_fb_overlap()
+        show(_print_fb_overlap, out["fb_overlap"])
     if args.what in ("bubble", "all"):
         setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in args.bubble_setups)
         out["bubble"] = bench_bubble(tuple(args.bubble_schedules), setups, args.bubble_repeats)

@@ -399,10 +399,14 @@ def check(s: Schedule) -> None:
     simulate(s, lambda rank, op: 1.0)
 
 
-def simulate(s: Schedule, duration) -> list[dict]:
+def simulate(s: Schedule, duration, fused: bool = False) -> list[dict]:
     """Every rank a device of its own: each op starts when its rank is free and its inputs exist
     (transfers taken as instantaneous). `duration(rank, op)` gives seconds. Returns one record per
-    op: {rank, kind, microbatch, chunk, start, end}. Raises ValueError on a deadlock."""
+    op: {rank, kind, microbatch, chunk, start, end}. Raises ValueError on a deadlock.
+    `fused`: DualPipe's F&B pairs (overlapped_pairs) run as one unit, started when the inputs of
+    both are there, its ops back to back, their results out when the unit ends: as the
+    DeepSeek-V3 report draws and counts them (its bubble formula is this replay's, equal costs)."""
+    pairs = overlapped_pairs(s) if fused else {}
     end: dict[Op, float] = {}
     clock = [0.0] * s.pp
     position = [0] * s.pp
@@ -412,16 +416,20 @@ def simulate(s: Schedule, duration) -> list[dict]:
         progressed = False
         for r, ops in enumerate(s.ops):
             while position[r] < len(ops):
-                op = ops[position[r]]
-                deps = dependencies(op, s.stages)
+                unit = ops[position[r]:position[r] + pairs.get((r, position[r]), 1)]
+                deps = [d for op in unit for d in dependencies(op, s.stages) if d not in unit]
                 if any(d not in end for d in deps):
                     break
                 start = max([clock[r]] + [end[d] for d in deps])
-                end[op] = clock[r] = start + duration(r, op)
-                timed.append({"rank": r, "kind": op.kind, "microbatch": op.microbatch,
-                              "chunk": op.chunk, "start": start, "end": end[op]})
-                position[r] += 1
-                remaining -= 1
+                for op in unit:
+                    clock[r] = start + duration(r, op)
+                    timed.append({"rank": r, "kind": op.kind, "microbatch": op.microbatch,
+                                  "chunk": op.chunk, "start": start, "end": clock[r]})
+                    start = clock[r]
+                for op in unit:  # a pair's results leave together, when the unit ends
+                    end[op] = clock[r]
+                position[r] += len(unit)
+                remaining -= len(unit)
                 progressed = True
         if not progressed:
             stuck = {r: str(ops[position[r]]) for r, ops in enumerate(s.ops) if position[r] < len(ops)}
