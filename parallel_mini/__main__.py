@@ -26,8 +26,9 @@ _HELP = {
     "dp_mode": "naive: all-reduce each gradient after backward; bucketed: overlap with backward",
     "bucket_mb": "bucket size in MB for --dp-mode bucketed", "grad_accum": "micro-steps per step",
     "batch": "global batch (sequences per step)", "steps": "optimizer steps",
-    "schedule": "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb, zbv, pipedream, "
-                "pipedream-nostash", "microbatches": "micro-batches per step with --pp > 1",
+    "schedule": "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb, zbv, dualpipev, dualpipe "
+                "(bidirectional, every stage on two ranks), pipedream, pipedream-nostash",
+    "microbatches": "micro-batches per step with --pp > 1",
     "virtual_stages": "model chunks per pipeline rank (interleaved); 0 = the schedule's default",
     "timeout_s": "seconds the run may take before its ranks are stopped",
     "sync_every": "local SGD: each dp rank takes H optimizer steps alone, then the parameters are "

@@ -31,17 +31,19 @@ def under_torchrun() -> bool:
 
 
 def virtual_stages(schedule: str, v: int = 0) -> int:
-    """Model chunks per pipeline rank: v if given, else 2 for interleaved and zbv, 1 otherwise."""
+    """Model chunks per pipeline rank: v if given, else 2 for interleaved, zbv and the DualPipes
+    (dualpipe: two stages, each a copy), 1 otherwise."""
     if v:
         return v
-    return 2 if schedule in ("interleaved", "zbv") else 1
+    return 2 if schedule in ("interleaved", "zbv", "dualpipev", "dualpipe") else 1
 
 
 CHOICES = {
     "dp_mode": ("naive", "bucketed"),
     "optimizer": ("adam", "sgd"),
     "precision": ("fp32", "bf16-mixed"),
-    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv", "pipedream", "pipedream-nostash"),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv", "pipedream", "pipedream-nostash",
+                 "dualpipev", "dualpipe"),
     "checkpointing": ("none", "full", "selective"),
     "cp_impl": ("ring", "zigzag", "ulysses"),
     "backend": ("auto", "gloo", "nccl"),
@@ -482,18 +484,37 @@ class RunConfig(GPTConfig):
                               f"heads ({heads} per tensor-parallel rank); choose heads divisible by "
                               f"{c * self.tp}, or --cp-impl ring")
 
+    def _validate_dualpipe(self) -> None:
+        """DualPipe's phases need every rank to start 2 x pp micro-batches (per direction, p)."""
+        if self.schedule not in ("dualpipev", "dualpipe"):
+            return
+        if self.schedule == "dualpipe" and self.pp % 2:
+            raise ConfigError(f"--pp {self.pp}: dualpipe pairs rank i with rank pp-1-i (both hold "
+                              f"stages i and pp-1-i); choose an even --pp")
+        if self.microbatches < 2 * self.pp or (self.schedule == "dualpipe" and self.microbatches % 2):
+            k = 2 * self.pp
+            raise ConfigError(f"--microbatches {self.microbatches}: {self.schedule} needs at least "
+                              f"2 x pp = {k}" + (", an even number (half enter from each end)"
+                                                 if self.schedule == "dualpipe" else "")
+                              + f"; try --microbatches {max(k, self.microbatches + self.microbatches % 2)}")
+        if self.schedule == "dualpipe" and self.zero == 3:
+            raise ConfigError("--zero 3 with --schedule dualpipe: the two copies of a stage sum "
+                              "their gradients before the step, which ZeRO-3's per-layer "
+                              "reduce-scatter in W does not wait for; use --zero 0, 1 or 2")
+
     def _validate_pipeline(self) -> None:
         if self.virtual_stages < 0:
             raise ConfigError(f"--virtual-stages {self.virtual_stages}: must be >= 1 (or 0 for the "
                               f"schedule's default)")
         v = virtual_stages(self.schedule, self.virtual_stages)
-        if self.schedule == "zbv" and v != 2:
-            raise ConfigError(f"--virtual-stages {v}: zbv lays exactly 2 chunks per rank out in a V; "
-                              f"leave --virtual-stages at 0")
-        if v > 1 and self.schedule not in ("interleaved", "zbv"):
+        if self.schedule in ("zbv", "dualpipev", "dualpipe") and v != 2:
+            raise ConfigError(f"--virtual-stages {v}: {self.schedule} places exactly 2 chunks on "
+                              f"each rank; leave --virtual-stages at 0")
+        if v > 1 and self.schedule not in ("interleaved", "zbv", "dualpipev", "dualpipe"):
             raise ConfigError(f"--virtual-stages {v}: several model chunks per rank need "
                               f"--schedule interleaved ({self.schedule} runs one chunk per rank)")
-        chunks = self.pp * v
+        self._validate_dualpipe()
+        chunks = self.pp * v // (2 if self.schedule == "dualpipe" else 1)  # dualpipe: p stages, twice
         if self.layers % chunks:
             raise ConfigError(f"--layers {self.layers}: {self.pp} stages x {v} chunks each need a "
                               f"multiple of {chunks} layers; try --layers {chunks * max(1, self.layers // chunks)}")

@@ -479,24 +479,32 @@ def _pipeline_theory(cfg) -> dict:
     apart = getattr(cfg, "ep", 1) > 1  # expert parallel: the experts' states go over edp
     for r in range(cfg.pp):
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
-                                     cfg.tp, **_moe(cfg), experts_apart=apart)
-        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r)[0])  # the stage's blocks
+                                     cfg.tp, **_moe(cfg), experts_apart=apart,
+                                     stages=schedule.stages)
+        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r, schedule.stages)[0])  # its blocks
         stage = _rank_theory(cfg, units, expert_unit_sizes(cfg, mine) if apart else [])
         if getattr(cfg, "ep", 1) > 1:
             stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
-            schedule.owner, r, cfg.microbatches, boundary)
-        chunks = [c for c, o in enumerate(schedule.owner) if o == r]
-        blocks = len(chunks) * cfg.layers // len(schedule.owner)  # the stage's blocks
+            schedule.owner, r, cfg.microbatches, boundary, schedule.stages)
+        if schedule.directions == 2:  # DualPipe: the stage copies' gradients, one exchange a step
+            stage["wire_bytes_per_step"]["pp"] += sum(units) * BYTES_PER_PARAM[cfg.precision]
+        chunks = [schedule.stage_of(c) for c, o in enumerate(schedule.owner) if o == r]
+        blocks = len(chunks) * cfg.layers // schedule.stages  # the stage's blocks
         moe_here = len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
                                                   getattr(cfg, "moe_every", 1))))
         if cfg.tp > 1:
             stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
-                cfg, blocks=blocks, embed=0 in chunks, head=len(schedule.owner) - 1 in chunks,
+                cfg, blocks=blocks, embed=0 in chunks, head=schedule.stages - 1 in chunks,
                 moe=moe_here) + moe_sp_wire_bytes_per_step(cfg, moe_here)
         if cfg.cp > 1:
             wire = stage["wire_bytes_per_step"]
             wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg, blocks=blocks, moe=moe_here)
+        if schedule.directions == 2:  # DualPipe: a rank's blocks see half the micro-batches
+            for k, v in stage["wire_bytes_per_step"].items():
+                stage["wire_bytes_per_step"][k] = v / 2 if k in ("tp", "cp") else v
+            if "ep_all_to_all_uniform" in stage:
+                stage["ep_all_to_all_uniform"] /= 2
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
@@ -598,7 +606,9 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
       share of the total).
     zb (ZB-H1, Qi et al., 2024): (p-1)(F+B-W) idle beside m(F+B+W) busy, with the op costs F, B, W
       given in `costs` (default: equal, which gives (p-1)/(3m+p-1), a third of 1F1B's bubble).
-    zbv: its greedy order has no closed form; the value is that order replayed with `costs`."""
+    zbv: its greedy order has no closed form; the value is that order replayed with `costs`.
+    dualpipe, dualpipev: the DeepSeek-V3 report's (PP/2-1)(F&B+B-3W) (dualpipe_idle) beside each
+      rank's busy time, PP the model's stages (dualpipe: p; dualpipev: 2p chunks of half a stage)."""
     p = pp
     if p == 1:
         return 0.0
@@ -612,6 +622,12 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
         c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
         idle = max(0.0, (p - 1) * (c["F"] + c["B"] - c["W"]))
         return idle / (idle + m * (c["F"] + c["B"] + c["W"]))
+    if schedule in ("dualpipe", "dualpipev"):
+        c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+        stages = p if schedule == "dualpipe" else 2 * p
+        idle = dualpipe_idle(stages, c)
+        busy = (m if schedule == "dualpipe" else 2 * m) * (c["F"] + c["B"] + c["W"])
+        return idle / (idle + busy)
     if schedule == "zbv":  # a greedy order has no closed form: replay it with the costs given
         from .parallel.schedules import build_schedule, idle_fractions, simulate
         c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
@@ -622,25 +638,69 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
 
 def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner: list[int],
                          rank: int, tp: int = 1, experts: int = 0, moe_every: int = 1,
-                         ep: int = 1, experts_apart: bool = False) -> list[int]:
+                         ep: int = 1, experts_apart: bool = False,
+                         stages: int | None = None) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
     one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier.
-    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes."""
+    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes.
+    `stages`: DualPipe's model has fewer stages than chunks (each stage twice, placement.stage_blocks)."""
     model = SimpleNamespace(vocab=vocab, seq=seq, d_model=d_model, layers=layers, experts=experts,
                             moe_every=moe_every)
-    stage = stage_blocks(owner, layers, rank)
+    stage = stage_blocks(owner, layers, rank, stages)
     return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0), stage), experts_apart)
 
 
-def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int) -> int:
+def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int,
+                                stages: int | None = None) -> int:
     """Bytes this rank sends per step: each micro-batch's activation [b, s, h] forward out of every
     chunk whose successor lives elsewhere, and its gradient backward out of every chunk whose
-    predecessor does. Point to point: what is sent is the payload itself."""
+    predecessor does. Point to point: what is sent is the payload itself. DualPipe (`stages` =
+    len(owner)/2): each copy carries half the micro-batches, and the two copies of a stage sum
+    their gradients (pipeline._sum_copies: one exchange of the rank's gradients, not counted here)."""
+    n = stages or len(owner)
+    per_chunk = m * n // len(owner)  # micro-batches through each chunk
     sends = 0
     for c, r in enumerate(owner):
         if r != rank:
             continue
-        sends += c + 1 < len(owner) and owner[c + 1] != rank
-        sends += c > 0 and owner[c - 1] != rank
-    return sends * m * boundary_bytes
+        sends += c % n + 1 < n and owner[c + 1] != rank
+        sends += c % n > 0 and owner[c - 1] != rank
+    return sends * per_chunk * boundary_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# DualPipe beside 1F1B and zero bubble: the DeepSeek-V3 report's table (DeepSeek-AI, 2024, table
+# 2; DualPipeV: Sea AI Lab's "cut-in-half", 2025). PP is the number of pipeline STAGES (DualPipeV
+# runs them on PP/2 devices). The report's B is the full backward (our B + W), W the weight part,
+# and F&B a forward and a backward of two micro-batches run as one overlapped unit: F + B + W
+# when nothing overlaps (the toy: one CPU), less when one's communication hides behind the other.
+# ---------------------------------------------------------------------------------------------
+def dualpipe_idle(stages: int, costs: dict, overlapped: float | None = None) -> float:
+    """Idle time per device: (PP/2-1)(F&B + B_full - 3W). `overlapped`: F&B's time (default
+    F + B_full, no overlap). The eight phases of parallel/schedules.py replayed with each F&B pair
+    as one unit and equal op costs (the report's figure) give exactly this (tests/test_dualpipe.py);
+    with unequal costs the formula is the report's estimate, off by a fraction of an op (replay
+    the order for the toy's own costs: schedules.simulate)."""
+    full = costs["B"] + costs["W"]
+    fb = costs["F"] + full if overlapped is None else overlapped
+    return max(0.0, (stages / 2 - 1) * (fb + full - 3 * costs["W"]))
+
+
+def pipeline_table(stages: int, costs: dict | None = None, overlapped: float | None = None) -> list[dict]:
+    """The report's rows for `stages` pipeline stages: bubble (idle time per device, in the costs'
+    unit), parameters per device (x one stage's), activations per device (micro-batches of one
+    stage's activations held at the peak), devices. Theory: formulas, not measured."""
+    c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+    full = c["B"] + c["W"]
+    dual = dualpipe_idle(stages, c, overlapped)
+    return [
+        {"method": "1F1B", "bubble": (stages - 1) * (c["F"] + full), "parameters": 1,
+         "activations": stages, "devices": stages},
+        {"method": "ZB1P", "bubble": (stages - 1) * (c["F"] + full - 2 * c["W"]), "parameters": 1,
+         "activations": stages, "devices": stages},
+        {"method": "DualPipe", "bubble": dual, "parameters": 2, "activations": stages + 1,
+         "devices": stages},
+        {"method": "DualPipeV", "bubble": dual, "parameters": 2, "activations": stages + 1,
+         "devices": stages // 2},
+    ]
