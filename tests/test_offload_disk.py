@@ -30,9 +30,9 @@ def _block_backed(directory) -> bool:
 def check_offload(report, cfg, directory):
     """Everything --offload-disk promises, on every rank of `report`."""
     assert report.max_abs_diff <= 1e-5, report.max_abs_diff_detail
-    th = report.theory
-    io_theory = th["disk_io_per_step"]
-    for rank in report.ranks:
+    for rank in report.ranks:  # (a pipeline's stages differ: each rank against its stage's)
+        th = report.theory["stages"][rank["coords"]["pp"]] if cfg.pp > 1 else report.theory
+        io_theory = th["disk_io_per_step"]
         m = rank["memory"]
         assert {k: m[k] for k in th["memory"]} == th["memory"]  # params, grads, optimizer, disk
         assert m["optimizer"] == 0 and (m["params"] == 0) == (cfg.zero == 3)
@@ -45,9 +45,14 @@ def check_offload(report, cfg, directory):
             assert {"read": rec["read"], "written": rec["written"]} == io_theory
             got = rec["measured"]  # the thread's counters around every pread/pwrite
             assert (got["rchar"], got["wchar"]) == (rec["read"], rec["written"])
-            if _block_backed(directory):  # pages: each read range widened to whole pages
-                assert rec["written"] <= got["write_bytes"] <= rec["written"] + PAGE
-                assert rec["read"] <= got["read_bytes"] <= rec["read"] * 1.05 + PAGE
+            if _block_backed(directory):
+                # The storage layer moves whole pages: every byte read comes from a page read from
+                # disk (the step starts with none cached), every byte written dirties a page; a
+                # call's range may cover a page in part at each end, and a page can be counted
+                # again when the kernel wrote it back before the next window dirtied it.
+                assert rec["read"] <= got["read_bytes"] <= rec["read"] + 2 * PAGE * rec["reads"]
+                assert rec["written"] <= got["write_bytes"] <= \
+                    rec["written"] + 2 * PAGE * rec["writes"]
     assert sum(r["memory"]["disk"] for r in report.ranks) == preflight.offload_disk_bytes(cfg)
 
 

@@ -109,8 +109,10 @@ class DiskOptimizer:
     # -- the transfers: pread/pwrite of one window, counted and measured -------------------------
     def _record(self, before, kind: str, nbytes: int) -> None:
         after = self.counters.read()
-        rec = self.io.setdefault(self.step_of(), {"read": 0, "written": 0, "measured": None})
+        rec = self.io.setdefault(self.step_of(), {"read": 0, "written": 0, "reads": 0,
+                                                  "writes": 0, "measured": None})
         rec["read" if kind == "r" else "written"] += nbytes
+        rec["reads" if kind == "r" else "writes"] += 1  # calls: each may round up to pages
         if before is None or after is None:
             return
         (b, own), (a, _) = before, after
