@@ -124,7 +124,7 @@ def _summary(report) -> str:
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
     if "disk" in report.ranks[0]:  # --offload-disk: the last step's bytes to and from the file
-        io = [r for r in report.ranks[0]["disk"]["io"] if r["step"] != "setup"][-1]
+        io = [r for r in report.ranks[0]["disk"]["io"] if isinstance(r["step"], int)][-1]
         got = io["measured"] or {}
         lines.append(f"rank 0 disk, last step: read {io['read']:,} written {io['written']:,} bytes "
                      f"(counted; theory {report.theory.get('disk_io_per_step', {})}); /proc "

@@ -273,8 +273,7 @@ class RunConfig(GPTConfig):
         """--offload-disk DIR: what it composes with (the directory itself is preflight's)."""
         if not self.offload_disk:
             raise ConfigError("--keep-offload keeps --offload-disk's files; give --offload-disk DIR")
-        for flag, on in (("--offload", self.offload), ("--save", self.save),
-                         ("--resume", self.resume), ("--fp32-grad-accum", self.fp32_grad_accum)):
+        for flag, on in (("--offload", self.offload), ("--fp32-grad-accum", self.fp32_grad_accum)):
             if on:
                 raise ConfigError(f"--offload-disk with {flag}: not available yet (the states are "
                                   f"in the file, not in RAM where {flag} looks for them); use one "

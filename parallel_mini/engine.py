@@ -249,6 +249,8 @@ def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
 def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
     preflight.check(cfg.validate())  # the values, then what this machine and disk allow
+    if cfg.offload_disk:  # the ranks' working directory may not be this process's
+        cfg = dataclasses.replace(cfg, offload_disk=os.path.abspath(cfg.offload_disk))
     try:
         return _run(cfg, average_fn)
     finally:  # whatever happened to the ranks, --offload-disk leaves no file (unless kept)

@@ -39,7 +39,7 @@ def check_offload(report, cfg, directory):
         disk = rank["disk"]
         assert disk["path"] == offload_file(directory, rank["rank"])
         assert disk["bytes"] == m["disk"] == 4 * len(disk["planes"]) * disk["elements"]
-        steps = [rec for rec in disk["io"] if rec["step"] != "setup"]
+        steps = [rec for rec in disk["io"] if isinstance(rec["step"], int)]
         assert [rec["step"] for rec in steps] == list(range(cfg.steps))
         for rec in steps:
             assert {"read": rec["read"], "written": rec["written"]} == io_theory
@@ -109,6 +109,33 @@ def test_a_failed_run_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # (two runs each, ~5 s: the default suite keeps the cheaper cases above)
+@pytest.mark.parametrize("before,after", [
+    (dict(dp=2, zero=1, offload_disk=True), dict(dp=2, zero=3, offload_disk=True)),
+    (dict(dp=2, zero=3, offload_disk=True), dict(dp=1)),
+    (dict(dp=2), dict(dp=2, zero=2, offload_disk=True))],
+    ids=["zero1-disk->zero3-disk", "zero3-disk->dp1", "dp2->zero2-disk"])
+def test_checkpoints_save_and_resume_the_states_on_disk(tmp_path, before, after):
+    """owned() reads the file into RAM for the save (its I/O recorded as "checkpoint", not as a
+    step's), a resume fills it and loaded() writes it back: saved under one layout, resumed under
+    another, the run equals the uninterrupted reference; no offload file is left."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    ck = str(tmp_path / "ck")
+    where = lambda kw: {**kw, "offload_disk": str(disk) if kw.get("offload_disk") else ""}
+    first = run(RunConfig(steps=2, save=ck, **where(before)))
+    resumed = run(RunConfig(steps=3, resume=ck, reference=True, **where(after)))
+    assert resumed.max_abs_diff <= 1e-5, resumed.max_abs_diff_detail
+    for rep, kw in ((first, before), (resumed, after)):
+        if kw.get("offload_disk"):
+            io = rep.ranks[0]["disk"]["io"]
+            assert [r["step"] for r in io] == ["setup", *range(len(rep.losses)), "checkpoint"] \
+                if rep is first else ["setup", "checkpoint", *range(len(rep.losses))]
+            assert all(r["read"] == rep.theory["disk_io_per_step"]["read"]
+                       for r in io if isinstance(r["step"], int))
+    assert os.listdir(disk) == []
+
+
 def test_theory_disk_is_12_bytes_per_owned_parameter_and_leaves_ram():
     """Adam's fp32 master and two moments, 12 bytes per parameter a rank owns: 12P/N with ZeRO
     (P padded), 12P at ZeRO-0; the optimizer's RAM goes to 0 (ZeRO-3: the parameter slices too)."""
@@ -156,7 +183,8 @@ def test_refuses_a_directory_too_small(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kw,why", [
     (dict(keep_offload=True), "give --offload-disk DIR"),
     (dict(dp=2, zero=1, offload=True, offload_disk="/tmp"), "--offload-disk with --offload"),
-    (dict(offload_disk="/tmp", save="/tmp/x"), "--offload-disk with --save"),
+    (dict(offload_disk="/tmp", precision="bf16-mixed", fp32_grad_accum=True),
+     "--offload-disk with --fp32-grad-accum"),
     (dict(dp=2, experts=2, ep=2, offload_disk="/tmp"), "--offload-disk with --ep 2"),
 ])
 def test_refused_combinations(kw, why):

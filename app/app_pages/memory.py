@@ -429,7 +429,7 @@ columns.sort(key=lambda col: (col != "stage", "measured − predicted" not in co
 st.dataframe(pd.DataFrame(table, columns=columns), hide_index=True)
 
 if "disk" in runs[highlight]["ranks"][0]:  # --offload-disk: the step's bytes to and from the file
-    io = [r for r in runs[highlight]["ranks"][0]["disk"]["io"] if r["step"] != "setup"][-1]
+    io = [r for r in runs[highlight]["ranks"][0]["disk"]["io"] if isinstance(r["step"], int)][-1]
     pm.chart(viz.disk_io_bars(viz.disk_io_rows(runs[highlight]), subtitle=[
         f"{table[highlight]['stage']}, rank 0, last step: {io['reads']} reads and {io['writes']} "
         f"writes of at most a 16,384-element window",

@@ -296,13 +296,19 @@ class PlainDataParallel(GradientStrategy):
     def owned(self, held: Held) -> list[Piece]:
         """Every parameter whole, as the optimizer steps it (bf16-mixed: its fp32 master)."""
         opt = self.optimizer
+        if isinstance(opt, DiskOptimizer):  # the states in RAM while a checkpoint reads them
+            opt = self.snapshot = opt.snapshot()
         inner, values = (opt.inner, opt.masters) if isinstance(opt, MasterWeights) else (opt, opt.params)
         return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
                 for j, (p, v) in enumerate(zip(opt.params, values))]
 
     @torch.no_grad()
     def loaded(self) -> None:
-        """bf16-mixed: the compute copies from the fp32 masters just loaded (the step's rounding)."""
+        """bf16-mixed: the compute copies from the fp32 masters just loaded (the step's rounding);
+        --offload-disk: the masters and moments back to the file, and the weights from them."""
+        if getattr(self, "snapshot", None) is not None:
+            self.optimizer.restore(self.snapshot)
+            self.snapshot = None
         if isinstance(self.optimizer, MasterWeights):
             for p, m in zip(self.optimizer.params, self.optimizer.masters):
                 p.copy_(m)

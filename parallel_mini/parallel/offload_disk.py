@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -168,7 +169,7 @@ class DiskOptimizer:
         for i, g in enumerate(grads):
             if g is None:
                 continue
-            t = self.param_steps[i] = self.param_steps.get(i, 0) + 1
+            t = self.param_steps[i] = self.param_steps.get(i, 0) + 1  # (SGD: only "stepped")
             g, p = g.reshape(-1), self.params[i]
             for lo in range(0, self.sizes[i], self.chunk):
                 hi = min(lo + self.chunk, self.sizes[i])
@@ -199,6 +200,45 @@ class DiskOptimizer:
         self._drop_cache(4 * start, 4 * n)
         return out
 
+    # -- checkpoints: what the rank owns, in RAM for as long as a save or a load takes ----------
+    @torch.no_grad()
+    def snapshot(self) -> "Snapshot":
+        """Every piece's master and moments read into RAM (checkpoint.py reads and fills them as
+        it does an in-RAM optimizer's; `restore` writes them back)."""
+        snap = Snapshot(self)
+        with self._io_step("checkpoint"):
+            for i in range(len(self.sizes)):
+                planes = torch.empty(len(self.planes), self.sizes[i])  # [planes, n_i]
+                for k in range(len(self.planes)):
+                    self._read(planes[k], k, self.starts[i])
+                snap.params.append(planes[0])
+                if i in self.param_steps:  # Adam's moments exist once the piece has stepped
+                    snap.state[i] = dict(zip(self.planes[1:], planes[1:]))
+            self._drop_cache()
+        return snap
+
+    @torch.no_grad()
+    def restore(self, snap: "Snapshot") -> None:
+        """Write a snapshot (a checkpoint just filled it) back, and refresh the copies in RAM."""
+        with self._io_step("checkpoint"):
+            for i, master in enumerate(snap.params):
+                st = snap.state.get(i, {})
+                for k, name in enumerate(self.planes):
+                    t = master if k == 0 else st.get(name, torch.zeros_like(master))
+                    self._write(t.contiguous(), k, self.starts[i])
+                if self.params[i] is not None:
+                    self.params[i].view(-1).copy_(master)
+            self._drop_cache()
+
+    @contextmanager
+    def _io_step(self, name: str):
+        """I/O outside the training steps is recorded under its own name."""
+        step_of, self.step_of = self.step_of, lambda: name
+        try:
+            yield
+        finally:
+            self.step_of = step_of
+
     def zero_grad(self) -> None:
         for p in self.params:
             if p is not None:
@@ -219,3 +259,13 @@ class DiskOptimizer:
             os.close(self.fd)
             self.fd = None
         self.counters.close()
+
+
+class Snapshot:
+    """A DiskOptimizer's states in RAM, shaped as an in-RAM optimizer's: `params` (each piece's
+    fp32 master), `state` (index -> its moments), `param_steps` (the optimizer's own counts)."""
+
+    def __init__(self, optimizer: DiskOptimizer):
+        self.params: list[torch.Tensor] = []
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        self.param_steps = optimizer.param_steps  # shared: a resume sets the counts in place

@@ -282,4 +282,13 @@ class ZeroDataParallel(GradientStrategy):
         of what the other ranks own (filled on resume, saved by its owner)."""
         replicas = [Piece(regions(*held[p], 0, p.numel()), p.data.view(-1), saved=False)
                     for p in self.params]
-        return self.layout.owned(held, self.r, self.optimizer) + replicas
+        opt = self.optimizer
+        if self.disk:  # the states in RAM while a checkpoint reads or fills them (loaded: back)
+            opt = self.snapshot = self.optimizer.snapshot()
+        return self.layout.owned(held, self.r, opt) + replicas
+
+    def loaded(self) -> None:
+        """--offload-disk: what a checkpoint filled goes back to the file (and the slice)."""
+        if self.disk and getattr(self, "snapshot", None) is not None:
+            self.optimizer.restore(self.snapshot)
+            self.snapshot = None

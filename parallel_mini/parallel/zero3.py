@@ -318,13 +318,20 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
     def owned(self, held) -> list:
         """My slice of every unit's flat buffer, as boxes of the full tensors, in unit order."""
         out = []
+        opt = self.optimizer
+        if self.disk:  # the states in RAM while a checkpoint reads or fills them (loaded: back)
+            opt = self.snapshot = self.optimizer.snapshot()
         for u in self.units:
-            out += u.layout.owned(held, u.r, self.optimizer, first=len(out))
+            out += u.layout.owned(held, u.r, opt, first=len(out))
         return out
 
     @torch.no_grad()
     def loaded(self) -> None:
-        """bf16-mixed: the compute slices from the fp32 masters a checkpoint filled."""
+        """bf16-mixed: the compute slices from the fp32 masters a checkpoint filled;
+        --offload-disk: the masters and moments back to the file (a gather reads them)."""
+        if self.disk and getattr(self, "snapshot", None) is not None:
+            self.optimizer.restore(self.snapshot)
+            self.snapshot = None
         if self.mixed and not self.disk:
             for u in self.units:
                 u.shard.copy_(u.master)

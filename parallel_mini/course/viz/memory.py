@@ -195,7 +195,7 @@ def disk_io_rows(report: dict, rank: int = 0, step: int | None = None) -> list[d
     the transfers, and as the thread's /proc I/O counters measured them."""
     th = report["theory"]
     io = th.get("disk_io_per_step") or th["stages"][0]["disk_io_per_step"]
-    recs = [r for r in report["ranks"][rank]["disk"]["io"] if r["step"] != "setup"]
+    recs = [r for r in report["ranks"][rank]["disk"]["io"] if isinstance(r["step"], int)]
     rec = recs[-1] if step is None else next(r for r in recs if r["step"] == step)
     rows = []
     for direction, sys_key, dev_key in (("read", "rchar", "read_bytes"),
