@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from parallel_mini import preflight, theory
+from parallel_mini import placement, preflight, theory
 from parallel_mini.config import ConfigError, RunConfig, offload_file
 from parallel_mini.engine import run
 from parallel_mini.launch import RankError
@@ -54,6 +54,13 @@ def check_offload(report, cfg, directory):
                 assert rec["written"] <= got["write_bytes"] <= \
                     rec["written"] + 2 * PAGE * rec["writes"]
     assert sum(r["memory"]["disk"] for r in report.ranks) == preflight.offload_disk_bytes(cfg)
+    for rank in report.ranks:  # the one placement: the file holds what owned() says, the twin's
+        twin = [[[r.name, list(r.box.offsets), list(r.box.sizes)] for r in piece]
+                for piece in placement.owned_by_rank(cfg, rank["rank"])]
+        assert [[[n, list(o), list(z)] for n, o, z in p["regions"]] for p in rank["owned"]] == twin
+        moments = len(rank["disk"]["planes"]) - 1  # (read back from the file: Adam 2, SGD 0)
+        assert all(p["states"] == [p["numel"]] * moments for p in rank["owned"])
+        assert sum(p["numel"] for p in rank["owned"]) == rank["disk"]["elements"]
 
 
 CHEAP = [dict(dp=2, zero=1), dict(dp=2, zero=3)]
@@ -64,7 +71,8 @@ MATRIX = [dict(dp=dp, zero=z) for z in (0, 1, 2, 3) for dp in (1, 2, 4)
 
 
 def _run_checked(tmp_path, kw, keep=False):
-    cfg = RunConfig(steps=2, reference=True, offload_disk=str(tmp_path), keep_offload=keep, **kw)
+    cfg = RunConfig(steps=2, reference=True, offload_disk=str(tmp_path), keep_offload=keep,
+                    extra={"owned": True}, **kw)
     report = run(cfg)
     if kw.get("precision") == "bf16-mixed":  # the tolerance of test_zero's bf16 runs
         report.max_abs_diff = 0 if report.max_abs_diff_detail["params"] <= 2 ** -6 else 1
@@ -113,8 +121,9 @@ def test_a_failed_run_leaves_no_file(tmp_path):
 @pytest.mark.parametrize("before,after", [
     (dict(dp=2, zero=1, offload_disk=True), dict(dp=2, zero=3, offload_disk=True)),
     (dict(dp=2, zero=3, offload_disk=True), dict(dp=1)),
-    (dict(dp=2), dict(dp=2, zero=2, offload_disk=True))],
-    ids=["zero1-disk->zero3-disk", "zero3-disk->dp1", "dp2->zero2-disk"])
+    (dict(dp=2, offload_disk=True), dict(dp=2, zero=2, offload_disk=True)),
+    (dict(dp=2), dict(dp=2, zero=1, offload_disk=True))],
+    ids=["zero1-disk->zero3-disk", "zero3-disk->dp1", "dp2-disk->zero2-disk", "dp2->zero1-disk"])
 def test_checkpoints_save_and_resume_the_states_on_disk(tmp_path, before, after):
     """owned() reads the file into RAM for the save (its I/O recorded as "checkpoint", not as a
     step's), a resume fills it and loaded() writes it back: saved under one layout, resumed under

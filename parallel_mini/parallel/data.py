@@ -295,12 +295,12 @@ class PlainDataParallel(GradientStrategy):
 
     def owned(self, held: Held) -> list[Piece]:
         """Every parameter whole, as the optimizer steps it (bf16-mixed: its fp32 master)."""
-        opt = self.optimizer
+        opt = params = self.optimizer
         if isinstance(opt, DiskOptimizer):  # the states in RAM while a checkpoint reads them
             opt = self.snapshot = opt.snapshot()
         inner, values = (opt.inner, opt.masters) if isinstance(opt, MasterWeights) else (opt, opt.params)
         return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
-                for j, (p, v) in enumerate(zip(opt.params, values))]
+                for j, (p, v) in enumerate(zip(params.params, values))]
 
     @torch.no_grad()
     def loaded(self) -> None:
