@@ -152,6 +152,13 @@ def _summary(report) -> str:
                if wall["p2p_latency_median_s"] is not None else ""))
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
+    if "disk" in report.ranks[0]:  # --offload-disk: the last step's bytes to and from the file
+        io = [r for r in report.ranks[0]["disk"]["io"] if isinstance(r["step"], int)][-1]
+        got = io["measured"] or {}
+        lines.append(f"rank 0 disk, last step: read {io['read']:,} written {io['written']:,} bytes "
+                     f"(counted; theory {report.theory.get('disk_io_per_step', {})}); /proc "
+                     f"measured: rchar {got.get('rchar')} wchar {got.get('wchar')} read_bytes "
+                     f"{got.get('read_bytes')} write_bytes {got.get('write_bytes')}")
     return "\n".join(lines)
 
 

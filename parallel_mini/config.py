@@ -130,6 +130,8 @@ class RunConfig(GPTConfig):
     dp_shard: int = 0  # ZeRO shard group size; 0 = all of dp. 0 < s < dp: HYBRID_SHARD
     fsdp: str = ""  # PyTorch FSDP's names for the same strategies (see FSDP_STRATEGIES)
     offload: bool = False  # ZeRO-Offload: optimizer states and master weights in host memory
+    offload_disk: str = ""  # ZeRO-Infinity: a directory; each rank's optimizer states in a file there
+    keep_offload: bool = False  # leave --offload-disk's files behind after the run (else removed)
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
     sp: bool = False  # Megatron sequence parallel on top of tensor parallel
     cp_impl: str = "ring"  # context parallel: ring, zigzag (balanced ring) or ulysses (all-to-all)
@@ -228,7 +230,7 @@ class RunConfig(GPTConfig):
             most, why = AT_MOST[name]
             if v > most:
                 raise ConfigError(f"{_flag(name)} {v:g}: must be at most {most:g} ({why})")
-        for name in ("save", "resume", "fsdp"):
+        for name in ("save", "resume", "fsdp", "offload_disk"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{_flag(name)} {getattr(self, name)!r}: must be a string")
         for name, allowed in CHOICES.items():
@@ -264,6 +266,8 @@ class RunConfig(GPTConfig):
         if self.offload and self.zero not in (1, 2):
             raise ConfigError(f"--offload: ZeRO-Offload steps the sharded optimizer on the host; "
                               f"it needs --zero 1 or 2 (got --zero {self.zero})")
+        if self.offload_disk or self.keep_offload:
+            self._validate_offload_disk()
         if self.zero and self.dp_mode == "naive":
             raise ConfigError("--dp-mode naive applies to --zero 0 only: ZeRO reduce-scatters its "
                               "gradients itself; drop --dp-mode or use --zero 0")
@@ -364,6 +368,20 @@ class RunConfig(GPTConfig):
         if self.save_every and not self.save:
             raise ConfigError(f"--save-every {self.save_every}: needs --save DIR (the directory "
                               f"the checkpoints go to)")
+
+    def _validate_offload_disk(self) -> None:
+        """--offload-disk DIR: what it composes with (the directory itself is preflight's)."""
+        if not self.offload_disk:
+            raise ConfigError("--keep-offload keeps --offload-disk's files; give --offload-disk DIR")
+        for flag, on in (("--offload", self.offload), ("--fp32-grad-accum", self.fp32_grad_accum)):
+            if on:
+                raise ConfigError(f"--offload-disk with {flag}: not available yet (the states are "
+                                  f"in the file, not in RAM where {flag} looks for them); use one "
+                                  f"of them")
+        if self.ep > 1 and self.zero != 3:
+            raise ConfigError(f"--offload-disk with --ep {self.ep}: experts and dense parameters "
+                              f"have two optimizers, one file per rank holds one; use --zero 3 "
+                              f"(one optimizer over both) or --ep 1")
 
     def _validate_experts(self) -> None:
         E, P, k = self.experts, self.ep, self.top_k
@@ -551,6 +569,10 @@ def straggler_of(text: str) -> tuple[int, float] | None:
     except ValueError:
         return None
     return parsed if sep and math.isfinite(parsed[1]) else None
+
+def offload_file(directory: str, rank: int) -> str:
+    """--offload-disk's file of one rank (parallel/offload_disk.py writes it, engine.run removes it)."""
+    return os.path.join(directory, f"rank{rank}.states")
 
 
 def _flag(name: str) -> str:

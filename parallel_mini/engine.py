@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import checkpoint, preflight
 from .comm import Comm
-from .config import RunConfig
+from .config import RunConfig, offload_file
 from .data import global_batch, shard
 from .interfaces import GradientStrategy, StepRunner
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
@@ -91,13 +91,15 @@ def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | Non
 
 
 def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> GradientStrategy:
+    disk = offload_file(cfg.offload_disk, comm.mesh.rank) if cfg.offload_disk else ""
     if cfg.zero == 0:
-        return PlainDataParallel(model, comm, cfg, axes["axis"], average_fn)
+        return PlainDataParallel(model, comm, cfg, axes["axis"], average_fn, offload_disk=disk)
     dtype = PARAM_DTYPE[cfg.precision]
     if cfg.zero in (1, 2):
         return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,
-                                offload=cfg.offload, **axes)
-    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, apart=apart, **axes)
+                                offload=cfg.offload, offload_disk=disk, **axes)
+    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, apart=apart,
+                             offload_disk=disk, **axes)
 
 
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
@@ -197,6 +199,9 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     memory["total_peak"] = live.peak
     cuda_memory = ({"cuda_memory": cuda_allocator_view(strategy.state_tensors(), strategy.buffers(),
                                                        base)} if device.type == "cuda" else {})
+    disk = strategy.disk_report()  # --offload-disk: the states' bytes in this rank's file
+    if disk:
+        memory["disk"] = disk["bytes"]
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     full = gather_full_parameters(model, full, mesh)  # tp slices, ep experts, pp stages -> whole
@@ -206,6 +211,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
            **cuda_memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
+           **({"disk": disk} if disk else {}),
            "recompute": {"segment_forwards": recompute.forward_calls,
                          "recomputed_forwards": recompute.recomputed_calls},
            **runner.report(), **context.report(), **experts.report()}
@@ -217,6 +223,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
         out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses[start:], ref_params)
     if cuda_memory and cfg.extra.get("cuda_free_states"):  # last: frees every state (test_gpu)
         out["cuda_freed"] = cuda_bytes_freed(strategy.state_tensors())
+    strategy.close()
     return out
 
 
@@ -272,6 +279,17 @@ def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
 def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
     preflight.check(cfg.validate())  # the values, then what this machine and disk allow
+    if cfg.offload_disk:  # the ranks' working directory may not be this process's
+        cfg = dataclasses.replace(cfg, offload_disk=os.path.abspath(cfg.offload_disk))
+    try:
+        return _run(cfg, average_fn)
+    finally:  # whatever happened to the ranks, --offload-disk leaves no file (unless kept)
+        if cfg.offload_disk and not cfg.keep_offload:
+            mine = [int(os.environ["RANK"])] if under_torchrun() else range(cfg.world_size)
+            preflight.remove_offload_files(cfg.offload_disk, mine)
+
+
+def _run(cfg: RunConfig, average_fn=None) -> RunReport:
     t0 = time.perf_counter()
     backend = None if cfg.backend == "auto" else cfg.backend
     backend = "gloo" if cfg.asynchronous else backend  # the server receives from any worker

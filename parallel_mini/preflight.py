@@ -9,6 +9,7 @@ run in a fraction of a second; whoever launches ranks asks (the CLI, engine.run)
     resume_path(cfg)    the folder a run resumes from, or None: its own empty --save directory
     verify(path, meta)  every file's size and sha256, and DCP's .metadata's names (unpickled inert)
     check_output(f, p)  a report or trace file can be written at p (before the run, not after)
+    check_offload_disk  --offload-disk DIR: exists, writable, free of this run's files, big enough
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import stat
 import sys
 import tempfile
 
-from .config import GPTConfig, ConfigError, under_torchrun
+from .config import GPTConfig, ConfigError, offload_file, under_torchrun
 
 
 class CheckpointError(ConfigError):
@@ -48,6 +49,8 @@ def check(cfg) -> None:
         check_fits(cfg)
     if cfg.save or cfg.resume:
         check_flags(cfg)
+    if cfg.offload_disk:
+        check_offload_disk(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,3 +403,48 @@ def check_output(flag: str, path: str | None) -> None:
     if not existed:
         with contextlib.suppress(FileNotFoundError):  # (torchrun: another rank's probe removed it)
             os.remove(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# --offload-disk: the directory each rank's optimizer states go to (parallel/offload_disk.py)
+# ---------------------------------------------------------------------------------------------
+def check_offload_disk(cfg) -> None:
+    """The directory exists, can be written, holds none of this run's files yet, and has room for
+    what every rank will keep there (theory's `disk` bytes, summed over the ranks)."""
+    where = cfg.offload_disk
+    if not os.path.isdir(where):
+        raise ConfigError(f"--offload-disk {where}: no such directory; create it first (each "
+                          f"rank keeps its optimizer states in a file there)")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=where, prefix=".write-probe-"))  # tried for real, as --save
+    except OSError as e:
+        raise ConfigError(f"--offload-disk {where}: cannot write there ({e.strerror}); choose a "
+                          f"directory you may write") from None
+    ranks = [int(os.environ["RANK"])] if under_torchrun() else range(cfg.world_size)
+    for r in ranks:
+        if os.path.lexists(offload_file(where, r)):
+            raise ConfigError(f"--offload-disk {where}: {offload_file(where, r)} exists already (a "
+                              f"run with --keep-offload, or one still running?); remove it or "
+                              f"choose another directory")
+    need = offload_disk_bytes(cfg)
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ConfigError(f"--offload-disk {where}: the ranks' optimizer states need "
+                          f"{need:,} bytes and the file system has {free:,} free; free some "
+                          f"space, choose another directory or a smaller model")
+
+
+def offload_disk_bytes(cfg) -> int:
+    """Bytes every rank together keeps in --offload-disk files (theory's `disk`, per rank)."""
+    from .theory import run_theory
+    th = run_theory(cfg, 0)
+    stages = th.get("stages", [th])  # a pipeline's ranks differ by stage; the others do not
+    return cfg.world_size // len(stages) * sum(s["memory"]["disk"] for s in stages)
+
+
+def remove_offload_files(directory: str, ranks) -> None:
+    """After the run (or its failure): the files its ranks wrote, and nothing else."""
+    for r in ranks:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(offload_file(directory, r))

@@ -283,14 +283,20 @@ def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
 
 def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "fp32",
                       zero: int = 0, n: int = 1, unit_sizes: list[int] | None = None,
-                      offload: bool = False, fp32_grad_accum: bool = False) -> dict:
+                      offload: bool = False, fp32_grad_accum: bool = False,
+                      disk: bool = False) -> dict:
     """Persistent bytes per rank after an optimizer step, by category (the memory table).
 
     Unsharded: b*P + b*P + o*P (b = 4 fp32 / 2 bf16; o = 8 Adam fp32, 12 Adam bf16-mixed): 16P mixed.
     ZeRO-1: b*P' + b*P' + o*P'/N      (4P + 12P/N mixed)      P' = P padded to a multiple of N
     ZeRO-2: b*P' + (b + o)*P'/N       (2P + 14P/N mixed)
-    ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes"""
+    ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes
+    `disk` (--offload-disk, ZeRO-Infinity): the fp32 master and the moments leave RAM for a file,
+    d = 4 + 8 (Adam; SGD 4) bytes per element the rank owns, whatever the compute precision:
+    ZeRO-0 d*P, ZeRO-1/2 d*P'/N (12P'/N), ZeRO-3 d*Q/N with its parameter slices (params 0)."""
     b, o = BYTES_PER_PARAM[precision], optimizer_bytes_per_param(optimizer, precision)
+    if disk:
+        return _disk_state_bytes(n_params, optimizer, b, zero, n, unit_sizes)
     if zero == 0:  # fp32_grad_accum: + an fp32 gradient buffer (20 bytes/param with Adam)
         grads = (b + 4 * fp32_grad_accum) * n_params
         return {"params": b * n_params, "grads": grads, "optimizer": o * n_params}
@@ -303,6 +309,41 @@ def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "
         return {"params": b * pp, "grads": grads, "optimizer": o * pp // n}
     q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
     return {"params": b * q // n, "grads": b * q // n, "optimizer": o * q // n}
+
+
+def disk_owned_elements(n_params: int, zero: int, n: int, unit_sizes: list[int] | None) -> int:
+    """Elements whose optimizer states a rank keeps (in its --offload-disk file)."""
+    if zero == 0:
+        return n_params
+    if zero in (1, 2):
+        return padded(n_params, n) // n
+    return sum(padded(u, n) for u in (unit_sizes or [n_params])) // n
+
+
+def _disk_state_bytes(n_params, optimizer, b, zero, n, unit_sizes) -> dict:
+    on_disk = (optimizer_bytes_per_param(optimizer, "fp32") + 4) * \
+        disk_owned_elements(n_params, zero, n, unit_sizes)
+    if zero == 0:
+        return {"params": b * n_params, "grads": b * n_params, "optimizer": 0, "disk": on_disk}
+    if zero in (1, 2):
+        pp = padded(n_params, n)
+        return {"params": b * pp, "grads": b * pp if zero == 1 else b * pp // n, "optimizer": 0,
+                "disk": on_disk}
+    q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
+    return {"params": 0, "grads": b * q // n, "optimizer": 0, "disk": on_disk}
+
+
+def disk_io_bytes_per_step(cfg, n_params: int, unit_sizes: list[int], n: int) -> dict:
+    """--offload-disk's traffic per step: the step reads and writes every plane (master and
+    moments: 12 bytes per owned element with Adam); ZeRO-3 also reads each unit's master slice
+    (4 bytes per element) for each of its two gathers per micro-step (forward, backward)."""
+    owned = disk_owned_elements(n_params, cfg.zero, n, unit_sizes)
+    per_element = optimizer_bytes_per_param(cfg.optimizer, "fp32") + 4  # every plane's 4 bytes
+    read = written = per_element * owned
+    if cfg.zero == 3:
+        micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+        read += 2 * micro_steps * 4 * owned
+    return {"read": read, "written": written}
 
 
 def zero_wire_bytes_per_step(zero: int, n_params: int, precision: str, n: int,
@@ -411,8 +452,9 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
     hybrid = 0 < cfg.dp_shard < cfg.dp  # HYBRID_SHARD: shard in groups, replicate across them
     # ZeRO's shard group: dp_shard x cp (context parallel ranks hold the same weights too)
     shard = (cfg.dp_shard if hybrid else cfg.dp) * getattr(cfg, "cp", 1)
+    disk = bool(getattr(cfg, "offload_disk", ""))
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
-                               cfg.offload, cfg.fp32_grad_accum)
+                               cfg.offload, cfg.fp32_grad_accum, disk)
     wire: dict[str, float] = {}
     names = role_names(cfg)  # the comm records' names of the loss, shard and replica groups
     if cfg.zero == 0:
@@ -431,8 +473,11 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
             slice_bytes = BYTES_PER_PARAM[cfg.precision] * padded(n_params, shard) // shard
             wire["pcie"] = 2 * slice_bytes
     wire = {g: (b if cfg.dp * cfg.cp > 1 or g == "pcie" else 0) for g, b in wire.items()}
-    return {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
-            "wire_bytes_per_step": wire}
+    out = {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
+           "wire_bytes_per_step": wire}
+    if disk:
+        out["disk_io_per_step"] = disk_io_bytes_per_step(cfg, n_params, units, shard)
+    return out
 
 
 def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
