@@ -30,6 +30,15 @@ _HELP = {
                 "pipedream-nostash", "microbatches": "micro-batches per step with --pp > 1",
     "virtual_stages": "model chunks per pipeline rank (interleaved); 0 = the schedule's default",
     "timeout_s": "seconds the run may take before its ranks are stopped",
+    "sync_every": "local SGD: each dp rank takes H optimizer steps alone, then the parameters are "
+                  "averaged over dp (0: data parallel, gradients averaged every step)",
+    "sync_optimizer": "local SGD: average the optimizer's states with the parameters",
+    "federated": "federated averaging: K clients with their own data on the dp ranks; each round "
+                 "C sampled clients train --local-steps steps, the server averages their weights",
+    "clients": "federated: K clients", "clients_per_round": "federated: C clients sampled per round "
+    "(0: all)", "local_steps": "federated: E local optimizer steps per sampled client and round",
+    "rounds": "federated: R rounds (0: --steps)", "non_iid": "federated: A, how far each client's "
+    "mixture of topics leans to its own (0: all the same)",
     "save": "save a distributed checkpoint (sharded, every rank its part) into this directory "
             "after the last step",
     "resume": "continue from the checkpoint in this --save directory up to --steps (any layout; "
@@ -193,8 +202,13 @@ IGNORED_UNLESS = {
     ("cp_impl",): (lambda c: c.cp > 1, "context parallel reads", "add --cp 2 or more"),
     ("top_k", "capacity_factor", "moe_every", "aux_loss_weight", "z_loss_weight"):
         (lambda c: c.experts > 0, "a mixture-of-experts model reads", "add --experts E"),
-    ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed",
-                     "bucketed data parallel reads", "ZeRO and --dp-mode naive do not bucket"),
+    ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed" and not c.sync_every
+                     and not c.federated, "bucketed data parallel reads",
+                     "ZeRO, --dp-mode naive, local SGD and federated averaging do not bucket"),
+    ("clients", "clients_per_round", "local_steps", "rounds", "non_iid"):
+        (lambda c: c.federated, "federated averaging reads", "add --federated"),
+    ("steps",): (lambda c: not (c.federated and c.rounds), "a run without --rounds reads",
+                 "a federated run trains --rounds rounds"),
     ("dp_mode", "bucket_mb"): (lambda c: not c.asynchronous, "synchronous data parallel reads",
                                "--async pushes each gradient to the server whole"),
 }
@@ -318,7 +332,7 @@ def _write_outputs(report, args) -> int:
     flag, path = "--trace", args.trace
     try:
         if args.trace:
-            from .trace import write_chrome_trace
+            from .course.timelines import write_chrome_trace
             write_chrome_trace(report, args.trace)
         flag, path = "--json", args.json
         if args.json == "-":

@@ -63,6 +63,27 @@ AT_MOST = {
 }
 
 
+# What ranks that train apart (local SGD, federated averaging) cannot do: (the flag as given, when, why). {name}: the mode.
+WITHOUT_BARRIER_REFUSED = [
+    (lambda c: f"--tp {c.tp}", lambda c: c.tp > 1, "tensor-parallel ranks hold slices of one layer "
+     "and meet in every forward, so they cannot train apart ({name} composes with --dp only)"),
+    (lambda c: f"--pp {c.pp}", lambda c: c.pp > 1, "pipeline stages pass activations every "
+     "micro-batch, so they cannot train apart ({name} composes with --dp only)"),
+    (lambda c: f"--cp {c.cp}", lambda c: c.cp > 1, "context-parallel ranks hold parts of the same "
+     "sequences and exchange K/V every layer ({name} composes with --dp only)"),
+    (lambda c: f"--ep {c.ep}", lambda c: c.ep > 1, "expert parallel sends tokens to other ranks' "
+     "experts every layer ({name} composes with --dp only)"),
+    (lambda c: f"--zero {c.zero}", lambda c: c.zero > 0, "ZeRO leaves each rank 1/N of the "
+     "optimizer states, so a rank cannot step alone ({name} composes with --dp only)"),
+    (lambda c: f"--dp-mode {c.dp_mode}", lambda c: c.dp_mode != "bucketed",
+     "a dp mode says how gradients are averaged, and {name} averages parameters; drop --dp-mode"),
+    (lambda c: f"--precision {c.precision}", lambda c: c.precision != "fp32",
+     "averaging bf16 replicas and their fp32 masters is not available yet; use fp32"),
+    (lambda c: "--save" if c.save else "--resume", lambda c: bool(c.save or c.resume),
+     "a checkpoint holds one model and between averages each rank has its own; not available yet"),
+]
+
+
 @dataclass
 class GPTConfig:
     """The model's shape (model.py builds the GPT from it; RunConfig extends it)."""
@@ -110,6 +131,15 @@ class RunConfig(GPTConfig):
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
     sp: bool = False  # Megatron sequence parallel on top of tensor parallel
     cp_impl: str = "ring"  # context parallel: ring, zigzag (balanced ring) or ulysses (all-to-all)
+    # without a barrier: local SGD (parallel/local_sgd.py), federated averaging (parallel/federated.py)
+    sync_every: int = 0  # local SGD: each dp rank steps alone, parameters averaged every H steps; 0 = off
+    sync_optimizer: bool = False  # local SGD: average the optimizer's states too
+    federated: bool = False  # federated averaging: clients on the dp ranks; a step is a round
+    clients: int = 4  # K clients, each with its own data (data.client_shard)
+    clients_per_round: int = 0  # C clients the server samples each round; 0 = all K
+    local_steps: int = 1  # E optimizer steps each sampled client takes per round
+    rounds: int = 0  # R rounds (it sets --steps); 0 = --steps
+    non_iid: float = 0.0  # A: 0 = every client the same topic mixture; larger, mostly its own
     # asynchronous SGD (parallel/async_ps.py): rank 0 a parameter server, ranks 1..dp-1 workers
     asynchronous: bool = False  # the flag --async (a Python keyword: the field has its long name)
     max_staleness: int = -1  # SSP's bound: a worker runs at most K steps ahead of the slowest; -1 none
@@ -154,6 +184,9 @@ class RunConfig(GPTConfig):
         return dataclasses.replace(self, **changes).validate()
 
     def __post_init__(self):
+        # --rounds counts a federated run's steps: the config says it once, in `steps`
+        if self.federated is True and type(self.rounds) is int and self.rounds > 0:
+            self.steps = self.rounds
         # --fsdp names a ZeRO stage: the config says it once, in `zero` (validate checks both)
         if isinstance(self.fsdp, str) and self.fsdp in FSDP_STRATEGIES and self.zero == 0:
             self.zero = FSDP_STRATEGIES[self.fsdp]
@@ -231,12 +264,13 @@ class RunConfig(GPTConfig):
             raise ConfigError("--dp-mode naive applies to --zero 0 only: ZeRO reduce-scatters its "
                               "gradients itself; drop --dp-mode or use --zero 0")
         self._validate_experts()
+        self._validate_without_barrier()
         self._validate_async()
         if self.world_size > MAX_LOCAL_RANKS and not under_torchrun():  # torchrun: no local cap
             raise ConfigError(f"world size {self.world_size} (dp*tp*pp*cp): local runs take at "
                               f"most {MAX_LOCAL_RANKS} ranks on one machine; lower the degrees "
                               f"or launch with torchrun")
-        if self.batch % (self.dp * self.grad_accum):
+        if self.batch % (self.dp * self.grad_accum) and not self.federated:  # (B: per client)
             k = self.dp * self.grad_accum
             raise ConfigError(f"--batch {self.batch}: must be divisible by dp x grad-accum = {k} "
                               f"so every rank gets equal micro-batches; try --batch {k * max(1, self.batch // k)}")
@@ -269,6 +303,50 @@ class RunConfig(GPTConfig):
             raise ConfigError("the model or run is far beyond toy scale for local ranks: keep "
                               "layers*d_model^2 <= 64M and --steps <= 10000 (theory covers big models)")
         return self
+
+    def _validate_without_barrier(self) -> None:
+        """Local SGD and federated averaging: the dp ranks train apart between averages, so only
+        --dp composes with them."""
+        for name, least in (("sync_every", 0), ("clients", 1), ("clients_per_round", 0),
+                            ("local_steps", 1), ("rounds", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ConfigError(f"{_flag(name)} {_show(v)}: must be a whole number >= {least}"
+                                  + (" (0: data parallel, gradients averaged every step)"
+                                     if name == "sync_every" else ""))
+        a = self.non_iid
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1000:
+            raise ConfigError(f"--non-iid {a!r}: must be a number from 0 (every client the same "
+                              f"mixture of topics) to 1000 (each client only its own topic)")
+        if self.sync_optimizer and not self.sync_every:
+            raise ConfigError("--sync-optimizer: only local SGD averages optimizer states; add "
+                              "--sync-every H")
+        if self.sync_every and self.federated:
+            raise ConfigError("--sync-every with --federated: federated averaging sets its own "
+                              "rhythm (--local-steps per round); choose one of them")
+        if self.federated:
+            self._validate_federated()
+        if not (self.sync_every or self.federated):
+            return
+        mode, name = ((f"--sync-every {self.sync_every}", "local SGD") if self.sync_every
+                      else ("--federated", "federated averaging"))
+        for flag, refused, why in WITHOUT_BARRIER_REFUSED:
+            if refused(self):
+                raise ConfigError(f"{mode} with {flag(self)}: " + why.format(name=name))
+
+    def _validate_federated(self) -> None:
+        k, c = self.clients, self.clients_per_round
+        if k > 256:
+            raise ConfigError(f"--clients {k}: at most 256 (each holds a shard of a toy corpus)")
+        if c > k:
+            raise ConfigError(f"--clients-per-round {c}: the server samples from --clients {k}; "
+                              f"choose at most {k} (0: all of them)")
+        if self.dp > k:
+            raise ConfigError(f"--dp {self.dp}: more ranks than --clients {k} (client k lives on "
+                              f"rank k mod dp) would leave ranks without a client; choose dp <= {k}")
+        if self.grad_accum != 1:
+            raise ConfigError("--grad-accum with --federated: a client's local step is one batch "
+                              "of --batch sequences; leave --grad-accum at 1")
 
     def _validate_experts(self) -> None:
         E, P, k = self.experts, self.ep, self.top_k

@@ -40,7 +40,8 @@ from .data import global_batch, shard
 from .interfaces import GradientStrategy, StepRunner
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import Mesh, build_mesh
-from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
+from .meters import (ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, cuda_bytes_freed,
+                     model_state_bytes)
 from .model import build_model
 from .moe import Experts
 from .optim import PARAM_DTYPE
@@ -48,6 +49,7 @@ from .placement import Box, held_by
 from .parallel.async_ps import slow_down, train_async
 from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import PlainDataParallel
+from .parallel import federated, local_sgd
 from .parallel.expert import ExpertAndDense, ExpertParallel, apply_expert_parallel, split_parameters
 from .parallel.pipedream import PipeDreamRunner
 from .parallel.pipeline import PipelineRunner
@@ -69,6 +71,10 @@ def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | Non
     ZeRO-3 makes each layer's experts a unit of their own (FSDP2's nested fully_shard), the
     other strategies are built twice, once per group of parameters (ExpertAndDense)."""
     mesh = comm.mesh
+    if cfg.sync_every:  # local SGD: each dp rank steps alone, weights averaged every H steps
+        return local_sgd.LocalSGD(model, comm, cfg, mesh.axis_for("loss"))
+    if cfg.federated:  # clients step alone, the server averages their weights every round
+        return federated.FederatedAveraging(model, comm, cfg, mesh.axis_for("loss"))
     axes = dict(axis=mesh.axis_for("loss"), shard_axis=mesh.axis_for("shard"),
                 replicate_axis=mesh.axis_for("replicate"))
     if experts is None or not experts.sharded:
@@ -95,6 +101,8 @@ def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> Grad
 
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
     """The step runner for `cfg` (step 6 above). A pipeline keeps only this rank's stage."""
+    if cfg.federated:  # a step is a round: the clients on this rank train on their own data
+        return federated.FederatedRounds(model, comm, cfg, timeline)
     if cfg.pp == 1:
         return PlainStep(model, cfg.grad_accum, timeline, act)
     schedule = for_config(cfg)
@@ -155,9 +163,10 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     naive mode's gradient averaging (a learner's exercise runs through here)."""
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)  # 1
-    comm, timeline, live = Comm(mesh), Timeline(), LiveBytes()
-    act = ActivationMeter(live)
     device = rank_device()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    comm, timeline, live = Comm(mesh), Timeline(device), LiveBytes()
+    act = ActivationMeter(live)
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
     if cfg.asynchronous:  # a parameter server and its workers instead of steps
         return train_async(cfg, mesh, comm, timeline, model)
@@ -174,6 +183,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     start = checkpoint.load(cfg.resume, model, strategy, mesh) if cfg.resume else 0
 
     losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start)
+    timeline.resolve()  # CUDA: each op's GPU start/end from its events (no-op on CPU)
     if cfg.save:  # after the last step; DCP's own collectives, not training traffic
         checkpoint.save(cfg.save, cfg.steps, model, strategy, mesh, cfg,
                         kill_rank=cfg.extra.get("kill_rank_during_save"))
@@ -181,12 +191,15 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
     memory["transient"] = strategy.transient_bytes()
     memory["activations_peak"] = runner.activation_peak()
     memory["total_peak"] = live.peak
+    cuda_memory = ({"cuda_memory": cuda_allocator_view(strategy.state_tensors(), strategy.buffers(),
+                                                       base)} if device.type == "cuda" else {})
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     full = gather_full_parameters(model, full, mesh)  # tp slices, ep experts, pp stages -> whole
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "metered_step": cfg.steps - start - 1,  # ran under the live-bytes meter: slower ops
            "resumed_from_step": start,
+           **cuda_memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
            "recompute": {"segment_forwards": recompute.forward_calls,
@@ -198,6 +211,8 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
         out["reference_losses"] = ref_losses[start:]  # uninterrupted, from step 0: these steps
         out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses[start:], ref_params)
+    if cuda_memory and cfg.extra.get("cuda_free_states"):  # last: frees every state (test_gpu)
+        out["cuda_freed"] = cuda_bytes_freed(strategy.state_tensors())
     return out
 
 
@@ -271,6 +286,10 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
         if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
             print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained "
                   f"steps {start + 1}-{cfg.steps}", file=sys.stderr)
+    if cfg.sync_every:  # what the averages cost, counted, predicted and measured
+        report.extra["local_sgd"] = local_sgd.summary(report)
+    if cfg.federated:  # per round: clients' losses, drift; what crossed the network
+        report.extra["federated"] = federated.summary(report)
     if cfg.save:
         report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
     return report

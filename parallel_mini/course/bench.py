@@ -466,6 +466,7 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
     for pp, m in setups:
         for name in schedules:
             cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
+                            batch=max(RunConfig.batch, m),  # one sequence per micro-batch at least
                             layers=pipeline_layers(pp, virtual_stages(name)),
                             steps=PIPELINE_STEPS).validate()
             runs = []
