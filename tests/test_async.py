@@ -186,6 +186,8 @@ REFUSED = [
     (dict(asynchronous=True, dp=2, checkpointing="full"), "--async with --checkpointing"),
     (dict(asynchronous=True, dp=2, save="x"), "--async with --save"),
     (dict(asynchronous=True, dp=2, backend="nccl"), "--async with --backend"),
+    (dict(asynchronous=True, dp=2, sync_every=2), "--async with --sync-every"),
+    (dict(asynchronous=True, dp=2, federated=True), "--async with --federated"),
     (dict(max_staleness=1, dp=2), "add --async"),
     (dict(asynchronous=True, dp=2, max_staleness=-2), "--max-staleness -2"),
     (dict(straggler="1:3"), "needs --dp 2"),
