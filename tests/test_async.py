@@ -5,6 +5,7 @@ every combination but --dp is refused in one line before torch is imported."""
 from __future__ import annotations
 
 import copy
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -136,6 +137,24 @@ def test_server_schedule_simulated(bound, times):
     _check(cfg, fake)
     if bound == 0:
         assert [u["staleness"] for u in server.updates] == [0, 1, 2] * cfg.steps
+
+
+@pytest.mark.parametrize("times", [{1: 1.0, 2: 1.0, 3: 1.0}, {1: 3.0, 2: 1.0, 3: 1.0}])
+def test_simulated_staleness_meets_theory(times):
+    """Unbounded, workers of fixed step times (simulated, so the staleness is counted, not timed):
+    W - 1 on average; with a 3x straggler F(W-1) for it and W - 2 + 1/F for the others (the
+    first and last updates of the run see fewer: a margin for those ends)."""
+    cfg = RunConfig(**{**TINY, "steps": 40}, dp=4, asynchronous=True).validate()
+    server = ParameterServer(build_model(cfg), _SimulatedWorkers(times), cfg, Timeline())
+    server.serve(0.0)
+    mean = {w: statistics.mean(u["staleness"] for u in server.updates if u["worker"] == w)
+            for w in times}
+    expected = theory.async_staleness(3, max(times.values()))
+    assert statistics.mean(u["staleness"] for u in server.updates) == pytest.approx(
+        expected["mean"], abs=0.05)
+    for w, t in times.items():
+        want = expected["straggler"] if t > 1 else expected["others"]
+        assert mean[w] == pytest.approx(want, abs=0.1 * want), (w, mean)
 
 
 def test_max_staleness_zero_is_a_barrier_every_step():
