@@ -216,3 +216,9 @@ def test_bench_async_runs_and_reports():
         assert r["samples_to_target"] is not None and r["curve"][-1]["samples"] == 24
     assert runs["async K=0, straggler"]["staleness_histogram"] == {"0": 2, "1": 2, "2": 2}
     _print_async(res)
+
+
+@pytest.mark.slow
+def test_async_with_sgd_equals_its_replay():
+    cfg, report = _run(dp=4, seed=5, straggler="1:2", optimizer="sgd", lr=0.05)
+    _check(cfg, report)
