@@ -56,7 +56,7 @@ _HELP = {
                   "moment resumes from the newest complete one)",
     "keep": "with --save: keep the newest N checkpoints in the directory, prune older ones",
 }
-_ALIASES = {"asynchronous": ("--async",)}  # a Python keyword cannot name the field
+_ALIASES = {"asynchronous": ("--async", "--asynchronous")}  # a Python keyword cannot name a field
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -80,15 +80,15 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
-        flags = (flag, *_ALIASES.get(f.name, ()))
+        flags = _ALIASES.get(f.name, (flag,))
         if f.type in ("bool", bool):
-            run.add_argument(*flags, action="store_true", help="compare with the single-process reference"
+            run.add_argument(*flags, dest=f.name, action="store_true", help="compare with the single-process reference"
                              if f.name == "reference" else _HELP.get(f.name),
                              **({"default": argparse.SUPPRESS} if explicit else {}))
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
-            run.add_argument(*flags, type=typ, default=argparse.SUPPRESS if explicit else default,
+            run.add_argument(*flags, dest=f.name, type=typ, default=argparse.SUPPRESS if explicit else default,
                              help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
