@@ -102,6 +102,11 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _bound_to(device: torch.device) -> dict:
+    """NCCL groups told their device up front (else each collective guesses it from the rank)."""
+    return {"device_id": device} if device.type == "cuda" else {}
+
+
 def rank_device() -> torch.device:
     """Where this rank's tensors live: its GPU under NCCL, else the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -246,9 +251,9 @@ def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo,
             fn, args, kwargs = cloudpickle.loads(payload)
             store = dist.TCPStore("127.0.0.1", port, is_master=False,
                                   timeout=timedelta(seconds=pg_timeout))
+            device = device_for(backend, rank)  # NCCL: the group is bound to this rank's GPU
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout))
-            device_for(backend, rank)
+                                    timeout=timedelta(seconds=pg_timeout), **_bound_to(device))
             value = fn(*args, **kwargs)
             if isinstance(value, dict) and "events" in value:
                 # a rank's report with a timeline (engine.train_rank): its times are read
@@ -757,6 +762,7 @@ def init_from_env(backend: str | None = None, pg_timeout: float = 60.0) -> torch
     connect_gloo_lazily()
     fix_malloc_threshold()
     backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = device_for(backend, int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
-    return device_for(backend, int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout), **_bound_to(device))
+    return device

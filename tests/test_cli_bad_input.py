@@ -249,9 +249,13 @@ def test_save_where_no_checkpoint_can_go_is_one_line(case, tmp_path, capsys):
 def test_a_good_meta_passes_the_checks(tmp_path):
     """The same reading accepts what checkpoint.py writes (so the cases above fail for their
     reason, not for any meta.json)."""
-    from parallel_mini.preflight import check_flags, resolve
+    import pickle
+    from parallel_mini.preflight import check_flags, file_digests, resolve
     d = _checkpoint(tmp_path / "ckpt", GOOD_META)
     assert resolve(str(d)) == (str(d / "step_2"), GOOD_META)
+    (d / "step_2" / ".metadata").write_bytes(pickle.dumps({}))  # (names no class: inert)
+    meta = {**GOOD_META, "files": file_digests(str(d / "step_2"))}  # what a save adds
+    (d / "step_2" / "meta.json").write_text(json.dumps(meta))
     check_flags(RunConfig(steps=3, resume=str(d)))
 
 
@@ -301,12 +305,12 @@ class _Report:
 def test_an_output_that_fails_after_the_run_is_one_line_exit_1(flag, monkeypatch, capsys):
     """A disk that fills during the run (written to /dev/full, which the checks before the run
     refuse: so the write is tried here directly): the run finished, its output did not."""
-    import parallel_mini.trace
+    import parallel_mini.course.timelines
 
     def write_chrome_trace(report, path):  # (the real one needs a real report)
         with open(path, "w") as fh:
             fh.write("{}")
-    monkeypatch.setattr(parallel_mini.trace, "write_chrome_trace", write_chrome_trace)
+    monkeypatch.setattr(parallel_mini.course.timelines, "write_chrome_trace", write_chrome_trace)
     args = SimpleNamespace(json="/dev/full" if flag == "--json" else None,
                            trace="/dev/full" if flag == "--trace" else None)
     assert _write_outputs(_Report(), args) == 1
