@@ -17,7 +17,10 @@ that dies without a word is reported with its exit signal and what that signal u
 gloo when ranks disagree on a tensor size; a kill from outside: `kill`, the out-of-memory killer; a
 crash); a run that exceeds `timeout` is killed with a message naming the ranks that did not finish and
 whether they were idle (waiting on each other: likely a deadlock) or still computing (the run needs more
-time). No rank outlives `run_ranks`, nor the process that called it: a rank ends itself when that
+time), and where each was. What the parent reads from outside (`Watch`): a rank stopped by a signal
+(state T in /proc/PID/stat) is named as stopped, not blamed on the peer that waited for it; a peer's
+timeout names the rank it waited for and where that rank is (its own stack, dumped on SIGUSR1); a
+forkserver killed from outside is not taken for the ranks' exit. No rank outlives `run_ranks`, nor the process that called it: a rank ends itself when that
 process is gone, however it ended (SIGKILL included; see `exit_with_parent`).
 """
 from __future__ import annotations
