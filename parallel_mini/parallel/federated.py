@@ -57,11 +57,24 @@ class FederatedAveraging(LocalSteps):
         self.optimizer = make_optimizer(self.cfg.optimizer, self.model.parameters(), self.cfg.lr,
                                         self.cfg.precision)
 
-    def aggregate(self, weighted_sum: torch.Tensor, total: int) -> None:
-        """The server: weighted_sum is this rank's sum of n_k w_k ([P], flat as `flat`); after
-        the all-reduce over dp it is the round's sum over every sampled client."""
-        self.comm.all_reduce(weighted_sum, self.axis, kind="fedavg")
-        self.load_flat(weighted_sum / total)
+    def aggregate(self, trained: dict[int, torch.Tensor], sizes: list[int], chosen: list[int],
+                  start: torch.Tensor) -> None:
+        """The server's average, loaded into the model (`server_average` is looked up when
+        called: lesson 10's checker puts the learner's there)."""
+        self.load_flat(server_average(trained, sizes, chosen, start, self.comm, self.axis))
+
+
+def server_average(trained: dict[int, torch.Tensor], sizes: list[int], chosen: list[int],
+                   start: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    """The server's weights for the next round, the same on every rank: sum_k n_k w_k / sum_k n_k
+    over the round's sampled clients `chosen` ([P], flat). `trained` holds the weights of this
+    rank's sampled clients only; the others' are on other ranks, so each rank sums its own n_k w_k
+    (zeros when it has none: `start` gives the shape) and one all-reduce over `axis` adds them."""
+    weighted = torch.zeros_like(start)  # [P]
+    for k, w in trained.items():
+        weighted += sizes[k] * w
+    comm.all_reduce(weighted, axis, kind="fedavg")
+    return weighted / sum(sizes[k] for k in chosen)
 
 
 class FederatedRounds:
@@ -89,18 +102,16 @@ class FederatedRounds:
         strategy, cfg = self.strategy, self.cfg
         chosen = sample_clients(cfg, round_)
         server = strategy.flat()  # [P]: the weights every sampled client starts from
-        weighted = torch.zeros_like(server)  # [P]: sum of n_k w_k over this rank's sampled clients
-        trained: dict[int, torch.Tensor] = {}
+        trained: dict[int, torch.Tensor] = {}  # this rank's sampled clients' weights
         train_loss: dict[int, float] = {}
         for k in (k for k in chosen if k in self.shards):
             strategy.load_flat(server)
             strategy.start_client()
             losses = [self._local_step(k, round_, e) for e in range(cfg.local_steps)]
             trained[k] = strategy.flat()
-            weighted += self.sizes[k] * trained[k]
             train_loss[k] = sum(losses) / len(losses)
         with self.timeline.op("aggregate", round_):
-            strategy.aggregate(weighted, sum(self.sizes[k] for k in chosen))
+            strategy.aggregate(trained, self.sizes, chosen, server)
         average = strategy.flat()
         clients_loss = self._evaluate(round_)
         union = sum(n * x for n, x in zip(self.sizes, clients_loss)) / sum(self.sizes)
