@@ -112,9 +112,10 @@ def fedavg_rounds(rows: list[dict], target: float | None = None, width: int = 46
     if target is not None:
         layers.append(alt.Chart(pd.DataFrame([{"target": target}])).mark_rule(
             strokeDash=[6, 3], color="#222222").encode(y="target:Q"))
-    return alt.layer(*layers).properties(width=width, height=height, autosize=PAD, title=alt.TitleParams(
-        "Federated averaging: loss on every client's data, per round",
-        subtitle=None if target is None else f"dashed: the target {target:g}", anchor="start"))
+    title = "Federated averaging: loss on every client's data, per round"
+    return alt.layer(*layers).properties(width=width, height=height, autosize=PAD, title=(
+        alt.TitleParams(title, anchor="start") if target is None else
+        alt.TitleParams(title, subtitle=f"dashed: the target {target:g}", anchor="start")))
 
 
 def bytes_per_sample(rows: list[dict], width: int = 460, height: int = 240) -> alt.Chart:
