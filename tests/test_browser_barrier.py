@@ -9,7 +9,7 @@ import pytest
 
 from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.slow]  # five live runs behind one press: ~50 s
 
 
 def test_barrier_page_runs_live_and_draws_its_charts(app_url):  # noqa: F811
