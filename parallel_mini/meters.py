@@ -5,7 +5,8 @@
                     and GPU time from CUDA events on a CUDA device
     communication   CommMeter, WireMeter: one record per collective, bytes as the ring model
                     says and as written to the sockets (comm.py's Comm calls them)
-    experts         ComputeTimer, log_routing: compute time, the routing log (moe.py)
+    experts         ComputeTimer, log_routing, RoutingLog: compute time, the routing log,
+                    its bounded sample of token choices (moe.py)
     ring attention  RingHop, hidden_fraction: each hop's posted/computed/arrived (context.py)
     pipelines       HeldBytes: what a stage holds after each op (parallel/pipeline.py)
 
@@ -452,24 +453,69 @@ class ComputeTimer:
         return y
 
 
+# The token-by-token routing (which experts each token chose, whether each was kept) is what the
+# routing chart draws; kept for at most this many steps per layer, and this many tokens of a step
+# (whole sequences, the first ones): a bounded sample, so that a long or wide run's log does not
+# grow by every token of every step (issue 26: ~48 MB a step, a report past 8 GB). The counts per
+# expert are logged for every forward.
+ROUTING_SAMPLE_STEPS = 16
+ROUTING_SAMPLE_TOKENS = 512
+
+
+class RoutingLog(list):
+    """One MoE layer's log: a list of entries (one per forward), and `sampled`, the entries that
+    keep their tokens' choices. The steps sampled: always the latest, and before it the steps that
+    are multiples of a stride, the smallest power of two that keeps at most ROUTING_SAMPLE_STEPS
+    of them (the stride doubles as the run goes on: 0, 1, 2, ..., then 0, 2, 4, ..., ...). The
+    same steps on every rank: the choice depends on the step only."""
+
+    def __init__(self):
+        super().__init__()
+        self.sampled: list[dict] = []
+
+    def keep_choices(self, step: int, entry: dict) -> None:
+        stride = 1
+        while -(-step // stride) > ROUTING_SAMPLE_STEPS:  # multiples of stride in [0, step)
+            stride *= 2
+        kept = []
+        for e in self.sampled:
+            if e["step"] % stride == 0:
+                kept.append(e)
+            else:
+                for key in ("choices", "kept_mask", "positions", "tokens_sampled"):
+                    e.pop(key, None)
+        self.sampled = kept + [entry]
+
+
 def log_routing(moe, r, counts: torch.Tensor, cap: int, aux, z, mine=None) -> None:
     """One entry in `moe.log` per forward of an MoE layer (none for activation checkpointing's
     re-run inside backward): tokens routed and kept per expert, drops, the two losses, the
-    experts' compute time; on the first micro-batch of each step also every token's choices and
-    whether kept, and where this rank's tokens sit in their sequences (None: whole sequences)."""
+    experts' compute time. On the first micro-batch of a sampled step (RoutingLog) also the
+    first ROUTING_SAMPLE_TOKENS tokens' choices and whether kept (whole sequences: `choices`,
+    `kept_mask`, [token][choice]), where those tokens sit in their sequences (`positions`; None:
+    whole sequences from position 0) and `tokens_sampled` (of how many this rank routed)."""
     if torch._C._current_graph_task_id() != -1:
         return  # inside backward: a recomputation, not a new forward
     routed = torch.nn.functional.one_hot(r.expert, moe.n_experts).sum((0, 1, 2))  # [E], pre-drop
     step = moe.clock() if moe.clock is not None else None
     first_of_step = not moe.log or moe.log[-1]["step"] != step
-    moe.log.append({
-        "step": step, "layer": moe.layer, "routed": routed.tolist(),
-        "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
-        "capacity": cap, "aux": aux.item(), "z": z.item(),
-        "compute_s": moe.experts.timer.last_forward_s,
-        **({"choices": r.expert.flatten(0, 1).tolist(),
-            "kept_mask": r.keep.flatten(0, 1).tolist(),
-            "positions": None if mine is None else mine.tolist()} if first_of_step else {})})
+    entry = {"step": step, "layer": moe.layer, "routed": routed.tolist(),
+             "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
+             "capacity": cap, "aux": aux.item(), "z": z.item(),
+             "compute_s": moe.experts.timer.last_forward_s}
+    if first_of_step:
+        b, s = r.expert.shape[:2]
+        seqs = max(1, min(b, ROUTING_SAMPLE_TOKENS // s))  # whole sequences, at least one
+        n = min(s, ROUTING_SAMPLE_TOKENS)  # (one sequence longer than the sample: its start)
+        where = None if mine is None else mine[:n].tolist()
+        if mine is None and n < s:
+            where = list(range(n))
+        entry.update(choices=r.expert[:seqs, :n].flatten(0, 1).tolist(),
+                     kept_mask=r.keep[:seqs, :n].flatten(0, 1).tolist(), positions=where,
+                     tokens_sampled=[seqs * n, b * s])
+        if isinstance(moe.log, RoutingLog) and isinstance(step, int):
+            moe.log.keep_choices(step, entry)
+    moe.log.append(entry)
 
 
 

@@ -141,7 +141,7 @@ def _replay_with_links(schedule, duration, hand_off, latency, receive) -> list[d
         for r, ops in enumerate(schedule.ops):
             while position[r] < len(ops):
                 op = ops[position[r]]
-                deps = dependencies(op, schedule.n_chunks)
+                deps = dependencies(op, schedule.stages)
                 if any(d not in end for d in deps):
                     break
                 remote = [d for d in deps if owner[d.chunk] != r]

@@ -346,7 +346,7 @@ def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
                           for name in schedules}}
 
 
-def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv"), warmup: int = 3,
+def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), warmup: int = 3,
              steps: int = 10, layers: int = 8, microbatches: int = 8, batch: int = 16) -> list[dict]:
     rows = []
     for n in pps:
@@ -501,6 +501,163 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
                 "replayed_within_3_points": sum(abs(r["replayed_points"]) <= 3 for r in runs),
                 "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (f2) DualPipe beside 1F1B, ZB-H1 and ZBV: the DeepSeek-V3 report's table and the same run
+# ---------------------------------------------------------------------------------------------
+DUAL_COMPARED = ("1f1b", "zb", "zbv", "dualpipev", "dualpipe")
+TABLE_ROW = {"1f1b": "1F1B", "zb": "ZB1P", "zbv": None, "dualpipev": "DualPipeV", "dualpipe": "DualPipe"}
+
+
+def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> list[dict]:
+    """The same model, batch and pp ranks under each schedule of DUAL_COMPARED: its bubble (the
+    formula, theory; replayed from measured op costs; the wall clock, measured), parameters per
+    rank (measured bytes; the table says copies), activations (micro-batches in flight, counted
+    from the op list, in units of one pp-way stage; the peak measured in bytes), and the report's
+    formula with this run's measured op costs (no F&B overlap on one CPU: F&B = F + B + W)."""
+    from ..engine import run
+    from ..parallel.schedules import build_schedule, in_flight
+    from ..trace import op_costs
+
+    rows = []
+    for name in DUAL_COMPARED:
+        cfg = RunConfig(pp=pp, microbatches=m, layers=layers, batch=2 * m, schedule=name,
+                        steps=steps, reference=True).validate()
+        report = run(cfg)
+        s = build_schedule(name, pp, m)
+        b, costs = report.extra["bubble"], op_costs(report)
+        chunk = pp / s.stages  # one chunk's size in pp-way stages (1, or 1/2 in a V)
+        stages = pp if name in ("1f1b", "zb", "dualpipe") else 2 * pp
+        split = "W" in costs
+        table = {r["method"]: r for r in theory.pipeline_table(
+            stages, costs if split else {"F": costs["F"], "B": costs["B"], "W": 0.0})}
+        rows.append({
+            "schedule": name, "pp": pp, "microbatches": m, "layers": layers,
+            "table_method": TABLE_ROW[name],
+            "table_bubble_s": table[TABLE_ROW[name]]["bubble"] if TABLE_ROW[name] else None,
+            "bubble_theory": b["theory"], "bubble_replayed": b["replayed"]["overall"],
+            "bubble_wall": b["wall"]["overall"], "ranks_shared_cores": b["wall"]["ranks_shared_cores"],
+            "params_bytes_max": max(r["memory"]["params"] for r in report.ranks),
+            "activations_peak_bytes_max": max(r["memory"]["activations_peak"] for r in report.ranks),
+            "in_flight_stage_units": max(in_flight(s)) * chunk,
+            "table_activations": table[TABLE_ROW[name]]["activations"] * chunk if TABLE_ROW[name] else None,
+            "max_abs_diff": report.max_abs_diff})
+    one = next(r for r in rows if r["schedule"] == "1f1b")
+    for r in rows:
+        r["params_over_1f1b"] = r["params_bytes_max"] / one["params_bytes_max"]
+    return rows
+
+
+def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
+    """One rank of the F&B overlap measurement (see bench_fb_overlap)."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    comm = Comm(build_mesh(cfg))
+    n, me = comm.size("dp"), comm.rank("dp")
+    model = build_model(cfg)
+    x, y = shard(global_batch(cfg, 0), me, n)  # micro-batch B: this rank's sequences [b/n, s]
+
+    def compute():  # micro-batch B's forward and backward through the whole toy chunk
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+
+    def seconds(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return _slowest_rank(time.perf_counter() - t0)
+
+    # micro-batch A's expert dispatch: each token's top-k copies of its hidden vector, rows
+    # [tokens * k, h]; scaled (below) until the all-to-all alone lasts about as long as the compute,
+    # as DeepSeek-V3's does (its report: computation and all-to-all about 1:1)
+    rows = x.numel() * cfg.top_k
+    base = torch.randn(rows * n, cfg.d_model, generator=torch.Generator().manual_seed(me))
+    send = base
+    recv = torch.empty_like(send)
+    a2a = lambda: comm.all_to_all(recv, send, "dp")
+    for _ in range(2):  # warm both
+        compute(), a2a()
+    t_comp = statistics.median(seconds(compute) for _ in range(3))
+    for scale in (2 ** i for i in range(10)):  # (seconds() lines the ranks up: all agree)
+        send = base.repeat(scale, 1)
+        recv = torch.empty_like(send)
+        if statistics.median(seconds(a2a) for _ in range(3)) >= t_comp / 2:
+            break
+
+    def serial():
+        comm.all_to_all(recv, send, "dp")
+        compute()
+
+    def overlapped():  # A's all-to-all in flight (gloo's worker thread) while B computes
+        handle = comm.all_to_all(recv, send, "dp", async_op=True)
+        compute()
+        handle.wait()
+
+    times: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "serial", "overlapped")}
+    fns = {"comm": lambda: comm.all_to_all(recv, send, "dp"), "compute": compute,
+           "serial": serial, "overlapped": overlapped}
+    for i in range(repeats + 1):  # the first round warms up; the order rotates each round
+        names = list(fns)[i % 4:] + list(fns)[:i % 4]
+        for name in names:
+            dt = seconds(fns[name])
+            if i:
+                times[name].append(dt)
+    overlapped()
+    got = recv.clone()
+    comm.all_to_all(recv, send, "dp")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"median_s": med, "times_s": times, "payload_bytes": send.numel() * send.element_size(),
+            "overlapped_equals_blocking": bool(torch.equal(got, recv)),
+            "hidden_fraction": (med["serial"] - med["overlapped"]) / min(med["comm"], med["compute"])}
+
+
+def bench_fb_overlap(ranks: int = 2, repeats: int = 7) -> dict:
+    """DualPipe's F&B overlap, on the toy, measured on the wall clock: on each of `ranks` ranks,
+    micro-batch A's expert all-to-all (gloo, async: it runs in gloo's worker thread) in flight
+    while micro-batch B's forward and backward compute, against the two one after the other.
+    hidden_fraction = (serial - overlapped) / min(comm, compute): 1 when the shorter one hides
+    entirely behind the other, 0 when nothing overlaps (medians over `repeats`, slowest rank)."""
+    cfg = RunConfig(dp=ranks, batch=4 * ranks, layers=4, experts=4, top_k=2, steps=1).validate()
+    out = run_ranks(_fb_overlap_rank, ranks, cfg.to_dict(), repeats, timeout=600, backend="gloo")
+    result = out[0].value
+    result.update(ranks=ranks, repeats=repeats, cpus=len(os.sched_getaffinity(0))
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                  load_average=os.getloadavg()[0])
+    return result
+
+
+def _print_fb_overlap(r):
+    med = r["median_s"]
+    print(f"(f3) F&B overlap on the toy ({r['ranks']} ranks, {r['cpus']} CPUs, load {r['load_average']:.1f}): "
+          f"an all-to-all of {r['payload_bytes'] / 1024:.0f} KiB per rank in flight during another "
+          f"micro-batch's forward and backward, measured on the wall clock (median of {r['repeats']})")
+    print(_table(["all-to-all ms", "compute ms", "one after the other ms", "overlapped ms",
+                  "hidden (measured)", "same result"],
+                 [[f"{1e3 * med['comm']:.1f}", f"{1e3 * med['compute']:.1f}",
+                   f"{1e3 * med['serial']:.1f}", f"{1e3 * med['overlapped']:.1f}",
+                   f"{r['hidden_fraction']:.0%}", r["overlapped_equals_blocking"]]]))
+    print("    hidden = (one after the other - overlapped) / the shorter of the two; on cores shared "
+          "with other ranks the all-to-all's copies compete with the compute for the same cores")
+
+
+def _print_dualpipe(rows):
+    r0 = rows[0]
+    print(f"(f2) DualPipe beside 1F1B, ZB-H1 and ZBV on the same run: pp {r0['pp']}, "
+          f"{r0['microbatches']} micro-batches, {r0['layers']} layers. Table: the DeepSeek-V3 "
+          f"report's formulas with this run's measured op costs (theory; F&B = F+B+W: one CPU "
+          f"overlaps nothing)")
+    print(_table(["schedule", "table row", "table bubble ms", "bubble theory", "replayed", "wall clock",
+                  "params/rank (measured) / 1F1B", "act. in flight (stages)", "table act.",
+                  "act. peak KB (measured)", "max |ours - ref|"],
+                 [[r["schedule"], r["table_method"] or "-",
+                   "-" if r["table_bubble_s"] is None else f"{1e3 * r['table_bubble_s']:.1f}",
+                   f"{r['bubble_theory']:.1%}", f"{r['bubble_replayed']:.1%}", f"{r['bubble_wall']:.1%}",
+                   f"{r['params_over_1f1b']:.2f}x", f"{r['in_flight_stage_units']:g}",
+                   "-" if r["table_activations"] is None else f"{r['table_activations']:g}",
+                   f"{r['activations_peak_bytes_max'] / 1024:.0f}", f"{r['max_abs_diff']:.1e}"]
+                  for r in rows]))
+    print("    the table counts parameters and activations in one stage of its PP stages: DualPipe "
+          "holds 2 of the pp stages (2x); DualPipeV's 2 chunks are half-stages (2 x 1/2 = 1x)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1068,7 +1225,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "wire", "plan", "app", "async", "all"])
+                                     "ep", "wire", "plan", "app", "async", "dualpipe", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -1119,6 +1276,11 @@ def main(argv=None) -> int:
     if args.what in ("pp", "all"):
         out["pp"] = bench_pp(tuple(args.pp))
         show(_print_pp, out["pp"])
+    if args.what in ("dualpipe", "all"):
+        out["dualpipe"] = bench_dualpipe()
+        show(_print_dualpipe, out["dualpipe"])
+        out["fb_overlap"] = bench_fb_overlap()
+        show(_print_fb_overlap, out["fb_overlap"])
     if args.what in ("bubble", "all"):
         setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in args.bubble_setups)
         out["bubble"] = bench_bubble(tuple(args.bubble_schedules), setups, args.bubble_repeats)
