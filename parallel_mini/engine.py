@@ -100,7 +100,7 @@ def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> Grad
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
     """The step runner for `cfg` (step 6 above). A pipeline keeps only this rank's stage."""
     if cfg.federated:  # a step is a round: the clients on this rank train on their own data
-        return federated.FederatedRounds(model, comm, cfg, timeline)
+        return federated.FederatedRounds(model, comm, cfg, timeline, act)
     if cfg.pp == 1:
         return PlainStep(model, cfg.grad_accum, timeline, act)
     schedule = for_config(cfg)

@@ -135,3 +135,9 @@ def test_fedavg_experiment_rows():
                                 dict(optimizer="sgd", lr=0.5, local_steps=3)])
 def test_federated_matrix(dp, kw):
     check(run(config(dp=dp, **kw)))
+
+
+@pytest.mark.slow
+def test_federated_with_experts():
+    """A mixture-of-experts model (its experts whole on every rank) trains apart too."""
+    check(run(config(dp=2, layers=2, experts=2)))

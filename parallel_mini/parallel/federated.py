@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..comm import Comm
 from ..data import client_batch, client_mixture, client_shard, client_size, mix_seed
 from ..launch import rank_device
-from ..meters import Timeline
+from ..meters import ActivationMeter, Timeline
 from ..optim import make_optimizer
 from .local_sgd import LocalSteps
 
@@ -69,8 +69,9 @@ class FederatedRounds:
 
     reference_per_microbatch = False
 
-    def __init__(self, model: torch.nn.Module, comm: Comm, cfg, timeline: Timeline):
-        self.model, self.comm, self.cfg, self.timeline = model, comm, cfg, timeline
+    def __init__(self, model: torch.nn.Module, comm: Comm, cfg, timeline: Timeline,
+                 act: ActivationMeter):
+        self.model, self.comm, self.cfg, self.timeline, self.act = model, comm, cfg, timeline, act
         self.axis = comm.mesh.axis_for("batch")
         self.dp, self.me = comm.size(self.axis), comm.rank(self.axis)
         self.sizes = [client_size(cfg, k) for k in range(cfg.clients)]  # n_k, known to the server
@@ -113,7 +114,7 @@ class FederatedRounds:
         x, y = (t.to(rank_device()) for t in
                 client_batch(self.cfg, client, self.shards[client], round_, local_step))  # [B, s]
         self.strategy.zero_grad()
-        with self.timeline.op("forward", round_, local_step, client=client):
+        with self.timeline.op("forward", round_, local_step, client=client), self.act.forward():
             loss = self.model(x, y)
         with self.timeline.op("backward", round_, local_step, client=client):
             loss.backward()
@@ -135,7 +136,7 @@ class FederatedRounds:
         return losses.tolist()
 
     def activation_peak(self) -> int:
-        return 0  # not metered: a client's forward is the plain step's (step.py)
+        return self.act.peak  # a local step's forward, in the metered (last) round
 
     def report(self) -> dict:
         return {"federated": {"clients": self.mine, "sizes": self.sizes,
