@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from parallel_mini import theory
+from parallel_mini.__main__ import _summary
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.experiments import fedavg_rounds_to_target, rounds_to_target
 from parallel_mini.data import client_mixture, client_shard, client_size, successor_table
@@ -51,6 +52,7 @@ def test_federated_two_ranks_equals_its_simulation():
     """4 clients on 2 ranks (two each), 3 sampled per round, 2 local steps, 2 rounds."""
     report = run(config(dp=2))
     check(report)
+    assert "federated: 3 of 4 clients a round, 2 local steps" in _summary(report)
     assert [r["clients"] for r in report.extra["federated"]["network"]] == [[0, 2], [1, 3]]
 
 

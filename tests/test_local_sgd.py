@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from parallel_mini import theory
+from parallel_mini.__main__ import _summary
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.experiments import local_sgd_bytes
 from parallel_mini.engine import run
@@ -51,6 +52,7 @@ def test_local_sgd_two_ranks_equals_its_simulation_and_bytes_fall_by_h():
     """dp 2: H = 2 over 4 steps averages twice; H = 1 four times: twice the bytes per step."""
     apart = run(config(dp=2))
     check(apart)
+    assert "local SGD: 2 averages of the weights" in _summary(apart)
     every_step = run(config(dp=2, sync_every=1, reference=False))
     ratio = every_step.wire_bytes_per_step()["dp"] / apart.wire_bytes_per_step()["dp"]
     assert ratio == 2
