@@ -90,7 +90,7 @@ REFUSED = [
     (dict(cp=2), "--cp 2: context-parallel"), (dict(dp=2, zero=1), "--zero 1: ZeRO"),
     (dict(dp=2, ep=2, experts=2), "--ep 2: expert parallel"),
     (dict(dp_mode="naive"), "--dp-mode naive"), (dict(precision="bf16-mixed"), "bf16"),
-    (dict(save="/tmp/x"), "--save: a checkpoint"),
+    (dict(save="/tmp/x"), "--save: a checkpoint"), (dict(offload_disk="/tmp/x"), "--offload-disk"),
 ]
 
 
