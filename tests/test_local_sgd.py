@@ -118,7 +118,7 @@ def test_cli_refuses_without_torch():
     assert out.stderr.count("\n") == 1 and "--tp 2" in out.stderr
 
 
-# -- -m slow: every world size, the optimizer states, gradient accumulation, experts ----------------
+# -- -m slow: every world size, the optimizer states, gradient accumulation, experts -------------
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("kw", [dict(), dict(sync_optimizer=True), dict(sync_every=3, steps=5),
