@@ -46,7 +46,7 @@ def undivided(trained, sizes, chosen, start, comm, axis):
 
 
 def calls_the_library(trained, sizes, chosen, start, comm, axis):
-    return federated.server_average(trained, sizes, chosen, start, comm, axis)
+    return federated.weighted_average(trained, sizes, chosen, start, comm, axis)
 
 
 def stub(trained, sizes, chosen, start, comm, axis):
@@ -60,7 +60,7 @@ def test_a_stub_is_not_attempted():
 @pytest.mark.parametrize("answer, words", [
     (plain_mean, "plain mean"), (all_clients, "data of all K clients"),
     (undivided, "never divided"), (calls_the_library, "library's own"),
-    (federated.server_average, "library's own")])
+    (federated.weighted_average, "library's own")])
 def test_wrong_answers_are_named_in_this_process(answer, words):
     with pytest.raises(AssertionError, match=words):
         check_server_average(answer)

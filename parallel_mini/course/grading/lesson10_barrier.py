@@ -1,7 +1,7 @@
 """Lesson 10 (10_without_a_barrier): federated averaging's server, `check_server_average`.
 
 The learner writes the server's weighted average of one FedAvg round (the library's is
-parallel/federated.server_average): every rank holds the weights of its own sampled clients only,
+parallel/federated.weighted_average): every rank holds the weights of its own sampled clients only,
 and the result, the same on every rank, is sum_k n_k w_k / sum_k n_k over the round's sampled
 clients. First one call in this process (one rank: its all-reduce adds nothing), naming the usual
 mistakes; then whole federated runs on real ranks with the learner's function in the library's
@@ -32,20 +32,17 @@ _STUB = ("server_average still raises NotImplementedError: write the weighted av
 
 
 def _library_refused(trained, sizes, chosen, start, comm, axis):
-    """Swapped in for the code of the library's federated.server_average while the learner's runs
+    """Swapped in for the code of the library's federated.weighted_average while the learner's runs
     (a literal message: the code object runs with the library module's globals)."""
     raise AssertionError("your server_average called the library's own "
-                         "(parallel_mini.parallel.federated.server_average), which the checker "
+                         "(parallel_mini.parallel.federated.weighted_average), which the checker "
                          "disables while it runs yours: write the average yourself")
 
 
 class _LibraryAverageDisabled(_CodeSwapped):
     def swaps(self):
         from ...parallel import federated
-        fn = federated.server_average
-        while hasattr(fn, "__wrapped_library__"):  # on a rank: the checker's own wrapper
-            fn = fn.__wrapped_library__
-        return [(fn, _library_refused)]
+        return [(federated.weighted_average, _library_refused)]
 
 
 class _OneRank:
@@ -122,25 +119,21 @@ def _probe(fn) -> None:
 
 def _average_rank(cfg_dict: dict, fn) -> dict:
     """One rank of a federated run (engine.train_rank) with the learner's function in place of
-    federated.server_average (the library's own disabled); the bytes this process wrote to its
-    sockets while the learner's function ran, beside what its comm calls recorded explain."""
+    federated.weighted_average (the engine's `average_fn` hook; the library's own disabled); the
+    bytes this process wrote to its sockets while the learner's function ran, beside what its
+    comm calls recorded explain."""
     import torch
     import torch.distributed as dist
 
     from ... import engine
-    from ...parallel import federated
 
     cfg = RunConfig.from_dict(cfg_dict)
     rank = dist.get_rank()
     where = f"at dp={cfg.dp}, K={cfg.clients}, C={cfg.clients_per_round}, rank {rank}"
     trace = _RankTrace("the federated run with your server_average")
-    written, state = _SocketBytes(), {"inside": False, "calls": 0, "explained": 0,
-                                      "records": 0, "results": []}
+    written, state = _SocketBytes(), {"calls": 0, "explained": 0, "records": 0, "results": []}
 
     def learners_average(trained, sizes, chosen, start, comm, axis):
-        if state["inside"]:  # the learner's code called federated.server_average: this wrapper
-            _library_refused(trained, sizes, chosen, start, comm, axis)
-        state["inside"] = True
         before = len(comm.records)
         try:
             with written:
@@ -153,8 +146,6 @@ def _average_rank(cfg_dict: dict, fn) -> dict:
                     "was sampled this round, `trained` empty, still joins the all-reduce)")
             raise AssertionError(f"{where}: your server_average raised {type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:200]}{hint}") from None
-        finally:
-            state["inside"] = False
         for rec in comm.records[before:]:
             state["explained"] += _wire_allowance(rec, comm.size(rec["group"]))
             state["records"] += 1
@@ -165,14 +156,8 @@ def _average_rank(cfg_dict: dict, fn) -> dict:
         state["results"].append(out.detach().clone())
         return out
 
-    library = federated.server_average
-    learners_average.__wrapped_library__ = library
-    federated.server_average = learners_average
-    try:
-        with _LibraryAverageDisabled(), trace:
-            out = engine.train_rank(cfg_dict)
-    finally:
-        federated.server_average = library
+    with _LibraryAverageDisabled(), trace:  # the engine's hook: the server's step is the learner's
+        out = engine.train_rank(cfg_dict, average_fn=learners_average)
     # every rank must hold the same server weights after every round: gathered after the run
     mine = torch.stack(state["results"])  # [rounds, P]
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -200,7 +185,7 @@ def check_server_average(fn, cases=SERVER_AVERAGE_CASES) -> Grade:
     One call in this process first (weights and sizes drawn anew every check; 10 s at most),
     naming the usual mistakes (the plain mean, the wrong denominator, no division). Then whole
     federated runs on real ranks at each case of `cases`, `fn` in place of the library's
-    federated.server_average (the library's own disabled: an answer that calls it is refused, and
+    federated.weighted_average (the library's own disabled: an answer that calls it is refused, and
     so is the library's function itself): every rank must hold the same weights after every
     round; the bytes the ranks wrote to their sockets while `fn` ran must be explained by its
     calls recorded through `comm`; the losses and final parameters must equal the
@@ -264,4 +249,4 @@ def check_server_average(fn, cases=SERVER_AVERAGE_CASES) -> Grade:
                  f"to the single-process simulation (losses and final weights, max |diff| "
                  f"{worst:.1e}) at " + "; ".join(row["case"] for row in summary)
                  + "; every rank held the same weights after every round; the library's own "
-                 "server_average disabled while yours ran", {"runs": summary})
+                 "weighted_average disabled while yours ran", {"runs": summary})
