@@ -13,36 +13,29 @@ from parallel_mini.course.grading import check_server_average
 from parallel_mini.parallel import federated
 
 
-def right(trained, sizes, chosen, start, comm, axis):
+def _summed(trained, sizes, start, comm, axis, weigh=True):
+    """This rank's sum of n_k w_k (or of w_k), all-reduced over the axis."""
     s = torch.zeros_like(start)
     for k, w in trained.items():
-        s += sizes[k] * w
+        s += (sizes[k] if weigh else 1) * w
     comm.all_reduce(s, axis)
-    return s / sum(sizes[k] for k in chosen)
+    return s
+
+
+def right(trained, sizes, chosen, start, comm, axis):
+    return _summed(trained, sizes, start, comm, axis) / sum(sizes[k] for k in chosen)
 
 
 def plain_mean(trained, sizes, chosen, start, comm, axis):
-    s = torch.zeros_like(start)
-    for w in trained.values():
-        s += w
-    comm.all_reduce(s, axis)
-    return s / len(chosen)
+    return _summed(trained, sizes, start, comm, axis, weigh=False) / len(chosen)
 
 
 def all_clients(trained, sizes, chosen, start, comm, axis):
-    s = torch.zeros_like(start)
-    for k, w in trained.items():
-        s += sizes[k] * w
-    comm.all_reduce(s, axis)
-    return s / sum(sizes)
+    return _summed(trained, sizes, start, comm, axis) / sum(sizes)
 
 
 def undivided(trained, sizes, chosen, start, comm, axis):
-    s = torch.zeros_like(start)
-    for k, w in trained.items():
-        s += sizes[k] * w
-    comm.all_reduce(s, axis)
-    return s
+    return _summed(trained, sizes, start, comm, axis)
 
 
 def calls_the_library(trained, sizes, chosen, start, comm, axis):
@@ -74,12 +67,8 @@ def test_a_right_answer_trains_equal_to_the_simulation():
     assert all(r["max_abs_diff"] <= 1e-5 for r in grade.details["runs"])
 
 
-def own_clients_only(trained, sizes, chosen, start, comm, axis):
-    s = torch.zeros_like(start)
-    for k, w in trained.items():
-        s += sizes[k] * w
-    comm.all_reduce(s, axis)
-    return s / max(1, sum(sizes[k] for k in trained))  # right on one rank, wrong on several
+def own_clients_only(trained, sizes, chosen, start, comm, axis):  # right on one rank only
+    return _summed(trained, sizes, start, comm, axis) / max(1, sum(sizes[k] for k in trained))
 
 
 def skips_without_clients(trained, sizes, chosen, start, comm, axis):
