@@ -1,5 +1,6 @@
 """The Without a barrier page in a real browser (Debian's chromium via playwright, server from
-test_browser): "Run live" draws the staleness histogram with its theory rule, the loss against the
+test_browser). Cheap (default): the page opens with its six controls, its Run live button and
+nothing drawn, and fits a 1440x900 screen's width. -m slow: "Run live" draws the staleness histogram with its theory rule, the loss against the
 wall clock for sync DP and async, local SGD's bytes and FedAvg's rounds, each with its axis titles,
 and every chart fits inside its column (no horizontal overflow). Waits for elements, never for a
 duration."""
@@ -9,9 +10,32 @@ import pytest
 
 from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]  # five live runs behind one press: ~50 s
+pytestmark = pytest.mark.browser
+CONTROLS = ("Straggler rank", "Straggler factor (× slower)", "Max staleness K (async)",
+            "Local SGD: sync every H steps", "FedAvg: non-IID A", "FedAvg: local steps E")
 
 
+def test_barrier_page_opens_with_its_controls(app_url):  # noqa: F811
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(f"{app_url}/barrier")
+            expect(page.get_by_role("heading", name="Without a barrier")).to_be_visible(
+                timeout=30_000)
+            for label in CONTROLS:
+                expect(page.get_by_text(label, exact=True).first).to_be_visible()
+            expect(page.get_by_role("button", name="Run live")).to_be_enabled()
+            expect(page.get_by_text("Press Run live").first).to_be_visible()
+            assert page.locator('[data-testid="stVegaLiteChart"]').count() == 0
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+        finally:
+            browser.close()
+
+
+@pytest.mark.slow  # five live runs behind one press: ~50 s at load 15
 def test_barrier_page_runs_live_and_draws_its_charts(app_url):  # noqa: F811
     from playwright.sync_api import sync_playwright
 
