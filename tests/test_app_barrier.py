@@ -56,6 +56,7 @@ def test_live_run_draws_what_the_runs_recorded():
     counted = sum(r["staleness"] * r["updates"] for r in bars) / 18
     assert float(_metric(at, "Mean staleness: counted")) == pytest.approx(counted, abs=0.005)
     assert _metric(at, "Mean staleness: theory") == "2"
+    assert _metric(at, "Async ÷ sync: theory") == f"{(3 * (3 - 1) + 1) / 4:.2f}"  # (F(W-1)+1)/(W+1)
     time_rows = _rows(_titled(at, "Loss against the wall clock"))
     assert sorted({r["run"] for r in time_rows}) == ["async", "sync DP"]
     assert sum(r["run"] == "sync DP" for r in time_rows) == 6
