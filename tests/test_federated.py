@@ -56,6 +56,13 @@ def test_federated_two_ranks_equals_its_simulation():
     assert [r["clients"] for r in report.extra["federated"]["network"]] == [[0, 2], [1, 3]]
 
 
+def test_federated_four_ranks_uneven_hosts():
+    """6 clients on 4 ranks (2, 2, 1, 1 of them), 3 sampled a round: a rank may have none."""
+    report = run(config(dp=4, clients=6))
+    check(report)
+    assert [r["clients"] for r in report.extra["federated"]["network"]] == [[0, 4], [1, 5], [2], [3]]
+
+
 def _own_topic_transitions(cfg, k: int) -> float:
     """The share of client k's token transitions that its own topic's table allows."""
     table = successor_table(cfg.vocab, cfg.seed + 7_919 * (k + 1))  # [2, vocab]
