@@ -158,7 +158,7 @@ def _summary(report) -> str:
         fed, last = report.extra["federated"], report.extra["federated"]["rounds"][-1]
         drift = sum(last["drift"].values()) / max(1, len(last["drift"]))
         lines.append(f"federated: {fed['clients_per_round']} of {fed['clients']} clients a round, "
-                     f"{fed['local_steps']} local steps; last round: union loss "
+                     f"{fed['local_steps']} local step(s) each; last round: union loss "
                      f"{last['union_loss']:.4f}, mean client drift {drift:.4f}; bytes of client "
                      f"data sent (counted) {sum(n['data_bytes_sent'] for n in fed['network'])}")
     m = report.ranks[0]["memory"]
