@@ -214,7 +214,8 @@ def check_flags(cfg) -> None:
         if os.path.lexists(latest) and not os.path.isfile(latest):
             raise CheckpointError(f"--save {cfg.save}: {latest} is not a file (the save ends by "
                                   f"pointing it at the new step); remove it or choose another directory")
-        points = set(range(start + cfg.save_every, cfg.steps, cfg.save_every or cfg.steps))
+        every = cfg.save_every or cfg.steps  # (engine: after every step that K divides)
+        points = set(range((start // every + 1) * every, cfg.steps, every))
         taken = sorted(n for n in points | {cfg.steps}
                        if os.path.isdir(os.path.join(cfg.save, f"step_{n}")))
         if taken and not _same_dir(cfg.save, cfg.resume):  # (resuming there: a restart's own)

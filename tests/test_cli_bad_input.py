@@ -244,9 +244,13 @@ def test_save_where_no_checkpoint_can_go_is_one_line(case, tmp_path, capsys):
 def test_a_good_meta_passes_the_checks(tmp_path):
     """The same reading accepts what checkpoint.py writes (so the cases above fail for their
     reason, not for any meta.json)."""
-    from parallel_mini.preflight import check_flags, resolve
+    import pickle
+    from parallel_mini.preflight import check_flags, file_digests, resolve
     d = _checkpoint(tmp_path / "ckpt", GOOD_META)
     assert resolve(str(d)) == (str(d / "step_2"), GOOD_META)
+    (d / "step_2" / ".metadata").write_bytes(pickle.dumps({}))  # (names no class: inert)
+    meta = {**GOOD_META, "files": file_digests(str(d / "step_2"))}  # what a save adds
+    (d / "step_2" / "meta.json").write_text(json.dumps(meta))
     check_flags(RunConfig(steps=3, resume=str(d)))
 
 
