@@ -52,17 +52,6 @@ INTERCONNECTS = {
 }
 
 
-H100_BF16_FLOPS = 989e12  # dense bf16 peak of one H100 SXM, FLOP/s
-NVLINK_GPUS_PER_NODE = 8  # an HGX H100 node: 8 GPUs on one NVSwitch
-
-
-def matmul_time(n_params: float, tokens: float, gpus: int = 1,
-                flops: float = H100_BF16_FLOPS) -> float:
-    """Lower bound on one training step's compute per GPU: 6 FLOPs per parameter per token (2
-    forward + 4 backward; Kaplan et al., 2020), shared by `gpus`, at peak throughput."""
-    return 6 * n_params * tokens / gpus / flops
-
-
 def transfer_time(nbytes: float, link: str) -> float:
     """Seconds to move `nbytes` over `link` at its full bandwidth (a lower bound)."""
     return nbytes / INTERCONNECTS[link]
@@ -382,6 +371,41 @@ def hybrid_replica_wire_bytes(zero: int, n_params: int, precision: str, shard: i
                             for u in unit_sizes)
 
 
+def local_sgd_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Local SGD (parallel/local_sgd.py): one all-reduce of the fp32 parameters (with
+    --sync-optimizer, of Adam's two moments too) after every H-th of T steps and after the last,
+    ceil(T/H) in all: per step ceil(T/H)/T x 2(N-1)/N x 4P(1 + states), about DDP's bytes / H."""
+    states = 2 if cfg.sync_optimizer and cfg.optimizer == "adam" else 0
+    averages = -(-cfg.steps // cfg.sync_every)
+    return averages * wire_bytes("all_reduce", 4 * n_params * (1 + states), cfg.dp) / cfg.steps
+
+
+def async_staleness(workers: int, factor: float = 1.0, max_staleness: int = -1) -> dict:
+    """Expected staleness of asynchronous SGD with a parameter server (parallel/async_ps.py): W
+    workers, one of them `factor` times slower (1: none). Unbounded (K = -1), every worker always
+    has a gradient in flight, so one on a step of time t_i misses t_i * sum_(j != i) 1/t_j
+    updates: W - 1 for all without a straggler; with one, F(W-1) for it and W - 2 + 1/F for the
+    others, and still W - 1 on average over updates. K = 0: each round's W gradients come from one
+    version and are applied in turn, 0..W-1: (W - 1)/2 exactly. No formula for 0 < K: the bound
+    (W - 1)(2K + 1) holds for every K >= 0."""
+    W, F = workers, factor
+    out = {"bound": None if max_staleness < 0 else (W - 1) * (2 * max_staleness + 1)}
+    if max_staleness == 0:
+        return {**out, "mean": (W - 1) / 2, "straggler": None, "others": None}
+    if max_staleness > 0:
+        return {**out, "mean": None, "straggler": None, "others": None}
+    slow = F * (W - 1) if F != 1 else None
+    return {**out, "mean": W - 1, "straggler": slow,
+            "others": (W - 2 + 1 / F) if F != 1 else W - 1}
+
+
+def async_server_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Bytes the server sends per --steps step: a grant of [version, weights] (fp32) per update,
+    --steps x W of them, and a last one to each worker that says stop."""
+    workers = cfg.dp - 1
+    return (cfg.steps * workers + workers) * 4 * (n_params + 1) / cfg.steps
+
+
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report. With pipeline stages the
     ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
@@ -391,7 +415,13 @@ def run_theory(cfg, n_params: int) -> dict:
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp, **_moe(cfg),
                            experts_apart=apart)
     out = _rank_theory(cfg, units, expert_unit_sizes(cfg, range(cfg.layers)) if apart else [])
+    if getattr(cfg, "asynchronous", False):  # a parameter server's grants, not an all-reduce
+        out["wire_bytes_per_step"] = {"dp": async_server_wire_bytes_per_step(cfg, sum(units))}
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
+    if getattr(cfg, "sync_every", 0):  # local SGD: parameters averaged, not gradients
+        out["wire_bytes_per_step"] = {"dp": local_sgd_wire_bytes_per_step(cfg, sum(units))}
+    if getattr(cfg, "federated", False):  # a step is a round: one all-reduce of the weights
+        out["wire_bytes_per_step"] = {"dp": wire_bytes("all_reduce", 4 * sum(units), cfg.dp)}
     if cfg.tp > 1:
         out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg) \
             + moe_sp_wire_bytes_per_step(cfg)
@@ -494,24 +524,32 @@ def _pipeline_theory(cfg) -> dict:
     apart = getattr(cfg, "ep", 1) > 1  # expert parallel: the experts' states go over edp
     for r in range(cfg.pp):
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
-                                     cfg.tp, **_moe(cfg), experts_apart=apart)
-        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r)[0])  # the stage's blocks
+                                     cfg.tp, **_moe(cfg), experts_apart=apart,
+                                     stages=schedule.stages)
+        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r, schedule.stages)[0])  # its blocks
         stage = _rank_theory(cfg, units, expert_unit_sizes(cfg, mine) if apart else [])
         if getattr(cfg, "ep", 1) > 1:
             stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
-            schedule.owner, r, cfg.microbatches, boundary)
-        chunks = [c for c, o in enumerate(schedule.owner) if o == r]
-        blocks = len(chunks) * cfg.layers // len(schedule.owner)  # the stage's blocks
+            schedule.owner, r, cfg.microbatches, boundary, schedule.stages)
+        if schedule.directions == 2:  # DualPipe: the stage copies' gradients, one exchange a step
+            stage["wire_bytes_per_step"]["pp"] += sum(units) * BYTES_PER_PARAM[cfg.precision]
+        chunks = [schedule.stage_of(c) for c, o in enumerate(schedule.owner) if o == r]
+        blocks = len(chunks) * cfg.layers // schedule.stages  # the stage's blocks
         moe_here = len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
                                                   getattr(cfg, "moe_every", 1))))
         if cfg.tp > 1:
             stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
-                cfg, blocks=blocks, embed=0 in chunks, head=len(schedule.owner) - 1 in chunks,
+                cfg, blocks=blocks, embed=0 in chunks, head=schedule.stages - 1 in chunks,
                 moe=moe_here) + moe_sp_wire_bytes_per_step(cfg, moe_here)
         if cfg.cp > 1:
             wire = stage["wire_bytes_per_step"]
             wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg, blocks=blocks, moe=moe_here)
+        if schedule.directions == 2:  # DualPipe: a rank's blocks see half the micro-batches
+            for k, v in stage["wire_bytes_per_step"].items():
+                stage["wire_bytes_per_step"][k] = v / 2 if k in ("tp", "cp") else v
+            if "ep_all_to_all_uniform" in stage:
+                stage["ep_all_to_all_uniform"] /= 2
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
@@ -600,54 +638,6 @@ def local_run_bytes_estimate(cfg) -> dict:
             "total": cfg.world_size * sum(per_rank.values())}
 
 
-# Model presets for theory-only rows (too big to run here). Shapes after the public Llama configs;
-# n_params is the headline size the memory table uses.
-PRESETS = {
-    "1B": {"n_params": 1_000_000_000, "layers": 16, "d_model": 2048, "heads": 32, "vocab": 128256},
-    "7B": {"n_params": 7_000_000_000, "layers": 32, "d_model": 4096, "heads": 32, "vocab": 32000},
-    "70B": {"n_params": 70_000_000_000, "layers": 80, "d_model": 8192, "heads": 64, "vocab": 32000},
-    "405B": {"n_params": 405_000_000_000, "layers": 126, "d_model": 16384, "heads": 128,
-             "vocab": 128256},
-}
-
-GPU_MEMORY_GB = {"24 GB (RTX 4090)": 24, "40 GB (A100 40G)": 40, "80 GB (A100/H100 80G)": 80,
-                 "141 GB (H200)": 141}
-
-
-def model_parallel_params(n_params: int, tp: int = 1, pp: int = 1) -> int:
-    """Parameters on one GPU after tensor and pipeline parallel split the model, before ZeRO:
-    Psi/(tp*pp), rounded up to a whole parameter. An approximation: it ignores that one pipeline
-    stage holds the embeddings (and another the LM head), so stages are not equal, and that under
-    TP the LayerNorms and row-parallel biases stay whole on every rank (gpt_unit_sizes counts our
-    GPT exactly)."""
-    return -(-n_params // (tp * pp))
-
-
-def memory_per_gpu(n_params: int, gpus: int, zero: int, precision: str = "bf16-mixed",
-                   optimizer: str = "adam", layers: int = 0, d_model: int = 0, heads: int = 1,
-                   seq: int = 0, micro_batch: int = 0, checkpointing: str = "none",
-                   offload: bool = False, tp: int = 1, pp: int = 1, sp: bool = False) -> dict:
-    """Bytes per GPU by category for a big model (theory only) on N = `gpus` data-parallel ranks
-    x tp x pp GPUs in all.
-
-    Model states: TP and PP divide the parameters first, Psi/(tp*pp) per GPU (model_parallel_params:
-    an approximation that ignores which pipeline stage holds the embeddings and LM head, and the
-    LayerNorm / bias parameters TP replicates), then ZeRO shards what is left over the N
-    data-parallel ranks (model_state_bytes at that stage).
-    Activations (Korthikanti et al., 2022): L x activation_bytes_per_layer(s, b, h, a, tp, sp), i.e.
-    sbh(34 + 5as/h) at tp = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP + SP.
-    PP does not change them under 1F1B: the first stage keeps p micro-batches in flight, each
-    through its L/p layers, i.e. L layers' worth of one micro-batch whatever p (their section
-    4.2.3); the other stages hold less. ZeRO does not shard activations."""
-    states = model_state_bytes(model_parallel_params(n_params, tp, pp), optimizer, precision, zero,
-                               gpus, offload=offload and zero in (1, 2))
-    states.pop("host", None)
-    acts = layers * activation_bytes_per_layer(seq, micro_batch, d_model, heads, checkpointing,
-                                               tp=tp, sp=sp) \
-        if layers and seq and micro_batch else 0
-    return {**states, "activations": acts}
-
-
 # ---------------------------------------------------------------------------------------------
 # pipeline parallel
 # ---------------------------------------------------------------------------------------------
@@ -661,7 +651,9 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
       share of the total).
     zb (ZB-H1, Qi et al., 2024): (p-1)(F+B-W) idle beside m(F+B+W) busy, with the op costs F, B, W
       given in `costs` (default: equal, which gives (p-1)/(3m+p-1), a third of 1F1B's bubble).
-    zbv: its greedy order has no closed form; the value is that order replayed with `costs`."""
+    zbv: its greedy order has no closed form; the value is that order replayed with `costs`.
+    dualpipe, dualpipev: the DeepSeek-V3 report's (PP/2-1)(F&B+B-3W) (dualpipe_idle) beside each
+      rank's busy time, PP the model's stages (dualpipe: p; dualpipev: 2p chunks of half a stage)."""
     p = pp
     if p == 1:
         return 0.0
@@ -675,6 +667,12 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
         c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
         idle = max(0.0, (p - 1) * (c["F"] + c["B"] - c["W"]))
         return idle / (idle + m * (c["F"] + c["B"] + c["W"]))
+    if schedule in ("dualpipe", "dualpipev"):
+        c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+        stages = p if schedule == "dualpipe" else 2 * p
+        idle = dualpipe_idle(stages, c)
+        busy = (m if schedule == "dualpipe" else 2 * m) * (c["F"] + c["B"] + c["W"])
+        return idle / (idle + busy)
     if schedule == "zbv":  # a greedy order has no closed form: replay it with the costs given
         from .parallel.schedules import build_schedule, idle_fractions, simulate
         c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
@@ -685,25 +683,69 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
 
 def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner: list[int],
                          rank: int, tp: int = 1, experts: int = 0, moe_every: int = 1,
-                         ep: int = 1, experts_apart: bool = False) -> list[int]:
+                         ep: int = 1, experts_apart: bool = False,
+                         stages: int | None = None) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
     one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier.
-    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes."""
+    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes.
+    `stages`: DualPipe's model has fewer stages than chunks (each stage twice, placement.stage_blocks)."""
     model = SimpleNamespace(vocab=vocab, seq=seq, d_model=d_model, layers=layers, experts=experts,
                             moe_every=moe_every)
-    stage = stage_blocks(owner, layers, rank)
+    stage = stage_blocks(owner, layers, rank, stages)
     return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0), stage), experts_apart)
 
 
-def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int) -> int:
+def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int,
+                                stages: int | None = None) -> int:
     """Bytes this rank sends per step: each micro-batch's activation [b, s, h] forward out of every
     chunk whose successor lives elsewhere, and its gradient backward out of every chunk whose
-    predecessor does. Point to point: what is sent is the payload itself."""
+    predecessor does. Point to point: what is sent is the payload itself. DualPipe (`stages` =
+    len(owner)/2): each copy carries half the micro-batches, and the two copies of a stage sum
+    their gradients (pipeline._sum_copies: one exchange of the rank's gradients, not counted here)."""
+    n = stages or len(owner)
+    per_chunk = m * n // len(owner)  # micro-batches through each chunk
     sends = 0
     for c, r in enumerate(owner):
         if r != rank:
             continue
-        sends += c + 1 < len(owner) and owner[c + 1] != rank
-        sends += c > 0 and owner[c - 1] != rank
-    return sends * m * boundary_bytes
+        sends += c % n + 1 < n and owner[c + 1] != rank
+        sends += c % n > 0 and owner[c - 1] != rank
+    return sends * per_chunk * boundary_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# DualPipe beside 1F1B and zero bubble: the DeepSeek-V3 report's table (DeepSeek-AI, 2024, table
+# 2; DualPipeV: Sea AI Lab's "cut-in-half", 2025). PP is the number of pipeline STAGES (DualPipeV
+# runs them on PP/2 devices). The report's B is the full backward (our B + W), W the weight part,
+# and F&B a forward and a backward of two micro-batches run as one overlapped unit: F + B + W
+# when nothing overlaps (the toy: one CPU), less when one's communication hides behind the other.
+# ---------------------------------------------------------------------------------------------
+def dualpipe_idle(stages: int, costs: dict, overlapped: float | None = None) -> float:
+    """Idle time per device: (PP/2-1)(F&B + B_full - 3W). `overlapped`: F&B's time (default
+    F + B_full, no overlap). The eight phases of parallel/schedules.py replayed with each F&B pair
+    as one unit and equal op costs (the report's figure) give exactly this (tests/test_dualpipe.py);
+    with unequal costs the formula is the report's estimate, off by a fraction of an op (replay
+    the order for the toy's own costs: schedules.simulate)."""
+    full = costs["B"] + costs["W"]
+    fb = costs["F"] + full if overlapped is None else overlapped
+    return max(0.0, (stages / 2 - 1) * (fb + full - 3 * costs["W"]))
+
+
+def pipeline_table(stages: int, costs: dict | None = None, overlapped: float | None = None) -> list[dict]:
+    """The report's rows for `stages` pipeline stages: bubble (idle time per device, in the costs'
+    unit), parameters per device (x one stage's), activations per device (micro-batches of one
+    stage's activations held at the peak), devices. Theory: formulas, not measured."""
+    c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+    full = c["B"] + c["W"]
+    dual = dualpipe_idle(stages, c, overlapped)
+    return [
+        {"method": "1F1B", "bubble": (stages - 1) * (c["F"] + full), "parameters": 1,
+         "activations": stages, "devices": stages},
+        {"method": "ZB1P", "bubble": (stages - 1) * (c["F"] + full - 2 * c["W"]), "parameters": 1,
+         "activations": stages, "devices": stages},
+        {"method": "DualPipe", "bubble": dual, "parameters": 2, "activations": stages + 1,
+         "devices": stages},
+        {"method": "DualPipeV", "bubble": dual, "parameters": 2, "activations": stages + 1,
+         "devices": stages // 2},
+    ]

@@ -263,3 +263,33 @@ def test_live_interleaved_vs_zero_bubble_on_two_stages():
     labels = {(r["source"], r["stage"]): r["in_flight"]
               for r in _rows_with(_chart(at, "Activation peak per stage"), "in_flight")}
     assert labels["zb", "rank 0"] == f"{p} in flight"  # 1F1B's count, W's queued behind B
+
+
+def test_dualpipe_plans_and_refusal():
+    """DualPipe beside DualPipeV, planned: each F&B pair drawn as one unit (the report's count), the
+    drawn plan idles exactly the report's (PP/2-1)(F&B+B-3W) share with F = B = W = 1: (p-2)/(3m+p-2)
+    for DualPipe's p stages, (p-1)/(3m+p-1) for DualPipeV's 2p chunks; m below 2p is refused."""
+    at = _app(PAGE)
+    _set(at, "selectbox", "Schedule", "dualpipe")
+    _set(at, "selectbox", "Compare with", "dualpipev")
+    _assert_clean(at)
+    p, m = 4, 8
+    want = {"dualpipe": (p - 2) / (3 * m + p - 2), "dualpipev": (p - 1) / (3 * m + p - 1)}
+    for s, share in want.items():
+        (metric,) = [w for w in at.metric if w.label == f"Bubble (theory): {s}"]
+        assert metric.value == f"{share:.1%}"
+        (chart,) = [c for c in _charts(at) if c["spec"].get("usermeta", {}).get("title", str(
+            c["spec"]["title"]["text"])).startswith(f"Planned: {s},")]
+        rows = _timeline_rows(chart)
+        assert _idle_share(rows) == pytest.approx(share, abs=1e-12)
+        assert "F&B pair" in " ".join(chart["spec"]["title"]["subtitle"])
+    # DualPipe: micro-batches 0-3 go down from rank 0, 4-7 come up from rank 3
+    dual = _timeline_rows(_chart(at, "Planned: dualpipe,"))
+    assert {r["microbatch"] for r in dual if r["kind"] == "F" and r["rank"] == 0 and r["chunk"] == 0} \
+        == {0, 1, 2, 3}
+    assert {r["microbatch"] for r in dual if r["kind"] == "F" and r["rank"] == 3 and r["chunk"] == 4} \
+        == {4, 5, 6, 7}
+    _set(at, "slider", "Micro-batches", 6)  # below 2p = 8
+    assert not at.exception and len(at.error) == 2
+    assert all("needs at least 2 x pp = 8" in e.value for e in at.error)
+    assert at.button[0].disabled

@@ -13,7 +13,7 @@ import streamlit as st
 import presentation as pm
 from live_runs import StepBar, fmt_bytes, last_result, run_live, training_run
 from parallel_mini import preflight, theory
-from parallel_mini.course import viz
+from parallel_mini.course import at_scale, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.viz.units import format_bytes
 
@@ -45,7 +45,7 @@ activations by t (all of them with sequence parallel, SP); PP with the 1F1B sche
 
 controls = pm.Controls(4, sidebar_columns=2)  # fourteen controls: two columns in presentation mode
 c1, c2, c3, c4 = controls.columns
-model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM],
+model = c1.selectbox("Model", [*TOYS, *at_scale.PRESETS, CUSTOM],
                      key=pm.kept("mem.model", [*TOYS][0]),
                      help="Toy models run live here; the presets and custom sizes use theory alone.")
 toy = model in TOYS
@@ -61,7 +61,7 @@ elif model == CUSTOM:
              "heads": int(c1.number_input("Attention heads", 1, 512,
                                           key=pm.kept("mem.heads", 40)))}
 else:
-    shape = theory.PRESETS[model]
+    shape = at_scale.PRESETS[model]
 gpus = c1.select_slider("GPUs (data-parallel ranks N)", [2 ** i for i in range(11)],
                         key=pm.kept("mem.gpus", 2))
 highlight = c1.radio("ZeRO stage", STAGES, horizontal=True, key=pm.kept("mem.highlight", 0),
@@ -82,9 +82,9 @@ else:
                                    key=pm.kept("mb_big", 1))
     seq = c3.select_slider("Sequence length (tokens)", [512, 1024, 2048, 4096, 8192],
                            key=pm.kept("seq_big", 2048))
-capacity_label = c3.selectbox("GPU capacity", list(theory.GPU_MEMORY_GB),
-                              key=pm.kept("mem.capacity", list(theory.GPU_MEMORY_GB)[2]))
-capacity = theory.GPU_MEMORY_GB[capacity_label] * 1e9  # decimal GB, as the capacities are quoted
+capacity_label = c3.selectbox("GPU capacity", list(at_scale.GPU_MEMORY_GB),
+                              key=pm.kept("mem.capacity", list(at_scale.GPU_MEMORY_GB)[2]))
+capacity = at_scale.GPU_MEMORY_GB[capacity_label] * 1e9  # decimal GB, as the capacities are quoted
 offload = c4.checkbox("Offload optimizer to CPU (ZeRO-Offload)", key=pm.kept("mem.offload", False),
                       help="Applies to the ZeRO-1 and ZeRO-2 bars only: ZeRO-Offload (Ren et al., "
                            "2021), as parallel_mini implements it, offloads the sharded optimizer "
@@ -141,7 +141,7 @@ if model == CUSTOM and (custom_error := custom_model_error(shape)):
     st.stop()
 
 # exact_counts: our GPT counted per TP rank (gpt_unit_sizes), what a live run holds; with PP > 1
-# (or a big model) the split is approximated as Ψ/(TP·PP) by theory.memory_per_gpu
+# (or a big model) the split is approximated as Ψ/(TP·PP) by at_scale.memory_per_gpu
 exact_counts = toy and pp == 1
 if toy:
     n_params = theory.gpt_param_count(shape["vocab"], seq, shape["d_model"], shape["layers"])
@@ -149,7 +149,7 @@ if toy:
 else:
     n_params, units = shape["n_params"], None
 # parameters on one GPU before ZeRO: all of them at TP = PP = 1
-n_rank = sum(units) if exact_counts else theory.model_parallel_params(n_params, tp, pp)
+n_rank = sum(units) if exact_counts else at_scale.model_parallel_params(n_params, tp, pp)
 
 # --offload-disk's directory: one per page setting (identical requests join one run; two
 # settings never share the files' names), made before each run (four_stages)
@@ -210,15 +210,15 @@ def predicted(zero: int) -> dict:
     if disk:  # the states per GPU as below, the optimizer's on disk (theory.model_state_bytes)
         states = theory.model_state_bytes(n_rank, optimizer, precision, zero, gpus,
                                           units if exact_counts else None, disk=True)
-        acts = (theory.memory_per_gpu(n_params, gpus, zero, precision, optimizer, shape["layers"],
+        acts = (at_scale.memory_per_gpu(n_params, gpus, zero, precision, optimizer, shape["layers"],
                                       shape["d_model"], shape["heads"], seq, micro_batch,
                                       checkpointing, tp=tp, pp=pp, sp=sp)["activations"]
                 if not exact_counts else shape["layers"] * theory.activation_bytes_per_layer(
                     seq, micro_batch, shape["d_model"], shape["heads"], checkpointing, tp=tp, sp=sp))
         return {**states, "activations": acts}
-    if not exact_counts:  # theory.memory_per_gpu: Ψ/(TP·PP), then ZeRO over N (as the lessons)
+    if not exact_counts:  # at_scale.memory_per_gpu: Ψ/(TP·PP), then ZeRO over N (as the lessons)
         host = theory.model_state_bytes(n_rank, optimizer, precision, zero, gpus, None, off)
-        return {**theory.memory_per_gpu(n_params, gpus, zero, precision, optimizer,
+        return {**at_scale.memory_per_gpu(n_params, gpus, zero, precision, optimizer,
                                         shape["layers"], shape["d_model"], shape["heads"], seq,
                                         micro_batch, checkpointing, off, tp=tp, pp=pp, sp=sp),
                 **({"host": host["host"]} if off else {})}
@@ -238,7 +238,7 @@ if tp * pp > 1:
     how = ("exactly, per TP rank: LayerNorms, position embeddings and row-parallel biases stay "
            "whole on every rank (`theory.gpt_unit_sizes`)" if exact_counts else
            "approximately, Ψ/(TP·PP): which stage holds the embeddings and the parameters TP "
-           "replicates are ignored (`theory.model_parallel_params`)")
+           "replicates are ignored (`at_scale.model_parallel_params`)")
     split = f" TP × PP = {tp} × {pp} leaves **{n_rank:,}** parameters per GPU, {how}."
 if toy:
     where = (f"runs live here on {world} rank(s) (N × TP × PP = {gpus} × {tp} × {pp}): press "
@@ -247,8 +247,9 @@ if toy:
     st.info(f"**{model}**: Ψ = {n_params:,} parameters; {where}.{split}")
 else:
     st.info(f"**Theory only**: a {n_params / 1e9:g}B-parameter model cannot run on this machine. "
-            f"Every number below comes from `parallel_mini.theory` (`model_state_bytes`, "
-            f"`memory_per_gpu`, Korthikanti's activation count); nothing here was measured.{split}")
+            f"Every number below comes from `course.at_scale.memory_per_gpu` over "
+            f"`parallel_mini.theory` (`model_state_bytes`, Korthikanti's activation count); nothing "
+            f"here was measured.{split}")
 
 layout = (f"N = {gpus} data-parallel rank(s)" if tp * pp == 1 else
           f"N {gpus} × TP {tp}{' (SP)' if sp else ''} × PP {pp} = {world:,} GPUs")

@@ -12,6 +12,7 @@
     python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
     python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
     python -m parallel_mini.bench app     # (k) the classroom app in a real browser: click -> chart
+    python -m parallel_mini.bench async   # (l) a 3x straggler: synchronous DP vs asynchronous SGD
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -64,6 +65,13 @@
     (the server's shared result read), as p50 and p90. Each time runs from the click to the page's
     first chart drawn in the browser (the page's first `stVegaLiteChart` with an SVG or canvas).
     The status line of the cold press says how long the ranks' run itself took.
+(l) A straggler (the last of 4 ranks, 3x slower: it sleeps twice its forward and backward's wall
+    time after them) against synchronous data parallel (`run --dp 4 --straggler 3:3`: every
+    all-reduce waits for it) and asynchronous SGD (`run --dp 4 --async --straggler 3:3`: rank 0
+    serves, 3 workers push; with --max-staleness 0 a barrier per step, unbounded without), and
+    both without the straggler, one run each: updates and samples per second (measured), time
+    and samples to a target loss (smoothed over one global batch), and the loss at equal samples
+    against the same updates replayed in one process without staleness (what staleness costs).
 (a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
@@ -338,7 +346,7 @@ def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
                           for name in schedules}}
 
 
-def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv"), warmup: int = 3,
+def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), warmup: int = 3,
              steps: int = 10, layers: int = 8, microbatches: int = 8, batch: int = 16) -> list[dict]:
     rows = []
     for n in pps:
@@ -458,6 +466,7 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
     for pp, m in setups:
         for name in schedules:
             cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
+                            batch=max(RunConfig.batch, m),  # one sequence per micro-batch at least
                             layers=pipeline_layers(pp, virtual_stages(name)),
                             steps=PIPELINE_STEPS).validate()
             runs = []
@@ -492,6 +501,163 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
                 "replayed_within_3_points": sum(abs(r["replayed_points"]) <= 3 for r in runs),
                 "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (f2) DualPipe beside 1F1B, ZB-H1 and ZBV: the DeepSeek-V3 report's table and the same run
+# ---------------------------------------------------------------------------------------------
+DUAL_COMPARED = ("1f1b", "zb", "zbv", "dualpipev", "dualpipe")
+TABLE_ROW = {"1f1b": "1F1B", "zb": "ZB1P", "zbv": None, "dualpipev": "DualPipeV", "dualpipe": "DualPipe"}
+
+
+def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> list[dict]:
+    """The same model, batch and pp ranks under each schedule of DUAL_COMPARED: its bubble (the
+    formula, theory; replayed from measured op costs; the wall clock, measured), parameters per
+    rank (measured bytes; the table says copies), activations (micro-batches in flight, counted
+    from the op list, in units of one pp-way stage; the peak measured in bytes), and the report's
+    formula with this run's measured op costs (no F&B overlap on one CPU: F&B = F + B + W)."""
+    from ..engine import run
+    from ..parallel.schedules import build_schedule, in_flight
+    from ..trace import op_costs
+
+    rows = []
+    for name in DUAL_COMPARED:
+        cfg = RunConfig(pp=pp, microbatches=m, layers=layers, batch=2 * m, schedule=name,
+                        steps=steps, reference=True).validate()
+        report = run(cfg)
+        s = build_schedule(name, pp, m)
+        b, costs = report.extra["bubble"], op_costs(report)
+        chunk = pp / s.stages  # one chunk's size in pp-way stages (1, or 1/2 in a V)
+        stages = pp if name in ("1f1b", "zb", "dualpipe") else 2 * pp
+        split = "W" in costs
+        table = {r["method"]: r for r in theory.pipeline_table(
+            stages, costs if split else {"F": costs["F"], "B": costs["B"], "W": 0.0})}
+        rows.append({
+            "schedule": name, "pp": pp, "microbatches": m, "layers": layers,
+            "table_method": TABLE_ROW[name],
+            "table_bubble_s": table[TABLE_ROW[name]]["bubble"] if TABLE_ROW[name] else None,
+            "bubble_theory": b["theory"], "bubble_replayed": b["replayed"]["overall"],
+            "bubble_wall": b["wall"]["overall"], "ranks_shared_cores": b["wall"]["ranks_shared_cores"],
+            "params_bytes_max": max(r["memory"]["params"] for r in report.ranks),
+            "activations_peak_bytes_max": max(r["memory"]["activations_peak"] for r in report.ranks),
+            "in_flight_stage_units": max(in_flight(s)) * chunk,
+            "table_activations": table[TABLE_ROW[name]]["activations"] * chunk if TABLE_ROW[name] else None,
+            "max_abs_diff": report.max_abs_diff})
+    one = next(r for r in rows if r["schedule"] == "1f1b")
+    for r in rows:
+        r["params_over_1f1b"] = r["params_bytes_max"] / one["params_bytes_max"]
+    return rows
+
+
+def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
+    """One rank of the F&B overlap measurement (see bench_fb_overlap)."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    comm = Comm(build_mesh(cfg))
+    n, me = comm.size("dp"), comm.rank("dp")
+    model = build_model(cfg)
+    x, y = shard(global_batch(cfg, 0), me, n)  # micro-batch B: this rank's sequences [b/n, s]
+
+    def compute():  # micro-batch B's forward and backward through the whole toy chunk
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+
+    def seconds(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return _slowest_rank(time.perf_counter() - t0)
+
+    # micro-batch A's expert dispatch: each token's top-k copies of its hidden vector, rows
+    # [tokens * k, h]; scaled (below) until the all-to-all alone lasts about as long as the compute,
+    # as DeepSeek-V3's does (its report: computation and all-to-all about 1:1)
+    rows = x.numel() * cfg.top_k
+    base = torch.randn(rows * n, cfg.d_model, generator=torch.Generator().manual_seed(me))
+    send = base
+    recv = torch.empty_like(send)
+    a2a = lambda: comm.all_to_all(recv, send, "dp")
+    for _ in range(2):  # warm both
+        compute(), a2a()
+    t_comp = statistics.median(seconds(compute) for _ in range(3))
+    for scale in (2 ** i for i in range(10)):  # (seconds() lines the ranks up: all agree)
+        send = base.repeat(scale, 1)
+        recv = torch.empty_like(send)
+        if statistics.median(seconds(a2a) for _ in range(3)) >= t_comp / 2:
+            break
+
+    def serial():
+        comm.all_to_all(recv, send, "dp")
+        compute()
+
+    def overlapped():  # A's all-to-all in flight (gloo's worker thread) while B computes
+        handle = comm.all_to_all(recv, send, "dp", async_op=True)
+        compute()
+        handle.wait()
+
+    times: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "serial", "overlapped")}
+    fns = {"comm": lambda: comm.all_to_all(recv, send, "dp"), "compute": compute,
+           "serial": serial, "overlapped": overlapped}
+    for i in range(repeats + 1):  # the first round warms up; the order rotates each round
+        names = list(fns)[i % 4:] + list(fns)[:i % 4]
+        for name in names:
+            dt = seconds(fns[name])
+            if i:
+                times[name].append(dt)
+    overlapped()
+    got = recv.clone()
+    comm.all_to_all(recv, send, "dp")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"median_s": med, "times_s": times, "payload_bytes": send.numel() * send.element_size(),
+            "overlapped_equals_blocking": bool(torch.equal(got, recv)),
+            "hidden_fraction": (med["serial"] - med["overlapped"]) / min(med["comm"], med["compute"])}
+
+
+def bench_fb_overlap(ranks: int = 2, repeats: int = 7) -> dict:
+    """DualPipe's F&B overlap, on the toy, measured on the wall clock: on each of `ranks` ranks,
+    micro-batch A's expert all-to-all (gloo, async: it runs in gloo's worker thread) in flight
+    while micro-batch B's forward and backward compute, against the two one after the other.
+    hidden_fraction = (serial - overlapped) / min(comm, compute): 1 when the shorter one hides
+    entirely behind the other, 0 when nothing overlaps (medians over `repeats`, slowest rank)."""
+    cfg = RunConfig(dp=ranks, batch=4 * ranks, layers=4, experts=4, top_k=2, steps=1).validate()
+    out = run_ranks(_fb_overlap_rank, ranks, cfg.to_dict(), repeats, timeout=600, backend="gloo")
+    result = out[0].value
+    result.update(ranks=ranks, repeats=repeats, cpus=len(os.sched_getaffinity(0))
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                  load_average=os.getloadavg()[0])
+    return result
+
+
+def _print_fb_overlap(r):
+    med = r["median_s"]
+    print(f"(f3) F&B overlap on the toy ({r['ranks']} ranks, {r['cpus']} CPUs, load {r['load_average']:.1f}): "
+          f"an all-to-all of {r['payload_bytes'] / 1024:.0f} KiB per rank in flight during another "
+          f"micro-batch's forward and backward, measured on the wall clock (median of {r['repeats']})")
+    print(_table(["all-to-all ms", "compute ms", "one after the other ms", "overlapped ms",
+                  "hidden (measured)", "same result"],
+                 [[f"{1e3 * med['comm']:.1f}", f"{1e3 * med['compute']:.1f}",
+                   f"{1e3 * med['serial']:.1f}", f"{1e3 * med['overlapped']:.1f}",
+                   f"{r['hidden_fraction']:.0%}", r["overlapped_equals_blocking"]]]))
+    print("    hidden = (one after the other - overlapped) / the shorter of the two; on cores shared "
+          "with other ranks the all-to-all's copies compete with the compute for the same cores")
+
+
+def _print_dualpipe(rows):
+    r0 = rows[0]
+    print(f"(f2) DualPipe beside 1F1B, ZB-H1 and ZBV on the same run: pp {r0['pp']}, "
+          f"{r0['microbatches']} micro-batches, {r0['layers']} layers. Table: the DeepSeek-V3 "
+          f"report's formulas with this run's measured op costs (theory; F&B = F+B+W: one CPU "
+          f"overlaps nothing)")
+    print(_table(["schedule", "table row", "table bubble ms", "bubble theory", "replayed", "wall clock",
+                  "params/rank (measured) / 1F1B", "act. in flight (stages)", "table act.",
+                  "act. peak KB (measured)", "max |ours - ref|"],
+                 [[r["schedule"], r["table_method"] or "-",
+                   "-" if r["table_bubble_s"] is None else f"{1e3 * r['table_bubble_s']:.1f}",
+                   f"{r['bubble_theory']:.1%}", f"{r['bubble_replayed']:.1%}", f"{r['bubble_wall']:.1%}",
+                   f"{r['params_over_1f1b']:.2f}x", f"{r['in_flight_stage_units']:g}",
+                   "-" if r["table_activations"] is None else f"{r['table_activations']:g}",
+                   f"{r['activations_peak_bytes_max'] / 1024:.0f}", f"{r['max_abs_diff']:.1e}"]
+                  for r in rows]))
+    print("    the table counts parameters and activations in one stage of its PP stages: DualPipe "
+          "holds 2 of the pp stages (2x); DualPipeV's 2 chunks are half-stages (2 x 1/2 = 1x)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -920,11 +1086,146 @@ def _print_app(rows):
                    f"{r['warm_p90_s']:.2f}", r["cold_status"]] for r in rows]))
 
 
+# ---------------------------------------------------------------------------------------------
+# (l) a straggler: synchronous data parallel waits for it, asynchronous SGD does not
+# ---------------------------------------------------------------------------------------------
+def _smoothed(losses: list[float], window: int) -> list[float]:
+    """Mean of the last `window` losses at each point: the same number of samples (one global
+    batch) behind a point of every run."""
+    return [sum(losses[max(0, i + 1 - window):i + 1]) / min(window, i + 1)
+            for i in range(len(losses))]
+
+
+def _sync_curve(report) -> list[dict]:
+    """Per step of a synchronous run: when rank 0's optimizer finished it (wall clock from the
+    run's first op), samples so far, the global loss."""
+    ends = {e["step"]: e["end"] for e in report.ranks[0]["events"] if e["kind"] == "optimizer"}
+    batch = report.config["batch"]
+    return [{"time": ends[s], "samples": (s + 1) * batch, "loss": loss}
+            for s, loss in enumerate(report.losses)]
+
+
+def _async_curve(report) -> list[dict]:
+    a = report.extra["async"]
+    smooth = _smoothed(report.losses, len(a["workers"]))
+    return [{"time": u["time"], "samples": (i + 1) * a["samples_per_update"], "loss": loss}
+            for i, (u, loss) in enumerate(zip(a["updates"], smooth))]
+
+
+def _first_below(curve: list[dict], target: float) -> dict | None:
+    return next((p for p in curve if p["loss"] <= target), None)
+
+
+def _at_samples(curve: list[dict], samples: int) -> float | None:
+    """The curve's loss at the last point with at most `samples` samples."""
+    before = [p["loss"] for p in curve if p["samples"] <= samples]
+    return before[-1] if before else None
+
+
+def async_runs(ranks: int, factor: float, steps: int, batch: int, seed: int, model: dict) -> dict:
+    """The configurations `bench async` compares, by name: the straggler is the last rank."""
+    slow = f"{ranks - 1}:{factor:g}"
+    common = dict(dp=ranks, steps=steps, batch=batch, seed=seed, backend="gloo", timeout_s=600,
+                  **model)
+    return {
+        "sync DP, straggler": RunConfig(**common, straggler=slow),
+        "async K=0, straggler": RunConfig(**common, straggler=slow, asynchronous=True,
+                                          max_staleness=0),
+        "async, straggler": RunConfig(**common, straggler=slow, asynchronous=True),
+        "sync DP": RunConfig(**common),
+        "async": RunConfig(**common, asynchronous=True),
+    }
+
+
+def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 12, batch: int = 48,
+                seed: int = 0, target: float | None = None, model: dict | None = None) -> dict:
+    """Each configuration of `async_runs` once, through the engine; per run: steps (updates) and
+    samples per second on the wall clock (measured), the loss against samples and against time,
+    the staleness counted from the server's records beside theory's; for the asynchronous runs the
+    same updates replayed in one process without staleness (each gradient on the current
+    version: what staleness cost, at equal samples). The target loss, unless given, is the
+    highest final smoothed loss of the runs, so that every run reaches it."""
+    from ..engine import run
+    from ..parallel.async_ps import worker_batch
+    from ..reference import replay_updates
+    # 16 sequences of 64 tokens per worker step: compute, not the 0.9 MB messages, sets the pace
+    model = model if model is not None else dict(layers=2, d_model=64, heads=4, seq=64, vocab=128)
+    rows = []
+    for name, cfg in async_runs(ranks, factor, steps, batch, seed, model).items():
+        report = run(cfg.validate())
+        row = {"run": name, "config": {k: v for k, v in cfg.to_dict().items()
+                                       if k in ("dp", "steps", "batch", "straggler",
+                                                "asynchronous", "max_staleness")}}
+        if cfg.asynchronous:
+            a = report.extra["async"]
+            curve = _async_curve(report)
+            fresh, _ = replay_updates(cfg, a["updates"], worker_batch, fresh=True)
+            window = len(a["workers"])
+            row["no_staleness_curve"] = [  # computed: one process, same batches, same order
+                {"samples": p["samples"], "loss": x}
+                for p, x in zip(curve, _smoothed(fresh, window))]
+            row.update(workers=len(a["workers"]), staleness_mean=a["staleness_mean"],
+                       staleness_theory=a["theory"]["mean"],
+                       staleness_mean_by_worker=a["staleness_mean_by_worker"],
+                       staleness_histogram=a["staleness_histogram"],
+                       updates_per_worker=a["updates_per_worker"], max_abs_diff=None)
+            wall = a["updates"][-1]["time"]
+        else:
+            curve = _sync_curve(report)
+            row["workers"] = cfg.dp
+            first = min(e["start"] for e in report.ranks[0]["events"])
+            wall = curve[-1]["time"] - first
+            for p in curve:
+                p["time"] -= first
+        row.update(curve=curve, wall_s=wall, updates=len(curve),
+                   updates_per_s=len(curve) / wall, samples_per_s=curve[-1]["samples"] / wall)
+        rows.append(row)
+    target = target if target is not None else max(r["curve"][-1]["loss"] for r in rows)
+    for r in rows:
+        hit = _first_below(r["curve"], target)
+        r["time_to_target_s"] = hit and hit["time"]
+        r["samples_to_target"] = hit and hit["samples"]
+        total = r["curve"][-1]["samples"]
+        r["loss_at_samples"] = {str(n): _at_samples(r["curve"], n)
+                                for n in (total // 4, total // 2, total)}
+        if "no_staleness_curve" in r:
+            r["no_staleness_at_samples"] = {str(n): _at_samples(r["no_staleness_curve"], n)
+                                            for n in (total // 4, total // 2, total)}
+    workers = ranks - 1
+    return {"ranks": ranks, "straggler_factor": factor, "target_loss": target, "runs": rows,
+            "theory": {  # compute proportional to batch, no overheads
+                "async_over_sync_samples_per_s": (factor * (workers - 1) + 1) / ranks,
+                "staleness": theory.async_staleness(workers, factor)}}
+
+
+def _print_async(res: dict):
+    print(f"(l) a {res['straggler_factor']:g}x straggler on {res['ranks']} ranks (the last): "
+          f"synchronous DP ({res['ranks']} ranks compute, one update per step) against "
+          f"asynchronous SGD (rank 0 serves, {res['ranks'] - 1} workers push). Measured wall "
+          f"clock; loss smoothed over one global batch; target loss {res['target_loss']:.3f}")
+    total = str(res["runs"][0]["curve"][-1]["samples"])
+    print(_table(["run", "updates/s", "samples/s", "s to target", "samples to target",
+                  f"loss at {total} samples", "no staleness (same updates)", "staleness mean "
+                  "(theory)", "updates per worker"],
+                 [[r["run"], f"{r['updates_per_s']:.1f}", f"{r['samples_per_s']:.1f}",
+                   "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}",
+                   r["samples_to_target"] or "-", f"{r['loss_at_samples'][total]:.3f}",
+                   f"{r['no_staleness_at_samples'][total]:.3f}" if "no_staleness_at_samples" in r
+                   else "", f"{r['staleness_mean']:.2f} ({r['staleness_theory']})"
+                   if "staleness_mean" in r else "",
+                   " ".join(f"{k}:{v}" for k, v in r.get("updates_per_worker", {}).items())]
+                  for r in res["runs"]]))
+    print(f"theory: async/sync samples per second with the straggler = (F(W-1)+1)/N = "
+          f"{res['theory']['async_over_sync_samples_per_s']:.2f} (compute proportional to batch, "
+          f"no overheads); expected staleness without a bound: W-1 = {res['ranks'] - 2} on "
+          f"average, the straggler's F(W-1) = {res['theory']['staleness']['straggler']:g}")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "wire", "plan", "app", "all"])
+                                     "ep", "wire", "plan", "app", "async", "dualpipe", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -943,6 +1244,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--app-repeats", type=int, default=5, help="warm presses per page for (k)")
     ap.add_argument("--app-pages", nargs="+", default=APP_PAGES, choices=APP_PAGES,
                     help="pages for (k)")
+    ap.add_argument("--async-steps", type=int, default=12, help="steps (x batch samples) for (l)")
+    ap.add_argument("--async-batch", type=int, default=48, help="global batch for (l): a "
+                    "multiple of 12 (4 ranks, 3 workers)")
+    ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
+    ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
+                    "highest final loss of its runs")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     return ap
 
@@ -969,6 +1276,11 @@ def main(argv=None) -> int:
     if args.what in ("pp", "all"):
         out["pp"] = bench_pp(tuple(args.pp))
         show(_print_pp, out["pp"])
+    if args.what in ("dualpipe", "all"):
+        out["dualpipe"] = bench_dualpipe()
+        show(_print_dualpipe, out["dualpipe"])
+        out["fb_overlap"] = bench_fb_overlap()
+        show(_print_fb_overlap, out["fb_overlap"])
     if args.what in ("bubble", "all"):
         setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in args.bubble_setups)
         out["bubble"] = bench_bubble(tuple(args.bubble_schedules), setups, args.bubble_repeats)
@@ -988,6 +1300,10 @@ def main(argv=None) -> int:
     if args.what == "app":  # not in "all": it needs chromium and a server of its own
         out["app"] = bench_app(tuple(args.app_pages), args.app_repeats)
         show(_print_app, out["app"])
+    if args.what in ("async", "all"):
+        out["async"] = bench_async(4, args.async_factor, args.async_steps, args.async_batch,
+                                   target=args.async_target)
+        show(_print_async, out["async"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])

@@ -294,21 +294,32 @@ class PlainDataParallel(GradientStrategy):
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def owned(self, held: Held) -> list[Piece]:
-        """Every parameter whole, as the optimizer steps it (bf16-mixed: its fp32 master)."""
-        opt = params = self.optimizer
+        opt = self.optimizer
         if isinstance(opt, DiskOptimizer):  # the states in RAM while a checkpoint reads them
             opt = self.snapshot = opt.snapshot()
-        inner, values = (opt.inner, opt.masters) if isinstance(opt, MasterWeights) else (opt, opt.params)
-        return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
-                for j, (p, v) in enumerate(zip(params.params, values))]
+        return whole_pieces(opt, held, self.optimizer.params)
 
-    @torch.no_grad()
     def loaded(self) -> None:
-        """bf16-mixed: the compute copies from the fp32 masters just loaded (the step's rounding);
-        --offload-disk: the masters and moments back to the file, and the weights from them."""
+        """--offload-disk: the masters and moments back to the file; then the weights from them."""
         if getattr(self, "snapshot", None) is not None:
             self.optimizer.restore(self.snapshot)
             self.snapshot = None
-        if isinstance(self.optimizer, MasterWeights):
-            for p, m in zip(self.optimizer.params, self.optimizer.masters):
-                p.copy_(m)
+        copy_masters(self.optimizer)
+
+
+def whole_pieces(optimizer, held: Held, params=None) -> list[Piece]:
+    """What a whole optimizer on every rank owns: every parameter whole, as `optimizer` steps it
+    (bf16-mixed: its fp32 master). PlainDataParallel's, local SGD's (local_sgd.py). `params`: the
+    model's parameters, when `optimizer` is a snapshot of states kept elsewhere (on disk)."""
+    inner, values = ((optimizer.inner, optimizer.masters) if isinstance(optimizer, MasterWeights)
+                     else (optimizer, optimizer.params))
+    return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
+            for j, (p, v) in enumerate(zip(params if params is not None else optimizer.params, values))]
+
+
+@torch.no_grad()
+def copy_masters(optimizer) -> None:
+    """bf16-mixed: the compute copies from the fp32 masters just loaded (the step's rounding)."""
+    if isinstance(optimizer, MasterWeights):
+        for p, m in zip(optimizer.params, optimizer.masters):
+            p.copy_(m)
