@@ -67,7 +67,8 @@ CHEAP = [dict(dp=2, zero=1), dict(dp=2, zero=3)]
 MATRIX = [dict(dp=dp, zero=z) for z in (0, 1, 2, 3) for dp in (1, 2, 4)
           if dict(dp=dp, zero=z) not in CHEAP] + [
     dict(dp=2, zero=2, precision="bf16-mixed"), dict(dp=2, zero=3, optimizer="sgd"),
-    dict(dp=2, zero=3, grad_accum=2), dict(dp=2, pp=2, zero=1, microbatches=2, layers=2)]
+    dict(dp=2, zero=3, grad_accum=2), dict(dp=2, pp=2, zero=1, microbatches=2, layers=2),
+    dict(dp=2, ep=2, experts=4, zero=3)]
 
 
 def _run_checked(tmp_path, kw, keep=False):
