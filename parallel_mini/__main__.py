@@ -330,6 +330,10 @@ def main(argv=None) -> int:
         _refuse_ignored(given, cfg)
         preflight.check_output("--json", args.json)
         preflight.check_output("--trace", args.trace)
+        if args.json and args.trace and args.json != "-" and \
+                os.path.realpath(args.json) == os.path.realpath(args.trace):
+            raise ConfigError(f"--trace {args.trace}: the same file as --json (the report would "
+                              f"overwrite the trace); give each its own name")
         preflight.check(cfg)
         _check_backend(cfg)
     except preflight.RunComplete as e:  # (a finished elastic job, relaunched: nothing to do)
@@ -352,12 +356,19 @@ def main(argv=None) -> int:
         if last[0].split(": ", 1)[0] in ONE_LINE_FAULTS:  # diverged (engine._train), a save that
             print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)  # failed, a bad checkpoint
             return 1
+        lost = _report_lost_after_save(cfg, e)
+        if lost:  # trained and saved: only the report is gone
+            print(f"error: {lost}", file=sys.stderr)
+            return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
     except (CheckpointSaveError, preflight.CheckpointError) as e:  # (torchrun: raised right here,
         if os.environ.get("RANK", "0") == "0":  # in every rank; rank 0 says it)
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # engine.run's own checks, after torch's import took its memory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except _Stopped as e:
         print(f"stopped by {e.name}: every rank was ended; no report", file=sys.stderr)
         return 128 + e.signum
@@ -366,6 +377,27 @@ def main(argv=None) -> int:
         if dist.get_rank() != 0:
             return 0
     return _write_outputs(report, args)
+
+
+def _report_lost_after_save(cfg, e) -> str | None:
+    """A rank that died without its report (killed, say) after the run's last checkpoint was
+    whole: the training and the save are done, only the report is lost. Says so in one line
+    (None when that is not what happened: no --save, a rank that raised, a checkpoint not at the
+    last step or not complete)."""
+    head = e.details.strip().splitlines()[0] if e.details.strip() else ""
+    if not cfg.save or not head.startswith(f"rank {e.rank} ") or "without a result" not in head \
+            and "before returning a result" not in head:
+        return None
+    try:
+        folder, meta = preflight.resolve(cfg.save)
+    except ConfigError:
+        return None
+    if meta["step"] != cfg.steps:
+        return None
+    how = head.split(" before returning a result")[0].split(", and its exit status")[0]
+    return (f"{how} after the run's last save: all {cfg.steps} steps trained and {folder} is "
+            f"complete (latest names it); only the run's report was lost with rank {e.rank}. "
+            f"Its parameters are in the checkpoint: --resume {cfg.save} with more --steps goes on")
 
 
 def _write_outputs(report, args) -> int:
