@@ -452,6 +452,10 @@ class RunConfig(GPTConfig):
                 if self.asynchronous else "with one rank nobody waits for a straggler)"))
         if self.asynchronous:
             for flag, bad, why in (
+                    ("--sync-every", self.sync_every, "local SGD averages replicas that step "
+                     "alone; asynchronous workers step no replica of their own: choose one"),
+                    ("--federated", self.federated, "federated averaging's server averages "
+                     "clients' weights once a round; this one applies gradients: choose one"),
                     ("--zero", self.zero, "the server holds the whole optimizer; use --zero 0"),
                     ("--grad-accum", self.grad_accum != 1, "each push is one gradient; leave it at 1"),
                     ("--precision", self.precision != "fp32",

@@ -65,12 +65,17 @@ def check_fits(cfg) -> None:
         return
     est = local_run_bytes_estimate(cfg)
     if est["total"] > available / 2:
-        parts = ", ".join(f"{k} {_gb(est[k])}" for k in ("activations", "logits", "states", "data")
+        parts = ", ".join(f"{k.replace('_', ' ')} {_gb(est[k])}" for k in ESTIMATE_PARTS
                           if est[k] > 2 ** 20)
+        report = f" + the report {_gb(est['report'])}" if est["report"] > 2 ** 20 else ""
         raise ConfigError(f"this run needs about {_gb(est['total'])} of memory ({cfg.world_size} "
-                          f"rank{'s' * (cfg.world_size > 1)} x {_gb(est['per_rank'])}: {parts}), "
-                          f"more than half of the {_gb(available)} this machine has available; "
-                          f"lower --batch, --seq, --vocab, --d-model or --layers")
+                          f"rank{'s' * (cfg.world_size > 1)} x {_gb(est['per_rank'])}: {parts}"
+                          f"{report}), more than half of the {_gb(available)} this machine has "
+                          f"available; lower --batch, --seq, --vocab, --d-model, --layers or --steps")
+
+
+# the named parts of theory.local_run_bytes_estimate a refusal lists (those over 1 MB)
+ESTIMATE_PARTS = ("activations", "logits", "states", "transients", "layer_objects", "logs", "data")
 
 
 def available_memory() -> int | None:

@@ -52,8 +52,15 @@ def test_federated_two_ranks_equals_its_simulation():
     """4 clients on 2 ranks (two each), 3 sampled per round, 2 local steps, 2 rounds."""
     report = run(config(dp=2))
     check(report)
-    assert "federated: 3 of 4 clients a round, 2 local steps" in _summary(report)
+    assert "federated: 3 of 4 clients a round, 2 local step(s) each" in _summary(report)
     assert [r["clients"] for r in report.extra["federated"]["network"]] == [[0, 2], [1, 3]]
+
+
+def test_federated_four_ranks_uneven_hosts():
+    """6 clients on 4 ranks (2, 2, 1, 1 of them), 3 sampled a round: a rank may have none."""
+    report = run(config(dp=4, clients=6))
+    check(report)
+    assert [r["clients"] for r in report.extra["federated"]["network"]] == [[0, 4], [1, 5], [2], [3]]
 
 
 def _own_topic_transitions(cfg, k: int) -> float:

@@ -61,6 +61,15 @@ def test_local_sgd_two_ranks_equals_its_simulation_and_bytes_fall_by_h():
         assert written[0] / written[1] == pytest.approx(2, rel=0.03)
 
 
+def test_local_sgd_four_ranks_with_the_optimizer_states():
+    """dp 4, Adam's moments averaged with the weights: three times the bytes of the weights."""
+    report = run(config(dp=4, sync_optimizer=True))
+    check(report)
+    counted = report.extra["local_sgd"]["bytes_per_step"]["counted"]
+    weights_only = theory.local_sgd_wire_bytes_per_step(config(dp=4), report.theory["n_params"])
+    assert counted == pytest.approx(3 * weights_only)
+
+
 def test_h1_with_sgd_is_data_parallel_and_with_adam_is_not():
     """One process, no ranks: averaging parameters after every SGD step is averaging gradients
     (the plain reference, which steps on the whole batch), to rounding; Adam's step is not linear
