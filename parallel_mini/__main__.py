@@ -150,6 +150,17 @@ def _summary(report) -> str:
             f"{GAP_PARTS[k]} {100 * v:+.1f}" for k, v in gap.items())
             + (f"  (median p2p latency {1e3 * wall['p2p_latency_median_s']:.2f} ms)"
                if wall["p2p_latency_median_s"] is not None else ""))
+    if "local_sgd" in report.extra:  # ranks that train apart (parallel/local_sgd.py)
+        ls = report.extra["local_sgd"]
+        lines.append(f"local SGD: {ls['averages']} averages of the weights over dp (every "
+                     f"H = {ls['sync_every']} steps, and after the last)")
+    if "federated" in report.extra:  # (parallel/federated.py)
+        fed, last = report.extra["federated"], report.extra["federated"]["rounds"][-1]
+        drift = sum(last["drift"].values()) / max(1, len(last["drift"]))
+        lines.append(f"federated: {fed['clients_per_round']} of {fed['clients']} clients a round, "
+                     f"{fed['local_steps']} local step(s) each; last round: union loss "
+                     f"{last['union_loss']:.4f}, mean client drift {drift:.4f}; bytes of client "
+                     f"data sent (counted) {sum(n['data_bytes_sent'] for n in fed['network'])}")
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
     if "disk" in report.ranks[0]:  # --offload-disk: the last step's bytes to and from the file

@@ -497,11 +497,15 @@ def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
         g = names.get(g) or g
         wire[g] = wire.get(g, 0) + b
     experts_held = sum(expert_units)
-    return {"n_params_per_rank": sum(units) + experts_held, "expert_params_per_rank": experts_held,
-            "padding_elements": dense["padding_elements"] + expert["padding_elements"],
-            "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
-                       for k in dense["memory"] | expert["memory"]},
-            "wire_bytes_per_step": wire}
+    out = {"n_params_per_rank": sum(units) + experts_held, "expert_params_per_rank": experts_held,
+           "padding_elements": dense["padding_elements"] + expert["padding_elements"],
+           "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
+                      for k in dense["memory"] | expert["memory"]},
+           "wire_bytes_per_step": wire}
+    if "disk_io_per_step" in dense:  # --offload-disk (ZeRO-3: one file holds both)
+        out["disk_io_per_step"] = {k: v + expert["disk_io_per_step"][k]
+                                   for k, v in dense["disk_io_per_step"].items()}
+    return out
 
 
 def _activations_per_layer(cfg, micro: int) -> dict:
