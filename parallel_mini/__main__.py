@@ -31,11 +31,32 @@ _HELP = {
     "microbatches": "micro-batches per step with --pp > 1",
     "virtual_stages": "model chunks per pipeline rank (interleaved); 0 = the schedule's default",
     "timeout_s": "seconds the run may take before its ranks are stopped",
+    "sync_every": "local SGD: each dp rank takes H optimizer steps alone, then the parameters are "
+                  "averaged over dp (0: data parallel, gradients averaged every step)",
+    "sync_optimizer": "local SGD: average the optimizer's states with the parameters",
+    "federated": "federated averaging: K clients with their own data on the dp ranks; each round "
+                 "C sampled clients train --local-steps steps, the server averages their weights",
+    "clients": "federated: K clients", "clients_per_round": "federated: C clients sampled per round "
+    "(0: all)", "local_steps": "federated: E local optimizer steps per sampled client and round",
+    "rounds": "federated: R rounds (0: --steps)", "non_iid": "federated: A, how far each client's "
+    "mixture of topics leans to its own (0: all the same)",
     "save": "save a distributed checkpoint (sharded, every rank its part) into this directory "
             "after the last step",
     "resume": "continue from the checkpoint in this --save directory up to --steps (any layout; "
-              "without --layers, the checkpoint's)",
+              "without --layers, the checkpoint's). Given the same DIR as --save, a DIR that holds "
+              "no checkpoint yet (no DIR/latest) starts from step 0: the first launch of a job "
+              "that torchrun --max-restarts may restart",
+    "asynchronous": "asynchronous SGD: rank 0 a parameter server, ranks 1..dp-1 workers that "
+                    "pull, compute and push (parallel/async_ps.py)",
+    "max_staleness": "with --async: a worker runs at most K steps ahead of the slowest (0: a "
+                     "barrier every step; -1: no bound)",
+    "straggler": "RANK:FACTOR: that rank's forward and backward take FACTOR times as long (a "
+                 "real sleep), with --dp or --async",
+    "save_every": "with --save: also save a checkpoint every K steps (atomic; a run killed at any "
+                  "moment resumes from the newest complete one)",
+    "keep": "with --save: keep the newest N checkpoints in the directory, prune older ones",
 }
+_ALIASES = {"asynchronous": ("--async",)}  # a Python keyword cannot name the field
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -59,14 +80,15 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = (flag, *_ALIASES.get(f.name, ()))
         if f.type in ("bool", bool):
-            run.add_argument(flag, action="store_true", help="compare with the single-process reference"
-                             if f.name == "reference" else None,
+            run.add_argument(*flags, action="store_true", help="compare with the single-process reference"
+                             if f.name == "reference" else _HELP.get(f.name),
                              **({"default": argparse.SUPPRESS} if explicit else {}))
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
-            run.add_argument(flag, type=typ, default=argparse.SUPPRESS if explicit else default,
+            run.add_argument(*flags, type=typ, default=argparse.SUPPRESS if explicit else default,
                              help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
@@ -107,6 +129,12 @@ def _summary(report) -> str:
                          f"{[sum(x) for x in zip(*(e['routed'] for e in log))]}, dropped "
                          f"{sum(e['dropped'] for e in log)}, aux loss "
                          f"{sum(e['aux'] for e in log) / len(log):.4f}")
+    if "async" in report.extra:  # parallel/async_ps.py: counted from the server's records
+        a = report.extra["async"]
+        lines.append(f"async: {len(a['updates'])} updates, {a['updates_per_s']:.1f}/s (measured); "
+                     f"per worker {a['updates_per_worker']}; staleness histogram "
+                     f"{a['staleness_histogram']}, mean {a['staleness_mean']:.2f} (theory "
+                     f"{a['theory']['mean']})")
     if "bubble" in report.extra:
         b = report.extra["bubble"]
         wall, gap = b["wall"], b["wall"]["gap_to_formula"]
@@ -124,6 +152,13 @@ def _summary(report) -> str:
                if wall["p2p_latency_median_s"] is not None else ""))
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
+    if "disk" in report.ranks[0]:  # --offload-disk: the last step's bytes to and from the file
+        io = [r for r in report.ranks[0]["disk"]["io"] if isinstance(r["step"], int)][-1]
+        got = io["measured"] or {}
+        lines.append(f"rank 0 disk, last step: read {io['read']:,} written {io['written']:,} bytes "
+                     f"(counted; theory {report.theory.get('disk_io_per_step', {})}); /proc "
+                     f"measured: rchar {got.get('rchar')} wchar {got.get('wchar')} read_bytes "
+                     f"{got.get('read_bytes')} write_bytes {got.get('write_bytes')}")
     return "\n".join(lines)
 
 
@@ -180,8 +215,16 @@ IGNORED_UNLESS = {
     ("cp_impl",): (lambda c: c.cp > 1, "context parallel reads", "add --cp 2 or more"),
     ("top_k", "capacity_factor", "moe_every", "aux_loss_weight", "z_loss_weight"):
         (lambda c: c.experts > 0, "a mixture-of-experts model reads", "add --experts E"),
-    ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed",
-                     "bucketed data parallel reads", "ZeRO and --dp-mode naive do not bucket"),
+    ("save_every", "keep"): (lambda c: bool(c.save), "a run with --save reads", "add --save DIR"),
+    ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed" and not c.sync_every
+                     and not c.federated, "bucketed data parallel reads",
+                     "ZeRO, --dp-mode naive, local SGD and federated averaging do not bucket"),
+    ("clients", "clients_per_round", "local_steps", "rounds", "non_iid"):
+        (lambda c: c.federated, "federated averaging reads", "add --federated"),
+    ("steps",): (lambda c: not (c.federated and c.rounds), "a run without --rounds reads",
+                 "a federated run trains --rounds rounds"),
+    ("dp_mode", "bucket_mb"): (lambda c: not c.asynchronous, "synchronous data parallel reads",
+                               "--async pushes each gradient to the server whole"),
 }
 
 
@@ -200,6 +243,9 @@ def _refuse_empty(given: set[str], args) -> None:
     for name in ("save", "resume"):
         if name in given and not getattr(args, name):
             raise ConfigError(f"--{name} '': give a directory name")
+    if "save_every" in given and args.save_every == 0:  # (0 is the default's "last step only")
+        raise ConfigError("--save-every 0: give K >= 1 (a checkpoint every K steps); without "
+                          "--save-every, --save writes one after the last step")
     if args.trace == "-":
         raise ConfigError("--trace -: a trace is a file to open in ui.perfetto.dev, not a stream; "
                           "give a file name")
@@ -219,6 +265,11 @@ def _check_backend(cfg: RunConfig) -> None:
     if not under_torchrun() and cfg.world_size > torch.cuda.device_count():
         raise ConfigError(f"--backend nccl: {cfg.world_size} local ranks need a GPU each and "
                           f"{torch.cuda.device_count()} are here; use --backend gloo or auto")
+
+
+# A rank's error that is a fault met while running, not a bug: its one line, not its traceback.
+ONE_LINE_FAULTS = ("FloatingPointError", "parallel_mini.checkpoint.CheckpointSaveError",
+                   "parallel_mini.preflight.CheckpointError")
 
 
 class _Stopped(KeyboardInterrupt):
@@ -270,22 +321,31 @@ def main(argv=None) -> int:
         preflight.check_output("--trace", args.trace)
         preflight.check(cfg)
         _check_backend(cfg)
+    except preflight.RunComplete as e:  # (a finished elastic job, relaunched: nothing to do)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: {e}", file=sys.stderr)
+        return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if note:  # only for a run that will start: a refused one gets its one line
         print(note, file=sys.stderr)
     from .engine import run  # imported late: a bad flag answers without loading torch
+    from .checkpoint import CheckpointSaveError
     from .launch import RankError
     try:
         with _stop_signals_end_the_run():
             report = run(cfg)
     except RankError as e:
         last = e.details.rstrip().splitlines()[-1:] or [""]
-        if last[0].startswith("FloatingPointError: "):  # a run that diverged (engine._train)
-            print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)
+        if last[0].split(": ", 1)[0] in ONE_LINE_FAULTS:  # diverged (engine._train), a save that
+            print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)  # failed, a bad checkpoint
             return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
+        return 1
+    except (CheckpointSaveError, preflight.CheckpointError) as e:  # (torchrun: raised right here,
+        if os.environ.get("RANK", "0") == "0":  # in every rank; rank 0 says it)
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except _Stopped as e:
         print(f"stopped by {e.name}: every rank was ended; no report", file=sys.stderr)
@@ -303,7 +363,7 @@ def _write_outputs(report, args) -> int:
     flag, path = "--trace", args.trace
     try:
         if args.trace:
-            from .trace import write_chrome_trace
+            from .course.timelines import write_chrome_trace
             write_chrome_trace(report, args.trace)
         flag, path = "--json", args.json
         if args.json == "-":

@@ -52,17 +52,6 @@ INTERCONNECTS = {
 }
 
 
-H100_BF16_FLOPS = 989e12  # dense bf16 peak of one H100 SXM, FLOP/s
-NVLINK_GPUS_PER_NODE = 8  # an HGX H100 node: 8 GPUs on one NVSwitch
-
-
-def matmul_time(n_params: float, tokens: float, gpus: int = 1,
-                flops: float = H100_BF16_FLOPS) -> float:
-    """Lower bound on one training step's compute per GPU: 6 FLOPs per parameter per token (2
-    forward + 4 backward; Kaplan et al., 2020), shared by `gpus`, at peak throughput."""
-    return 6 * n_params * tokens / gpus / flops
-
-
 def transfer_time(nbytes: float, link: str) -> float:
     """Seconds to move `nbytes` over `link` at its full bandwidth (a lower bound)."""
     return nbytes / INTERCONNECTS[link]
@@ -294,14 +283,20 @@ def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
 
 def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "fp32",
                       zero: int = 0, n: int = 1, unit_sizes: list[int] | None = None,
-                      offload: bool = False, fp32_grad_accum: bool = False) -> dict:
+                      offload: bool = False, fp32_grad_accum: bool = False,
+                      disk: bool = False) -> dict:
     """Persistent bytes per rank after an optimizer step, by category (the memory table).
 
     Unsharded: b*P + b*P + o*P (b = 4 fp32 / 2 bf16; o = 8 Adam fp32, 12 Adam bf16-mixed): 16P mixed.
     ZeRO-1: b*P' + b*P' + o*P'/N      (4P + 12P/N mixed)      P' = P padded to a multiple of N
     ZeRO-2: b*P' + (b + o)*P'/N       (2P + 14P/N mixed)
-    ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes"""
+    ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes
+    `disk` (--offload-disk, ZeRO-Infinity): the fp32 master and the moments leave RAM for a file,
+    d = 4 + 8 (Adam; SGD 4) bytes per element the rank owns, whatever the compute precision:
+    ZeRO-0 d*P, ZeRO-1/2 d*P'/N (12P'/N), ZeRO-3 d*Q/N with its parameter slices (params 0)."""
     b, o = BYTES_PER_PARAM[precision], optimizer_bytes_per_param(optimizer, precision)
+    if disk:
+        return _disk_state_bytes(n_params, optimizer, b, zero, n, unit_sizes)
     if zero == 0:  # fp32_grad_accum: + an fp32 gradient buffer (20 bytes/param with Adam)
         grads = (b + 4 * fp32_grad_accum) * n_params
         return {"params": b * n_params, "grads": grads, "optimizer": o * n_params}
@@ -314,6 +309,41 @@ def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "
         return {"params": b * pp, "grads": grads, "optimizer": o * pp // n}
     q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
     return {"params": b * q // n, "grads": b * q // n, "optimizer": o * q // n}
+
+
+def disk_owned_elements(n_params: int, zero: int, n: int, unit_sizes: list[int] | None) -> int:
+    """Elements whose optimizer states a rank keeps (in its --offload-disk file)."""
+    if zero == 0:
+        return n_params
+    if zero in (1, 2):
+        return padded(n_params, n) // n
+    return sum(padded(u, n) for u in (unit_sizes or [n_params])) // n
+
+
+def _disk_state_bytes(n_params, optimizer, b, zero, n, unit_sizes) -> dict:
+    on_disk = (optimizer_bytes_per_param(optimizer, "fp32") + 4) * \
+        disk_owned_elements(n_params, zero, n, unit_sizes)
+    if zero == 0:
+        return {"params": b * n_params, "grads": b * n_params, "optimizer": 0, "disk": on_disk}
+    if zero in (1, 2):
+        pp = padded(n_params, n)
+        return {"params": b * pp, "grads": b * pp if zero == 1 else b * pp // n, "optimizer": 0,
+                "disk": on_disk}
+    q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
+    return {"params": 0, "grads": b * q // n, "optimizer": 0, "disk": on_disk}
+
+
+def disk_io_bytes_per_step(cfg, n_params: int, unit_sizes: list[int], n: int) -> dict:
+    """--offload-disk's traffic per step: the step reads and writes every plane (master and
+    moments: 12 bytes per owned element with Adam); ZeRO-3 also reads each unit's master slice
+    (4 bytes per element) for each of its two gathers per micro-step (forward, backward)."""
+    owned = disk_owned_elements(n_params, cfg.zero, n, unit_sizes)
+    per_element = optimizer_bytes_per_param(cfg.optimizer, "fp32") + 4  # every plane's 4 bytes
+    read = written = per_element * owned
+    if cfg.zero == 3:
+        micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+        read += 2 * micro_steps * 4 * owned
+    return {"read": read, "written": written}
 
 
 def zero_wire_bytes_per_step(zero: int, n_params: int, precision: str, n: int,
@@ -341,6 +371,41 @@ def hybrid_replica_wire_bytes(zero: int, n_params: int, precision: str, shard: i
                             for u in unit_sizes)
 
 
+def local_sgd_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Local SGD (parallel/local_sgd.py): one all-reduce of the fp32 parameters (with
+    --sync-optimizer, of Adam's two moments too) after every H-th of T steps and after the last,
+    ceil(T/H) in all: per step ceil(T/H)/T x 2(N-1)/N x 4P(1 + states), about DDP's bytes / H."""
+    states = 2 if cfg.sync_optimizer and cfg.optimizer == "adam" else 0
+    averages = -(-cfg.steps // cfg.sync_every)
+    return averages * wire_bytes("all_reduce", 4 * n_params * (1 + states), cfg.dp) / cfg.steps
+
+
+def async_staleness(workers: int, factor: float = 1.0, max_staleness: int = -1) -> dict:
+    """Expected staleness of asynchronous SGD with a parameter server (parallel/async_ps.py): W
+    workers, one of them `factor` times slower (1: none). Unbounded (K = -1), every worker always
+    has a gradient in flight, so one on a step of time t_i misses t_i * sum_(j != i) 1/t_j
+    updates: W - 1 for all without a straggler; with one, F(W-1) for it and W - 2 + 1/F for the
+    others, and still W - 1 on average over updates. K = 0: each round's W gradients come from one
+    version and are applied in turn, 0..W-1: (W - 1)/2 exactly. No formula for 0 < K: the bound
+    (W - 1)(2K + 1) holds for every K >= 0."""
+    W, F = workers, factor
+    out = {"bound": None if max_staleness < 0 else (W - 1) * (2 * max_staleness + 1)}
+    if max_staleness == 0:
+        return {**out, "mean": (W - 1) / 2, "straggler": None, "others": None}
+    if max_staleness > 0:
+        return {**out, "mean": None, "straggler": None, "others": None}
+    slow = F * (W - 1) if F != 1 else None
+    return {**out, "mean": W - 1, "straggler": slow,
+            "others": (W - 2 + 1 / F) if F != 1 else W - 1}
+
+
+def async_server_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Bytes the server sends per --steps step: a grant of [version, weights] (fp32) per update,
+    --steps x W of them, and a last one to each worker that says stop."""
+    workers = cfg.dp - 1
+    return (cfg.steps * workers + workers) * 4 * (n_params + 1) / cfg.steps
+
+
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report. With pipeline stages the
     ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
@@ -350,7 +415,13 @@ def run_theory(cfg, n_params: int) -> dict:
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp, **_moe(cfg),
                            experts_apart=apart)
     out = _rank_theory(cfg, units, expert_unit_sizes(cfg, range(cfg.layers)) if apart else [])
+    if getattr(cfg, "asynchronous", False):  # a parameter server's grants, not an all-reduce
+        out["wire_bytes_per_step"] = {"dp": async_server_wire_bytes_per_step(cfg, sum(units))}
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
+    if getattr(cfg, "sync_every", 0):  # local SGD: parameters averaged, not gradients
+        out["wire_bytes_per_step"] = {"dp": local_sgd_wire_bytes_per_step(cfg, sum(units))}
+    if getattr(cfg, "federated", False):  # a step is a round: one all-reduce of the weights
+        out["wire_bytes_per_step"] = {"dp": wire_bytes("all_reduce", 4 * sum(units), cfg.dp)}
     if cfg.tp > 1:
         out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg) \
             + moe_sp_wire_bytes_per_step(cfg)
@@ -381,8 +452,9 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
     hybrid = 0 < cfg.dp_shard < cfg.dp  # HYBRID_SHARD: shard in groups, replicate across them
     # ZeRO's shard group: dp_shard x cp (context parallel ranks hold the same weights too)
     shard = (cfg.dp_shard if hybrid else cfg.dp) * getattr(cfg, "cp", 1)
+    disk = bool(getattr(cfg, "offload_disk", ""))
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
-                               cfg.offload, cfg.fp32_grad_accum)
+                               cfg.offload, cfg.fp32_grad_accum, disk)
     wire: dict[str, float] = {}
     names = role_names(cfg)  # the comm records' names of the loss, shard and replica groups
     if cfg.zero == 0:
@@ -401,8 +473,11 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
             slice_bytes = BYTES_PER_PARAM[cfg.precision] * padded(n_params, shard) // shard
             wire["pcie"] = 2 * slice_bytes
     wire = {g: (b if cfg.dp * cfg.cp > 1 or g == "pcie" else 0) for g, b in wire.items()}
-    return {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
-            "wire_bytes_per_step": wire}
+    out = {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
+           "wire_bytes_per_step": wire}
+    if disk:
+        out["disk_io_per_step"] = disk_io_bytes_per_step(cfg, n_params, units, shard)
+    return out
 
 
 def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
@@ -561,54 +636,6 @@ def local_run_bytes_estimate(cfg) -> dict:
                 "data": data, "baseline": RANK_BASELINE_BYTES}
     return {**per_rank, "per_rank": sum(per_rank.values()),
             "total": cfg.world_size * sum(per_rank.values())}
-
-
-# Model presets for theory-only rows (too big to run here). Shapes after the public Llama configs;
-# n_params is the headline size the memory table uses.
-PRESETS = {
-    "1B": {"n_params": 1_000_000_000, "layers": 16, "d_model": 2048, "heads": 32, "vocab": 128256},
-    "7B": {"n_params": 7_000_000_000, "layers": 32, "d_model": 4096, "heads": 32, "vocab": 32000},
-    "70B": {"n_params": 70_000_000_000, "layers": 80, "d_model": 8192, "heads": 64, "vocab": 32000},
-    "405B": {"n_params": 405_000_000_000, "layers": 126, "d_model": 16384, "heads": 128,
-             "vocab": 128256},
-}
-
-GPU_MEMORY_GB = {"24 GB (RTX 4090)": 24, "40 GB (A100 40G)": 40, "80 GB (A100/H100 80G)": 80,
-                 "141 GB (H200)": 141}
-
-
-def model_parallel_params(n_params: int, tp: int = 1, pp: int = 1) -> int:
-    """Parameters on one GPU after tensor and pipeline parallel split the model, before ZeRO:
-    Psi/(tp*pp), rounded up to a whole parameter. An approximation: it ignores that one pipeline
-    stage holds the embeddings (and another the LM head), so stages are not equal, and that under
-    TP the LayerNorms and row-parallel biases stay whole on every rank (gpt_unit_sizes counts our
-    GPT exactly)."""
-    return -(-n_params // (tp * pp))
-
-
-def memory_per_gpu(n_params: int, gpus: int, zero: int, precision: str = "bf16-mixed",
-                   optimizer: str = "adam", layers: int = 0, d_model: int = 0, heads: int = 1,
-                   seq: int = 0, micro_batch: int = 0, checkpointing: str = "none",
-                   offload: bool = False, tp: int = 1, pp: int = 1, sp: bool = False) -> dict:
-    """Bytes per GPU by category for a big model (theory only) on N = `gpus` data-parallel ranks
-    x tp x pp GPUs in all.
-
-    Model states: TP and PP divide the parameters first, Psi/(tp*pp) per GPU (model_parallel_params:
-    an approximation that ignores which pipeline stage holds the embeddings and LM head, and the
-    LayerNorm / bias parameters TP replicates), then ZeRO shards what is left over the N
-    data-parallel ranks (model_state_bytes at that stage).
-    Activations (Korthikanti et al., 2022): L x activation_bytes_per_layer(s, b, h, a, tp, sp), i.e.
-    sbh(34 + 5as/h) at tp = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP + SP.
-    PP does not change them under 1F1B: the first stage keeps p micro-batches in flight, each
-    through its L/p layers, i.e. L layers' worth of one micro-batch whatever p (their section
-    4.2.3); the other stages hold less. ZeRO does not shard activations."""
-    states = model_state_bytes(model_parallel_params(n_params, tp, pp), optimizer, precision, zero,
-                               gpus, offload=offload and zero in (1, 2))
-    states.pop("host", None)
-    acts = layers * activation_bytes_per_layer(seq, micro_batch, d_model, heads, checkpointing,
-                                               tp=tp, sp=sp) \
-        if layers and seq and micro_batch else 0
-    return {**states, "activations": acts}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -296,12 +296,12 @@ class _Report:
 def test_an_output_that_fails_after_the_run_is_one_line_exit_1(flag, monkeypatch, capsys):
     """A disk that fills during the run (written to /dev/full, which the checks before the run
     refuse: so the write is tried here directly): the run finished, its output did not."""
-    import parallel_mini.trace
+    import parallel_mini.course.timelines
 
     def write_chrome_trace(report, path):  # (the real one needs a real report)
         with open(path, "w") as fh:
             fh.write("{}")
-    monkeypatch.setattr(parallel_mini.trace, "write_chrome_trace", write_chrome_trace)
+    monkeypatch.setattr(parallel_mini.course.timelines, "write_chrome_trace", write_chrome_trace)
     args = SimpleNamespace(json="/dev/full" if flag == "--json" else None,
                            trace="/dev/full" if flag == "--trace" else None)
     assert _write_outputs(_Report(), args) == 1

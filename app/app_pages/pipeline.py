@@ -16,7 +16,7 @@ import presentation as pm
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                        training_run)
 from parallel_mini import theory, trace
-from parallel_mini.course import viz
+from parallel_mini.course import timelines, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel import schedules as S
 from parallel_mini.report import RunReport
@@ -34,7 +34,7 @@ MODEL = {"d_model": 64, "heads": 4, "seq": 32, "vocab": 128}  # the toy; one seq
 STEPS = trace.PIPELINE_STEPS  # step 0 warms up, steps 1-4 are timed, the last is memory-metered
 PLAN_COSTS = {"F": 1.0, "B": 2.0}  # a backward costs about two forwards
 PLAN_COSTS_SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}  # B + W = the unsplit backward
-VIEWS = {"wall": trace.LABELS["wall"], "own": trace.LABELS["replayed"]}  # the measurement first
+VIEWS = {"wall": timelines.LABELS["wall"], "own": timelines.LABELS["replayed"]}  # the measurement first
 
 CHART_WIDTH = 440  # two timelines side by side in the wide layout
 WIDE_WIDTH = 960  # one timeline per row, when a rank runs too many ops to read them side by side
@@ -141,7 +141,7 @@ def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
                          "CPU time, each rank a device of its own and links instant (a simulation "
                          "fed with measurements).")
     own = view == VIEWS["own"]
-    views = {lab: (trace.own_device_replay(rep, step) if own else trace.wall_view(rep, step))
+    views = {lab: (trace.own_device_replay(rep, step) if own else timelines.wall_view(rep, step))
              for lab, rep in reports.items()}
     x_max = 1e3 * max(max(t["end"] for t in timed) for timed in views.values()) if same_axis \
         else None  # each schedule its own time axis: the faster one is not squeezed
@@ -180,7 +180,7 @@ def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
                        f"chunk, mean over stages) {cpu}; idle share per rank "
                        + ", ".join(f"{x:.0%}" for x in replayed["per_rank"]) + ".")
 
-    rows = [{"schedule": lab, "source": trace.LABELS[src], "bubble": value}
+    rows = [{"schedule": lab, "source": timelines.LABELS[src], "bubble": value}
             for lab, b in bubbles.items()
             for src, value in (("wall", b["wall"]["overall"]), ("replayed", b["replayed"]["overall"]),
                                ("theory", b["theory"]))]
@@ -410,8 +410,8 @@ for s in chosen:
         plans[s] = (schedule, S.simulate(schedule, lambda r, op: PLAN_COSTS_SPLIT[op.kind],
                                          fused=True))
     else:
-        plans[s] = (schedule, trace.replay_ops(schedule, PLAN_COSTS_SPLIT if schedule.split_backward
-                                               else PLAN_COSTS))
+        plans[s] = (schedule, timelines.replay_ops(schedule, PLAN_COSTS_SPLIT if schedule.split_backward
+                                                   else PLAN_COSTS))
 plan_max = max((max(t["end"] for t in timed) for _, timed in plans.values()),
                default=None) if same_axis else None
 places, width = timeline_layout(chosen, m, v)

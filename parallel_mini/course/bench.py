@@ -12,6 +12,7 @@
     python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
     python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
     python -m parallel_mini.bench app     # (k) the classroom app in a real browser: click -> chart
+    python -m parallel_mini.bench async   # (l) a 3x straggler: synchronous DP vs asynchronous SGD
     ... --json -                          # the numbers as one JSON object (or --json PATH)
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
@@ -64,6 +65,13 @@
     (the server's shared result read), as p50 and p90. Each time runs from the click to the page's
     first chart drawn in the browser (the page's first `stVegaLiteChart` with an SVG or canvas).
     The status line of the cold press says how long the ranks' run itself took.
+(l) A straggler (the last of 4 ranks, 3x slower: it sleeps twice its forward and backward's wall
+    time after them) against synchronous data parallel (`run --dp 4 --straggler 3:3`: every
+    all-reduce waits for it) and asynchronous SGD (`run --dp 4 --async --straggler 3:3`: rank 0
+    serves, 3 workers push; with --max-staleness 0 a barrier per step, unbounded without), and
+    both without the straggler, one run each: updates and samples per second (measured), time
+    and samples to a target loss (smoothed over one global batch), and the loss at equal samples
+    against the same updates replayed in one process without staleness (what staleness costs).
 (a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
@@ -458,6 +466,7 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
     for pp, m in setups:
         for name in schedules:
             cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
+                            batch=max(RunConfig.batch, m),  # one sequence per micro-batch at least
                             layers=pipeline_layers(pp, virtual_stages(name)),
                             steps=PIPELINE_STEPS).validate()
             runs = []
@@ -1077,11 +1086,146 @@ def _print_app(rows):
                    f"{r['warm_p90_s']:.2f}", r["cold_status"]] for r in rows]))
 
 
+# ---------------------------------------------------------------------------------------------
+# (l) a straggler: synchronous data parallel waits for it, asynchronous SGD does not
+# ---------------------------------------------------------------------------------------------
+def _smoothed(losses: list[float], window: int) -> list[float]:
+    """Mean of the last `window` losses at each point: the same number of samples (one global
+    batch) behind a point of every run."""
+    return [sum(losses[max(0, i + 1 - window):i + 1]) / min(window, i + 1)
+            for i in range(len(losses))]
+
+
+def _sync_curve(report) -> list[dict]:
+    """Per step of a synchronous run: when rank 0's optimizer finished it (wall clock from the
+    run's first op), samples so far, the global loss."""
+    ends = {e["step"]: e["end"] for e in report.ranks[0]["events"] if e["kind"] == "optimizer"}
+    batch = report.config["batch"]
+    return [{"time": ends[s], "samples": (s + 1) * batch, "loss": loss}
+            for s, loss in enumerate(report.losses)]
+
+
+def _async_curve(report) -> list[dict]:
+    a = report.extra["async"]
+    smooth = _smoothed(report.losses, len(a["workers"]))
+    return [{"time": u["time"], "samples": (i + 1) * a["samples_per_update"], "loss": loss}
+            for i, (u, loss) in enumerate(zip(a["updates"], smooth))]
+
+
+def _first_below(curve: list[dict], target: float) -> dict | None:
+    return next((p for p in curve if p["loss"] <= target), None)
+
+
+def _at_samples(curve: list[dict], samples: int) -> float | None:
+    """The curve's loss at the last point with at most `samples` samples."""
+    before = [p["loss"] for p in curve if p["samples"] <= samples]
+    return before[-1] if before else None
+
+
+def async_runs(ranks: int, factor: float, steps: int, batch: int, seed: int, model: dict) -> dict:
+    """The configurations `bench async` compares, by name: the straggler is the last rank."""
+    slow = f"{ranks - 1}:{factor:g}"
+    common = dict(dp=ranks, steps=steps, batch=batch, seed=seed, backend="gloo", timeout_s=600,
+                  **model)
+    return {
+        "sync DP, straggler": RunConfig(**common, straggler=slow),
+        "async K=0, straggler": RunConfig(**common, straggler=slow, asynchronous=True,
+                                          max_staleness=0),
+        "async, straggler": RunConfig(**common, straggler=slow, asynchronous=True),
+        "sync DP": RunConfig(**common),
+        "async": RunConfig(**common, asynchronous=True),
+    }
+
+
+def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 12, batch: int = 48,
+                seed: int = 0, target: float | None = None, model: dict | None = None) -> dict:
+    """Each configuration of `async_runs` once, through the engine; per run: steps (updates) and
+    samples per second on the wall clock (measured), the loss against samples and against time,
+    the staleness counted from the server's records beside theory's; for the asynchronous runs the
+    same updates replayed in one process without staleness (each gradient on the current
+    version: what staleness cost, at equal samples). The target loss, unless given, is the
+    highest final smoothed loss of the runs, so that every run reaches it."""
+    from ..engine import run
+    from ..parallel.async_ps import worker_batch
+    from ..reference import replay_updates
+    # 16 sequences of 64 tokens per worker step: compute, not the 0.9 MB messages, sets the pace
+    model = model if model is not None else dict(layers=2, d_model=64, heads=4, seq=64, vocab=128)
+    rows = []
+    for name, cfg in async_runs(ranks, factor, steps, batch, seed, model).items():
+        report = run(cfg.validate())
+        row = {"run": name, "config": {k: v for k, v in cfg.to_dict().items()
+                                       if k in ("dp", "steps", "batch", "straggler",
+                                                "asynchronous", "max_staleness")}}
+        if cfg.asynchronous:
+            a = report.extra["async"]
+            curve = _async_curve(report)
+            fresh, _ = replay_updates(cfg, a["updates"], worker_batch, fresh=True)
+            window = len(a["workers"])
+            row["no_staleness_curve"] = [  # computed: one process, same batches, same order
+                {"samples": p["samples"], "loss": x}
+                for p, x in zip(curve, _smoothed(fresh, window))]
+            row.update(workers=len(a["workers"]), staleness_mean=a["staleness_mean"],
+                       staleness_theory=a["theory"]["mean"],
+                       staleness_mean_by_worker=a["staleness_mean_by_worker"],
+                       staleness_histogram=a["staleness_histogram"],
+                       updates_per_worker=a["updates_per_worker"], max_abs_diff=None)
+            wall = a["updates"][-1]["time"]
+        else:
+            curve = _sync_curve(report)
+            row["workers"] = cfg.dp
+            first = min(e["start"] for e in report.ranks[0]["events"])
+            wall = curve[-1]["time"] - first
+            for p in curve:
+                p["time"] -= first
+        row.update(curve=curve, wall_s=wall, updates=len(curve),
+                   updates_per_s=len(curve) / wall, samples_per_s=curve[-1]["samples"] / wall)
+        rows.append(row)
+    target = target if target is not None else max(r["curve"][-1]["loss"] for r in rows)
+    for r in rows:
+        hit = _first_below(r["curve"], target)
+        r["time_to_target_s"] = hit and hit["time"]
+        r["samples_to_target"] = hit and hit["samples"]
+        total = r["curve"][-1]["samples"]
+        r["loss_at_samples"] = {str(n): _at_samples(r["curve"], n)
+                                for n in (total // 4, total // 2, total)}
+        if "no_staleness_curve" in r:
+            r["no_staleness_at_samples"] = {str(n): _at_samples(r["no_staleness_curve"], n)
+                                            for n in (total // 4, total // 2, total)}
+    workers = ranks - 1
+    return {"ranks": ranks, "straggler_factor": factor, "target_loss": target, "runs": rows,
+            "theory": {  # compute proportional to batch, no overheads
+                "async_over_sync_samples_per_s": (factor * (workers - 1) + 1) / ranks,
+                "staleness": theory.async_staleness(workers, factor)}}
+
+
+def _print_async(res: dict):
+    print(f"(l) a {res['straggler_factor']:g}x straggler on {res['ranks']} ranks (the last): "
+          f"synchronous DP ({res['ranks']} ranks compute, one update per step) against "
+          f"asynchronous SGD (rank 0 serves, {res['ranks'] - 1} workers push). Measured wall "
+          f"clock; loss smoothed over one global batch; target loss {res['target_loss']:.3f}")
+    total = str(res["runs"][0]["curve"][-1]["samples"])
+    print(_table(["run", "updates/s", "samples/s", "s to target", "samples to target",
+                  f"loss at {total} samples", "no staleness (same updates)", "staleness mean "
+                  "(theory)", "updates per worker"],
+                 [[r["run"], f"{r['updates_per_s']:.1f}", f"{r['samples_per_s']:.1f}",
+                   "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}",
+                   r["samples_to_target"] or "-", f"{r['loss_at_samples'][total]:.3f}",
+                   f"{r['no_staleness_at_samples'][total]:.3f}" if "no_staleness_at_samples" in r
+                   else "", f"{r['staleness_mean']:.2f} ({r['staleness_theory']})"
+                   if "staleness_mean" in r else "",
+                   " ".join(f"{k}:{v}" for k, v in r.get("updates_per_worker", {}).items())]
+                  for r in res["runs"]]))
+    print(f"theory: async/sync samples per second with the straggler = (F(W-1)+1)/N = "
+          f"{res['theory']['async_over_sync_samples_per_s']:.2f} (compute proportional to batch, "
+          f"no overheads); expected staleness without a bound: W-1 = {res['ranks'] - 2} on "
+          f"average, the straggler's F(W-1) = {res['theory']['staleness']['straggler']:g}")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "wire", "plan", "app", "all", "dualpipe"])
+                                     "ep", "wire", "plan", "app", "async", "dualpipe", "all"])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -1100,6 +1244,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--app-repeats", type=int, default=5, help="warm presses per page for (k)")
     ap.add_argument("--app-pages", nargs="+", default=APP_PAGES, choices=APP_PAGES,
                     help="pages for (k)")
+    ap.add_argument("--async-steps", type=int, default=12, help="steps (x batch samples) for (l)")
+    ap.add_argument("--async-batch", type=int, default=48, help="global batch for (l): a "
+                    "multiple of 12 (4 ranks, 3 workers)")
+    ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
+    ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
+                    "highest final loss of its runs")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     return ap
 
@@ -1150,6 +1300,10 @@ def main(argv=None) -> int:
     if args.what == "app":  # not in "all": it needs chromium and a server of its own
         out["app"] = bench_app(tuple(args.app_pages), args.app_repeats)
         show(_print_app, out["app"])
+    if args.what in ("async", "all"):
+        out["async"] = bench_async(4, args.async_factor, args.async_steps, args.async_batch,
+                                   target=args.async_target)
+        show(_print_async, out["async"])
     if args.what in ("warm", "all"):
         out["warm"] = bench_warm(args.warm_repeats)
         show(_print_warm, out["warm"])

@@ -197,6 +197,9 @@ class TorchPipeline:
         rank holding the last chunk, else None."""
         self.optimizer.zero_grad()
         losses = [] if self.last else None
+        # contiguous: torch >= 2.11's stages check input strides against the first micro-batch
+        # (x = tokens[:, :-1] is a view with stride s + 1)
+        x, y = x.contiguous(), y.contiguous()
         self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
                            losses=losses)
         self.optimizer.step()

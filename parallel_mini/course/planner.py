@@ -18,7 +18,7 @@ formulas, the same the lessons check against live runs:
   ep_wire_bytes_per_step, pipeline_p2p_bytes_per_step, dp_wire_bytes_per_step and
   zero_wire_bytes_per_step, turned into time on the axis's link: inside a node (tp, and any axis
   whose group fits in one) the GPU-to-GPU link, else the network (theory.INTERCONNECTS);
-- compute: 6 FLOPs per parameter and token as theory.matmul_time (plus attention's and
+- compute: 6 FLOPs per parameter and token as at_scale.matmul_time (plus attention's and
   recomputation's) at a stated fraction of the GPU's peak, the pipeline stretched by
   theory.bubble_fraction.
 
@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .. import theory
+from . import at_scale
 from ..parallel.schedules import build_schedule, chunk_owner, directions, in_flight, overlapped_pairs
 
 GiB = 2 ** 30
@@ -161,7 +162,7 @@ class Hardware:
     flops: float  # dense peak in the compute precision, FLOP/s
     intra: str  # theory.INTERCONNECTS key: GPU to GPU inside a node
     inter: str  # theory.INTERCONNECTS key: per GPU between nodes
-    gpus_per_node: int = theory.NVLINK_GPUS_PER_NODE
+    gpus_per_node: int = at_scale.NVLINK_GPUS_PER_NODE
     intra_bw: float = 0.0  # overrides INTERCONNECTS[intra] (a link theory does not list)
     inter_bw: float = 0.0
     latency_intra_s: float = 5e-6
@@ -198,16 +199,16 @@ def _cpu_profile() -> Hardware:
                     source="this machine's cores (assumed rates)")
 
 
-# H100 SXM: 989 TFLOP/s dense bf16 (theory.H100_BF16_FLOPS), 80 GB HBM3, NVLink 4 inside an HGX
+# H100 SXM: 989 TFLOP/s dense bf16 (at_scale.H100_BF16_FLOPS), 80 GB HBM3, NVLink 4 inside an HGX
 # node of 8, one 400 Gb/s InfiniBand NDR port per GPU. H800: the H100 with NVLink cut; DeepSeek-V3's
 # report (3.2.2) quotes 160 GB/s NVLink and 50 GB/s IB per GPU. A100 SXM 80GB: 312 TFLOP/s bf16,
 # NVLink 3 (600 GB/s both ways), Selene's 200 Gb/s HDR per GPU (Narayanan et al., 2021).
 HARDWARE = {
-    "h100-80gb": Hardware("h100-80gb", 80 * GiB, theory.H100_BF16_FLOPS, "NVLink 4 (H100)",
+    "h100-80gb": Hardware("h100-80gb", 80 * GiB, at_scale.H100_BF16_FLOPS, "NVLink 4 (H100)",
                           "InfiniBand NDR", source="NVIDIA H100 SXM5 datasheet"),
-    "h200-141gb": Hardware("h200-141gb", 141e9, theory.H100_BF16_FLOPS, "NVLink 4 (H100)",
+    "h200-141gb": Hardware("h200-141gb", 141e9, at_scale.H100_BF16_FLOPS, "NVLink 4 (H100)",
                            "InfiniBand NDR", source="NVIDIA H200 SXM datasheet"),
-    "h800-80gb": Hardware("h800-80gb", 80 * GiB, theory.H100_BF16_FLOPS, "NVLink (H800)",
+    "h800-80gb": Hardware("h800-80gb", 80 * GiB, at_scale.H100_BF16_FLOPS, "NVLink (H800)",
                           "InfiniBand NDR", intra_bw=160e9,
                           source="DeepSeek-V3 report 3.2.2 (NVLink 160 GB/s, IB 50 GB/s)"),
     "a100-80gb": Hardware("a100-80gb", 80 * GiB, 312e12, "NVLink 3 (A100)", "InfiniBand HDR",
@@ -614,7 +615,7 @@ def block_flops_per_token(spec: ModelSpec, i: int) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=None)
 def model_flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token, forward + backward = 3 x forward (theory.matmul_time's 6 per
+    """Training FLOPs per token, forward + backward = 3 x forward (at_scale.matmul_time's 6 per
     parameter): what MFU divides by (recomputation is not counted in it)."""
     fwd = sum(block_flops_per_token(spec, i)[0] for i in range(spec.layers))
     return 3 * (fwd + 2 * spec.d_model * spec.vocab)

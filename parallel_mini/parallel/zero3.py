@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from ..comm import Comm
 from ..optim import make_optimizer
 from . import zero3_guards as guards
+from .offload_disk import DiskOptimizer
 from .zero import (FlatLayout, UsedParameters, piece_grads, piece_views, refuse_unsupported,
                    step_with)
 
@@ -84,9 +85,11 @@ class Unit:
         self.guard.wear(freed=True)  # 1: from now on an op that would read it is refused
         self.gathered = False
 
-    def gather(self, comm: Comm) -> None:
+    def gather(self, comm: Comm, shard: torch.Tensor | None = None) -> None:
+        """`shard`: my slice as read back from disk (--offload-disk keeps none in RAM)."""
         self.storage.resize_(self.layout.padded * self.full.element_size())
-        comm.all_gather(self.full, self.shard, self.shard_axis)  # n x [k] -> [padded]
+        comm.all_gather(self.full, self.shard if shard is None else shard,
+                        self.shard_axis)  # n x [k] -> [padded]
         self.guard.wear(freed=False)  # readable again
         self.gathered = True
 
@@ -97,10 +100,13 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
     def __init__(self, model: torch.nn.Module, comm: Comm, optimizer: str = "adam",
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
                  shard_axis: str = "dp", replicate_axis: str | None = None,
-                 find_unused_parameters: bool = False, apart: dict | None = None):
+                 find_unused_parameters: bool = False, apart: dict | None = None,
+                 offload_disk: str = ""):
         """`axis`: batch split, gradient average; HYBRID_SHARD: shard over `shard_axis`, all-reduce
         over `replicate_axis`. `apart` {module: {axis, shard_axis, replicate_axis}}: units over
-        other ranks (experts over edp). `find_unused_parameters`: DDP's (zero3_guards.py, 5)."""
+        other ranks (experts over edp). `find_unused_parameters`: DDP's (zero3_guards.py, 5).
+        `offload_disk` (ZeRO-Infinity, offload_disk.py): a file holds every unit's fp32 master
+        slice and Adam's moments; no slice stays in RAM: a gather reads it from the file."""
         refuse_unsupported(model, "ZeRO-3")
         apart = apart or {}
         if find_unused_parameters and apart:  # its 0/1 map would mix parameters of other ranks
@@ -124,7 +130,16 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
         self.ran: set = set()  # the units the root's current (or last) forward ran or read
         self._register_hooks(model)
         views = [v for u in self.units for v in piece_views(u.master, u.pieces)]
-        self.optimizer = make_optimizer(optimizer, views, lr)  # one, over every unit's pieces
+        self.disk = offload_disk
+        if offload_disk:  # the masters go to the file; the units keep no slice in RAM
+            self.optimizer = DiskOptimizer(offload_disk, optimizer, lr, initial=views,
+                                           step_of=lambda: comm.step)
+            first = 0
+            for u in self.units:
+                u.pieces_at, first = (first, first + len(u.pieces)), first + len(u.pieces)
+                u.shard = u.master = None
+        else:
+            self.optimizer = make_optimizer(optimizer, views, lr)  # one, over every unit's pieces
 
     def _start_alike(self, model, axes: dict, apart: dict) -> None:
         """Every rank starts from its data-parallel group's first rank's weights (per unit axis)."""
@@ -152,7 +167,11 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
     def gather(self, *units: Unit) -> None:
         for unit in units:
             if not unit.gathered:
-                unit.gather(self.comm)
+                shard = None
+                if self.disk:  # my slice of it, read from the master plane in compute precision
+                    shard = self.optimizer.read(*unit.pieces_at, torch.empty(
+                        unit.layout.shard_numel, dtype=unit.full.dtype, device=unit.full.device))
+                unit.gather(self.comm, shard)
                 self.gathered_bytes += unit.storage.nbytes()
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
@@ -251,25 +270,36 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
         for u in self.units:
             grad = u.grad_shard.float() if self.mixed else u.grad_shard  # [k]
             grads += piece_grads(u.pieces, u.params, grad, self.unused)
-        step_with(self.optimizer, grads)
-        if self.mixed:
+        if self.disk:  # streamed from the file, window by window
+            self.optimizer.step_grads(grads)
+        else:
+            step_with(self.optimizer, grads)
+        if self.mixed and not self.disk:
             for u in self.units:
                 u.shard.copy_(u.master)
 
     # -- measurement and comparison -------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         opt = [t for st in self.optimizer.state.values() for t in st.values()]
-        if self.mixed:
+        if self.mixed and not self.disk:
             opt += [u.master for u in self.units]
-        return {"params": [u.shard for u in self.units],
+        return {"params": [u.shard for u in self.units if u.shard is not None],
                 "grads": [u.grad_shard for u in self.units if u.grad_shard is not None],
                 "optimizer": opt}
 
     def buffers(self) -> list[torch.Tensor]:
-        return []
+        return [self.optimizer.buffer] if self.disk else []  # --offload-disk's window
 
     def transient_bytes(self) -> int:
-        return self.peak_gathered_bytes  # the most gathered (full) units alive at once
+        """The most gathered (full) units alive at once; --offload-disk's window."""
+        return self.peak_gathered_bytes + sum(b.nbytes for b in self.buffers())
+
+    def disk_report(self) -> dict:
+        return self.optimizer.report() if self.disk else {}
+
+    def close(self) -> None:
+        if self.disk:
+            self.optimizer.close()
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -288,13 +318,20 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
     def owned(self, held) -> list:
         """My slice of every unit's flat buffer, as boxes of the full tensors, in unit order."""
         out = []
+        opt = self.optimizer
+        if self.disk:  # the states in RAM while a checkpoint reads or fills them (loaded: back)
+            opt = self.snapshot = self.optimizer.snapshot()
         for u in self.units:
-            out += u.layout.owned(held, u.r, self.optimizer, first=len(out))
+            out += u.layout.owned(held, u.r, opt, first=len(out))
         return out
 
     @torch.no_grad()
     def loaded(self) -> None:
-        """bf16-mixed: the compute slices from the fp32 masters a checkpoint filled."""
-        if self.mixed:
+        """bf16-mixed: the compute slices from the fp32 masters a checkpoint filled;
+        --offload-disk: the masters and moments back to the file (a gather reads them)."""
+        if self.disk and getattr(self, "snapshot", None) is not None:
+            self.optimizer.restore(self.snapshot)
+            self.snapshot = None
+        if self.mixed and not self.disk:
             for u in self.units:
                 u.shard.copy_(u.master)
