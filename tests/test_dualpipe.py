@@ -6,6 +6,7 @@ from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.parallel import schedules as S
+from test_pipeline import _check_against_theory  # equal to the reference; bytes, states = theory
 
 
 @pytest.mark.parametrize("name,pp,m", [("dualpipe", 2, 4), ("dualpipe", 4, 8), ("dualpipe", 8, 20),
@@ -57,19 +58,6 @@ def test_bad_dualpipe_configs_are_refused(changes, match):
 
 
 # -- on real ranks ------------------------------------------------------------------------------
-def _check_against_theory(report):
-    """Losses and final parameters equal the reference; per rank the p2p bytes (activations,
-    gradients, and DualPipe's exchange of the copies' gradients) and the model states equal theory."""
-    assert report.max_abs_diff <= 1e-5, report.max_abs_diff_detail
-    for rank in report.ranks:
-        stage = report.theory["stages"][rank["coords"]["pp"]]
-        measured = report.wire_bytes_per_step(rank["rank"])
-        for group, predicted in stage["wire_bytes_per_step"].items():
-            assert measured.get(group, 0) == predicted, (rank["rank"], group)
-        for cat in ("params", "grads", "optimizer"):
-            assert rank["memory"][cat] == stage["memory"][cat], (rank["rank"], cat)
-
-
 @pytest.mark.parametrize("schedule,pp,layers,m", [("dualpipe", 2, 2, 4), ("dualpipev", 2, 4, 4),
                                                   ("dualpipe", 4, 4, 8), ("dualpipev", 4, 8, 8)])
 def test_equals_reference(schedule, pp, layers, m):
