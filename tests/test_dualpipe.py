@@ -97,6 +97,12 @@ def test_planner_models_dualpipe_and_reranks_deepseek_v3():
     two = planner._stages(spec, 1, 16, "dualpipe", 2, 64)
     assert two[3][0] == one[3][0] + one[12][0]  # rank 3 holds stages 3 and 12
     assert planner.in_flight_per_rank("dualpipe", 8, 16) == S.in_flight(S.build_schedule("dualpipe", 8, 16))
+    for pp, m in ((2, 4), (4, 8), (4, 14), (8, 16), (8, 30), (16, 40)):  # the closed form, counted
+        s = S.build_schedule("dualpipe", pp, m)
+        pairs = S.overlapped_pairs(s)
+        fewest = min(sum(2 for (rank, _) in pairs if rank == r) / sum(op.kind in "FB" for op in ops)
+                     for r, ops in enumerate(s.ops))
+        assert planner.dual_paired_share(pp, m) == pytest.approx(fewest, abs=1e-12), (pp, m)
     zb, dual = (planner.predict(spec, Layout(128, 1, 16, 1, 64, 1, s, v, 120, 1, "full", False), hw,
                                 15360) for s, v in (("zb", 1), ("dualpipe", 2)))
     assert dual["comm"]["ep"]["seconds"] == pytest.approx(zb["comm"]["ep"]["seconds"])
