@@ -274,6 +274,9 @@ def test_dualpipe_plans_and_refusal():
     _set(at, "selectbox", "Compare with", "dualpipev")
     _assert_clean(at)
     p, m = 4, 8
+    # one model for both: 2p chunks of 4 blocks for DualPipeV, p stages of 8 for DualPipe
+    assert any("Model: 32 layers" in c.value and "8 layer(s) per chunk (dualpipe), 4 layer(s) per "
+               "chunk (dualpipev)" in c.value for c in at.caption)
     want = {"dualpipe": (p - 2) / (3 * m + p - 2), "dualpipev": (p - 1) / (3 * m + p - 1)}
     for s, share in want.items():
         (metric,) = [w for w in at.metric if w.label == f"Bubble (theory): {s}"]
