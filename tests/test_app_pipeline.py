@@ -296,3 +296,28 @@ def test_dualpipe_plans_and_refusal():
     assert not at.exception and len(at.error) == 2
     assert all("needs at least 2 x pp = 8" in e.value for e in at.error)
     assert at.button[0].disabled
+
+
+@pytest.mark.slow
+def test_live_dualpipe_vs_dualpipev_on_two_stages():
+    """Both DualPipes run live on the page: equal to the reference, the wall-clock bubble shown is
+    the drawn timeline's idle share, and every stage sends exactly the bytes theory predicts
+    (DualPipe's include the exchange of the two copies' gradients)."""
+    at = _app(PAGE)
+    p, m = 2, 4
+    _set(at, "radio", "Pipeline stages", p)
+    _set(at, "slider", "Micro-batches", m)
+    _set(at, "selectbox", "Schedule", "dualpipe")
+    _set(at, "selectbox", "Compare with", "dualpipev")
+    at.button[0].click().run()
+    _assert_clean(at)
+    for lab in ("dualpipe", "dualpipev"):
+        (diff,) = [w for w in at.metric if w.label == f"max |run − reference| (losses, final params): {lab}"]
+        assert float(diff.value) <= 1e-5
+        (exact,) = [w for w in at.metric
+                    if w.label == f"Stages sending exactly the formula's bytes (counted): {lab}"]
+        assert exact.value == f"{p} of {p}"
+        (chart,) = [c for c in _charts(at) if str(c["spec"].get("usermeta", {}).get("title", c["spec"]["title"]["text"])) == f"{lab}: {WALL}"]
+        (measured,) = [w for w in at.metric if w.label == f"Measured: {lab}"]
+        assert float(measured.value.rstrip("%")) == pytest.approx(
+            100 * _idle_share(_timeline_rows(chart)), abs=0.05 + 1e-9)
