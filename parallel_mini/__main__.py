@@ -56,7 +56,7 @@ _HELP = {
                   "moment resumes from the newest complete one)",
     "keep": "with --save: keep the newest N checkpoints in the directory, prune older ones",
 }
-_ALIASES = {"asynchronous": ("--async",)}  # a Python keyword cannot name the field
+_ALIASES = {"asynchronous": ("--async", "--asynchronous")}  # a Python keyword cannot name a field
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -80,15 +80,15 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
-        flags = (flag, *_ALIASES.get(f.name, ()))
+        flags = _ALIASES.get(f.name, (flag,))
         if f.type in ("bool", bool):
-            run.add_argument(*flags, action="store_true", help="compare with the single-process reference"
+            run.add_argument(*flags, dest=f.name, action="store_true", help="compare with the single-process reference"
                              if f.name == "reference" else _HELP.get(f.name),
                              **({"default": argparse.SUPPRESS} if explicit else {}))
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
-            run.add_argument(*flags, type=typ, default=argparse.SUPPRESS if explicit else default,
+            run.add_argument(*flags, dest=f.name, type=typ, default=argparse.SUPPRESS if explicit else default,
                              help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
@@ -150,6 +150,17 @@ def _summary(report) -> str:
             f"{GAP_PARTS[k]} {100 * v:+.1f}" for k, v in gap.items())
             + (f"  (median p2p latency {1e3 * wall['p2p_latency_median_s']:.2f} ms)"
                if wall["p2p_latency_median_s"] is not None else ""))
+    if "local_sgd" in report.extra:  # ranks that train apart (parallel/local_sgd.py)
+        ls = report.extra["local_sgd"]
+        lines.append(f"local SGD: {ls['averages']} averages of the weights over dp (every "
+                     f"H = {ls['sync_every']} steps, and after the last)")
+    if "federated" in report.extra:  # (parallel/federated.py)
+        fed, last = report.extra["federated"], report.extra["federated"]["rounds"][-1]
+        drift = sum(last["drift"].values()) / max(1, len(last["drift"]))
+        lines.append(f"federated: {fed['clients_per_round']} of {fed['clients']} clients a round, "
+                     f"{fed['local_steps']} local step(s) each; last round: union loss "
+                     f"{last['union_loss']:.4f}, mean client drift {drift:.4f}; bytes of client "
+                     f"data sent (counted) {sum(n['data_bytes_sent'] for n in fed['network'])}")
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
     if "disk" in report.ranks[0]:  # --offload-disk: the last step's bytes to and from the file
@@ -319,6 +330,10 @@ def main(argv=None) -> int:
         _refuse_ignored(given, cfg)
         preflight.check_output("--json", args.json)
         preflight.check_output("--trace", args.trace)
+        if args.json and args.trace and args.json != "-" and \
+                os.path.realpath(args.json) == os.path.realpath(args.trace):
+            raise ConfigError(f"--trace {args.trace}: the same file as --json (the report would "
+                              f"overwrite the trace); give each its own name")
         preflight.check(cfg)
         _check_backend(cfg)
     except preflight.RunComplete as e:  # (a finished elastic job, relaunched: nothing to do)
@@ -341,12 +356,19 @@ def main(argv=None) -> int:
         if last[0].split(": ", 1)[0] in ONE_LINE_FAULTS:  # diverged (engine._train), a save that
             print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)  # failed, a bad checkpoint
             return 1
+        lost = _report_lost_after_save(cfg, e)
+        if lost:  # trained and saved: only the report is gone
+            print(f"error: {lost}", file=sys.stderr)
+            return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
     except (CheckpointSaveError, preflight.CheckpointError) as e:  # (torchrun: raised right here,
         if os.environ.get("RANK", "0") == "0":  # in every rank; rank 0 says it)
             print(f"error: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # engine.run's own checks, after torch's import took its memory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except _Stopped as e:
         print(f"stopped by {e.name}: every rank was ended; no report", file=sys.stderr)
         return 128 + e.signum
@@ -355,6 +377,27 @@ def main(argv=None) -> int:
         if dist.get_rank() != 0:
             return 0
     return _write_outputs(report, args)
+
+
+def _report_lost_after_save(cfg, e) -> str | None:
+    """A rank that died without its report (killed, say) after the run's last checkpoint was
+    whole: the training and the save are done, only the report is lost. Says so in one line
+    (None when that is not what happened: no --save, a rank that raised, a checkpoint not at the
+    last step or not complete)."""
+    head = e.details.strip().splitlines()[0] if e.details.strip() else ""
+    if not cfg.save or not head.startswith(f"rank {e.rank} ") or "without a result" not in head \
+            and "before returning a result" not in head:
+        return None
+    try:
+        folder, meta = preflight.resolve(cfg.save)
+    except ConfigError:
+        return None
+    if meta["step"] != cfg.steps:
+        return None
+    how = head.split(" before returning a result")[0].split(", and its exit status")[0]
+    return (f"{how} after the run's last save: all {cfg.steps} steps trained and {folder} is "
+            f"complete (latest names it); only the run's report was lost with rank {e.rank}. "
+            f"Its parameters are in the checkpoint: --resume {cfg.save} with more --steps goes on")
 
 
 def _write_outputs(report, args) -> int:

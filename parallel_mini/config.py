@@ -81,6 +81,8 @@ WITHOUT_BARRIER_REFUSED = [
      "a dp mode says how gradients are averaged, and {name} averages parameters; drop --dp-mode"),
     (lambda c: f"--precision {c.precision}", lambda c: c.precision != "fp32",
      "averaging bf16 replicas and their fp32 masters is not available yet; use fp32"),
+    (lambda c: "--offload-disk", lambda c: bool(c.offload_disk), "the optimizer on disk is "
+     "plain data parallel's and ZeRO's; {name} steps one in RAM: not available yet"),
     (lambda c: "--save" if c.save else "--resume", lambda c: bool(c.save or c.resume),
      "a checkpoint holds one model and between averages each rank has its own; not available yet"),
 ]
@@ -450,6 +452,10 @@ class RunConfig(GPTConfig):
                 if self.asynchronous else "with one rank nobody waits for a straggler)"))
         if self.asynchronous:
             for flag, bad, why in (
+                    ("--sync-every", self.sync_every, "local SGD averages replicas that step "
+                     "alone; asynchronous workers step no replica of their own: choose one"),
+                    ("--federated", self.federated, "federated averaging's server averages "
+                     "clients' weights once a round; this one applies gradients: choose one"),
                     ("--zero", self.zero, "the server holds the whole optimizer; use --zero 0"),
                     ("--grad-accum", self.grad_accum != 1, "each push is one gradient; leave it at 1"),
                     ("--precision", self.precision != "fp32",

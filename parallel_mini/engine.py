@@ -75,7 +75,7 @@ def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | Non
     if cfg.sync_every:  # local SGD: each dp rank steps alone, weights averaged every H steps
         return local_sgd.LocalSGD(model, comm, cfg, mesh.axis_for("loss"))
     if cfg.federated:  # clients step alone, the server averages their weights every round
-        return federated.FederatedAveraging(model, comm, cfg, mesh.axis_for("loss"))
+        return federated.FederatedAveraging(model, comm, cfg, mesh.axis_for("loss"), average_fn)
     axes = dict(axis=mesh.axis_for("loss"), shard_axis=mesh.axis_for("shard"),
                 replicate_axis=mesh.axis_for("replicate"))
     if experts is None or not experts.sharded:
@@ -105,7 +105,7 @@ def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> Grad
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
     """The step runner for `cfg` (step 6 above). A pipeline keeps only this rank's stage."""
     if cfg.federated:  # a step is a round: the clients on this rank train on their own data
-        return federated.FederatedRounds(model, comm, cfg, timeline)
+        return federated.FederatedRounds(model, comm, cfg, timeline, act)
     if cfg.pp == 1:
         return PlainStep(model, cfg.grad_accum, timeline, act)
     schedule = for_config(cfg)
@@ -163,7 +163,8 @@ def _mean_over(value: float, mesh: Mesh, axis: str) -> float:
 def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> dict:
     """Runs on every rank. `init_seed_offset` (tests) makes ranks initialise differently, to show
     that the start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
-    naive mode's gradient averaging (a learner's exercise runs through here)."""
+    naive mode's gradient averaging (a learner's exercise runs through here); with --federated it
+    replaces the server's aggregation (federated.weighted_average's arguments)."""
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)  # 1
     device = rank_device()

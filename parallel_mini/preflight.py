@@ -65,12 +65,17 @@ def check_fits(cfg) -> None:
         return
     est = local_run_bytes_estimate(cfg)
     if est["total"] > available / 2:
-        parts = ", ".join(f"{k} {_gb(est[k])}" for k in ("activations", "logits", "states", "data")
+        parts = ", ".join(f"{k.replace('_', ' ')} {_gb(est[k])}" for k in ESTIMATE_PARTS
                           if est[k] > 2 ** 20)
+        report = f" + the report {_gb(est['report'])}" if est["report"] > 2 ** 20 else ""
         raise ConfigError(f"this run needs about {_gb(est['total'])} of memory ({cfg.world_size} "
-                          f"rank{'s' * (cfg.world_size > 1)} x {_gb(est['per_rank'])}: {parts}), "
-                          f"more than half of the {_gb(available)} this machine has available; "
-                          f"lower --batch, --seq, --vocab, --d-model or --layers")
+                          f"rank{'s' * (cfg.world_size > 1)} x {_gb(est['per_rank'])}: {parts}"
+                          f"{report}), more than half of the {_gb(available)} this machine has "
+                          f"available; lower --batch, --seq, --vocab, --d-model, --layers or --steps")
+
+
+# the named parts of theory.local_run_bytes_estimate a refusal lists (those over 1 MB)
+ESTIMATE_PARTS = ("activations", "logits", "states", "transients", "layer_objects", "logs", "data")
 
 
 def available_memory() -> int | None:
@@ -214,7 +219,8 @@ def check_flags(cfg) -> None:
         if os.path.lexists(latest) and not os.path.isfile(latest):
             raise CheckpointError(f"--save {cfg.save}: {latest} is not a file (the save ends by "
                                   f"pointing it at the new step); remove it or choose another directory")
-        points = set(range(start + cfg.save_every, cfg.steps, cfg.save_every or cfg.steps))
+        every = cfg.save_every or cfg.steps  # (engine: after every step that K divides)
+        points = set(range((start // every + 1) * every, cfg.steps, every))
         taken = sorted(n for n in points | {cfg.steps}
                        if os.path.isdir(os.path.join(cfg.save, f"step_{n}")))
         if taken and not _same_dir(cfg.save, cfg.resume):  # (resuming there: a restart's own)

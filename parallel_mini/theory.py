@@ -497,11 +497,15 @@ def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
         g = names.get(g) or g
         wire[g] = wire.get(g, 0) + b
     experts_held = sum(expert_units)
-    return {"n_params_per_rank": sum(units) + experts_held, "expert_params_per_rank": experts_held,
-            "padding_elements": dense["padding_elements"] + expert["padding_elements"],
-            "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
-                       for k in dense["memory"] | expert["memory"]},
-            "wire_bytes_per_step": wire}
+    out = {"n_params_per_rank": sum(units) + experts_held, "expert_params_per_rank": experts_held,
+           "padding_elements": dense["padding_elements"] + expert["padding_elements"],
+           "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
+                      for k in dense["memory"] | expert["memory"]},
+           "wire_bytes_per_step": wire}
+    if "disk_io_per_step" in dense:  # --offload-disk (ZeRO-3: one file holds both)
+        out["disk_io_per_step"] = {k: v + expert["disk_io_per_step"][k]
+                                   for k, v in dense["disk_io_per_step"].items()}
+    return out
 
 
 def _activations_per_layer(cfg, micro: int) -> dict:
@@ -617,6 +621,34 @@ def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing
 
 
 RANK_BASELINE_BYTES = 400 * 2 ** 20  # one rank's interpreter, torch and gloo, measured ~300 MB
+# What a rank holds beyond its tensors' bytes, named (issue 26: 20,000 layers used 4.2 GB against
+# 0.8 GB estimated). Measured as the growth of a rank's peak RSS (VmHWM) with --layers, 1 rank,
+# 2 steps: d_model 16, 0.315 MB a block (0.08 MB estimated before); d_model 64, 2.13 MB (1.02).
+LAYER_OBJECT_BYTES = 384 * 2 ** 10  # per block: its modules, and its ~12 parameters' tensors
+#   (parameter, gradient, two moments, step), the autograd graph's saved tensors and the hooks,
+#   each a Python object, a TensorImpl and a storage (~0.24 MB measured at d_model 16)
+TRANSIENT_BYTES_PER_PARAM = 24  # beyond the 20 of `states`: the full parameters gathered after
+#   the last step (4), Adam's foreach temporaries and the heap's slack (~18 B measured at d_model 64)
+EXPERT_OBJECT_BYTES = 128 * 2 ** 10  # more per expert an MoE block holds: its 4 parameters'
+#   tensors and its own autograd nodes (a 4-expert block grew 1.2 MB more than a dense one at
+#   d_model 32, of which the estimate's states and transients covered ~0.8)
+RECORD_BYTES = 1024  # one comm record or timeline event, a Python dict (~0.6-1 KB)
+RECORDS_PER_LAYER_STEP = 8  # records per block and micro-batch of a step, an upper bound (comm
+#   records per gradient bucket or parameter, events per op; dp 2, 400 blocks: 6 measured)
+
+
+def _local_params(cfg) -> int:
+    """sum(gpt_unit_sizes(...)) for the run, counted on one period of blocks (every moe_every-th
+    is an MoE block; the others alike) and multiplied out: counting all of a 1,000,000-block
+    model block by block took 2 minutes and 4.5 GB, for a refusal that must answer at once."""
+    sizes = lambda n: gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, n, cfg.tp, **_moe(cfg))
+    period = max(1, getattr(cfg, "moe_every", 1))
+    if cfg.layers <= 2 * period:
+        return sum(sizes(cfg.layers))
+    one = sizes(period)  # [embedding, the period's blocks, head]
+    blocks = one[1:-1]
+    whole, rest = divmod(cfg.layers, period)
+    return one[0] + one[-1] + whole * sum(blocks) + sum(blocks[:rest])
 
 
 def local_run_bytes_estimate(cfg) -> dict:
@@ -625,18 +657,37 @@ def local_run_bytes_estimate(cfg) -> dict:
     gradient buffer), every block's activations for the rank's whole share of the batch (as if
     every micro-batch were in flight), the logits three times (logits, softmax, gradient), the
     global batch of token ids (inputs and targets, int64: every rank draws it), and
-    RANK_BASELINE_BYTES. Returns the parts and the total over the world's ranks."""
-    local_params = sum(gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp,
-                                      **_moe(cfg)))
+    RANK_BASELINE_BYTES; then what is not tensors' bytes: `transients` (TRANSIENT_BYTES_PER_PARAM),
+    `layer_objects` (LAYER_OBJECT_BYTES per block the rank holds, EXPERT_OBJECT_BYTES more per
+    expert of an MoE block) and `logs` (the comm records
+    and op events of every step, RECORDS_PER_LAYER_STEP per block and micro-batch, and the MoE
+    log: its counts per forward and its bounded sample of token choices, meters.RoutingLog).
+    The launching process holds every rank's logs once more in the merged report, and its JSON
+    (`report`). Returns the parts and the total over the world's ranks."""
+    local_params = _local_params(cfg)
     b = cfg.batch // cfg.dp
     acts = cfg.layers * gpt_activation_bytes_per_layer(cfg.seq, b, cfg.d_model, cfg.heads, "none",
                                                        4, cfg.tp, cfg.sp, cfg.cp, cfg.cp_impl)
     logits = 3 * 4 * b * (cfg.seq // cfg.cp) * (cfg.vocab // cfg.tp)
     data = 2 * 8 * cfg.batch * cfg.seq
+    blocks = -(-cfg.layers // cfg.pp)  # the most a pipeline stage holds
+    micro = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    layer_objects = LAYER_OBJECT_BYTES * blocks
+    # (+1: the full parameters' gathering after the last step is recorded too)
+    logs = (cfg.steps + 1) * micro * (blocks + 2) * RECORDS_PER_LAYER_STEP * RECORD_BYTES
+    if getattr(cfg, "experts", 0):
+        moe_layers = len(moe_blocks(cfg.layers, cfg.experts, cfg.moe_every))
+        tokens = min(512, b * cfg.seq)  # meters.ROUTING_SAMPLE_TOKENS
+        per_token = 2 * (56 + 8 * cfg.top_k) + 3 * 8  # two lists of k, their pointers, a position
+        logs += moe_layers * (cfg.steps * micro * RECORD_BYTES + 17 * tokens * per_token)
+        layer_objects += -(-moe_layers // cfg.pp) * cfg.experts // cfg.ep * EXPERT_OBJECT_BYTES
     per_rank = {"states": 20 * local_params, "activations": int(acts), "logits": logits,
-                "data": data, "baseline": RANK_BASELINE_BYTES}
-    return {**per_rank, "per_rank": sum(per_rank.values()),
-            "total": cfg.world_size * sum(per_rank.values())}
+                "data": data, "baseline": RANK_BASELINE_BYTES,
+                "transients": TRANSIENT_BYTES_PER_PARAM * local_params,
+                "layer_objects": layer_objects, "logs": logs}
+    report = 2 * cfg.world_size * logs  # the merged report's dicts, and its JSON text
+    return {**per_rank, "per_rank": sum(per_rank.values()), "report": report,
+            "total": cfg.world_size * sum(per_rank.values()) + report}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -342,8 +342,7 @@ def test_disk_choice_moves_the_optimizer_to_a_disk_bar_at_every_stage():
     """Theory: with the optimizer on disk each stage's GPU bar loses its optimizer (ZeRO-3: its
     parameter slices too) and a disk bar holds 12 bytes per parameter the rank owns (fp32 master
     + two moments); the GPU total, and so the fit, counts the GPU's bytes only."""
-    at = _page()
-    _set(at, "select_slider", "GPUs", 2)
+    at = _page()  # (the page's default: the small toy on 2 GPUs, fp32 Adam)
     _set(at, "checkbox", "Optimizer states to disk", True)
     by = _stage_bars(at)
     p = TOY_PARAMS

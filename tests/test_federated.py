@@ -8,11 +8,12 @@ import sys
 import pytest
 
 from parallel_mini import theory
+from parallel_mini.__main__ import _summary
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.experiments import fedavg_rounds_to_target, rounds_to_target
 from parallel_mini.data import client_mixture, client_shard, client_size, successor_table
 from parallel_mini.engine import run
-from parallel_mini.parallel.federated import sample_clients
+from parallel_mini.parallel.federated import sample_clients, weighted_average
 from parallel_mini.reference import simulate_federated
 from test_local_sgd import one_thread  # noqa: F401  (autouse: simulations on one thread)
 
@@ -51,7 +52,15 @@ def test_federated_two_ranks_equals_its_simulation():
     """4 clients on 2 ranks (two each), 3 sampled per round, 2 local steps, 2 rounds."""
     report = run(config(dp=2))
     check(report)
+    assert "federated: 3 of 4 clients a round, 2 local step(s) each" in _summary(report)
     assert [r["clients"] for r in report.extra["federated"]["network"]] == [[0, 2], [1, 3]]
+
+
+def test_federated_four_ranks_uneven_hosts():
+    """6 clients on 4 ranks (2, 2, 1, 1 of them), 3 sampled a round: a rank may have none."""
+    report = run(config(dp=4, clients=6))
+    check(report)
+    assert [r["clients"] for r in report.extra["federated"]["network"]] == [[0, 4], [1, 5], [2], [3]]
 
 
 def _own_topic_transitions(cfg, k: int) -> float:
@@ -123,7 +132,8 @@ def test_fedavg_experiment_rows():
     rows = fedavg_rounds_to_target(non_iid=(0.0,), local_steps=(1, 4), rounds=8)
     assert [(r["non_iid"], r["local_steps"]) for r in rows] == [(0.0, 1), (0.0, 4)]
     assert rows[1]["rounds_to_target"] is not None
-    assert rows[0]["rounds_to_target"] is None or rows[0]["rounds_to_target"] > rows[1]["rounds_to_target"]
+    one, four = (r["rounds_to_target"] for r in rows)
+    assert one is None or one > four
     assert all(len(r["union_loss"]) == 8 for r in rows)
 
 
@@ -135,3 +145,33 @@ def test_fedavg_experiment_rows():
                                 dict(optimizer="sgd", lr=0.5, local_steps=3)])
 def test_federated_matrix(dp, kw):
     check(run(config(dp=dp, **kw)))
+
+
+@pytest.mark.slow
+def test_federated_with_experts():
+    """A mixture-of-experts model (its experts whole on every rank) trains apart too."""
+    check(run(config(dp=2, layers=2, experts=2)))
+
+
+def _unweighted_and_leaky(trained, sizes, sampled, like, comm, axis):
+    """A learner's wrong server: the plain mean (data sizes ignored), and it ships a client's
+    tokens too (a [B, seq] all-reduce)."""
+    import torch
+    comm.all_reduce(torch.zeros(4, 16), axis)  # "the data" (as many bytes as one client batch)
+    total = torch.zeros_like(like)
+    for w in trained.values():
+        total += w
+    comm.all_reduce(total, axis)
+    return total / len(sampled)
+
+
+@pytest.mark.slow
+def test_the_aggregation_hook_and_what_catches_a_wrong_one():
+    """engine.run(cfg, average_fn) puts a server's function in place of weighted_average: the
+    library's own equals the simulation; an unweighted, leaky one is off and its leak is counted."""
+    check(run(config(dp=2), average_fn=weighted_average))
+    wrong = run(config(dp=2), average_fn=_unweighted_and_leaky)
+    assert wrong.max_abs_diff > 1e-4
+    rounds = wrong.config["steps"]  # the run's whole count: 256 bytes a round
+    for rank in wrong.extra["federated"]["network"]:
+        assert rank["data_bytes_sent"] == rounds * 4 * 16 * 4

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from parallel_mini import theory
+from parallel_mini.__main__ import _summary
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.experiments import local_sgd_bytes
 from parallel_mini.engine import run
@@ -51,12 +52,22 @@ def test_local_sgd_two_ranks_equals_its_simulation_and_bytes_fall_by_h():
     """dp 2: H = 2 over 4 steps averages twice; H = 1 four times: twice the bytes per step."""
     apart = run(config(dp=2))
     check(apart)
+    assert "local SGD: 2 averages of the weights" in _summary(apart)
     every_step = run(config(dp=2, sync_every=1, reference=False))
     ratio = every_step.wire_bytes_per_step()["dp"] / apart.wire_bytes_per_step()["dp"]
     assert ratio == 2
     written = [r.wire_bytes_per_step(kind="measured")["dp"] for r in (every_step, apart)]
     if None not in written:
         assert written[0] / written[1] == pytest.approx(2, rel=0.03)
+
+
+def test_local_sgd_four_ranks_with_the_optimizer_states():
+    """dp 4, Adam's moments averaged with the weights: three times the bytes of the weights."""
+    report = run(config(dp=4, sync_optimizer=True))
+    check(report)
+    counted = report.extra["local_sgd"]["bytes_per_step"]["counted"]
+    weights_only = theory.local_sgd_wire_bytes_per_step(config(dp=4), report.theory["n_params"])
+    assert counted == pytest.approx(3 * weights_only)
 
 
 def test_h1_with_sgd_is_data_parallel_and_with_adam_is_not():
@@ -88,7 +99,7 @@ REFUSED = [
     (dict(cp=2), "--cp 2: context-parallel"), (dict(dp=2, zero=1), "--zero 1: ZeRO"),
     (dict(dp=2, ep=2, experts=2), "--ep 2: expert parallel"),
     (dict(dp_mode="naive"), "--dp-mode naive"), (dict(precision="bf16-mixed"), "bf16"),
-    (dict(save="/tmp/x"), "--save: a checkpoint"),
+    (dict(save="/tmp/x"), "--save: a checkpoint"), (dict(offload_disk="/tmp/x"), "--offload-disk"),
 ]
 
 
@@ -116,7 +127,7 @@ def test_cli_refuses_without_torch():
     assert out.stderr.count("\n") == 1 and "--tp 2" in out.stderr
 
 
-# -- -m slow: every world size, the optimizer states, gradient accumulation, experts ----------------
+# -- -m slow: every world size, the optimizer states, gradient accumulation, experts -------------
 @pytest.mark.slow
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("kw", [dict(), dict(sync_optimizer=True), dict(sync_every=3, steps=5),

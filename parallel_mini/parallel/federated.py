@@ -1,4 +1,4 @@
-"""Federated averaging: clients train on data that never leaves them; a server averages their weights.
+"""Federated averaging: clients train on data that never leaves them; a server averages weights.
 
 McMahan et al., 2017, "Communication-efficient learning of deep networks from decentralized data"
 (FedAvg). K clients each hold their own shard of the corpus (data.client_shard: a mixture of
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..comm import Comm
 from ..data import client_batch, client_mixture, client_shard, client_size, mix_seed
 from ..launch import rank_device
-from ..meters import Timeline
+from ..meters import ActivationMeter, Timeline
 from ..optim import make_optimizer
 from .local_sgd import LocalSteps
 
@@ -48,20 +48,37 @@ def host(client: int, dp: int) -> int:
     return client % dp
 
 
+def weighted_average(trained: dict[int, torch.Tensor], sizes: list[int], sampled: list[int],
+                     like: torch.Tensor, comm: Comm, axis: str) -> torch.Tensor:
+    """The server's step: sum_k n_k w_k / sum_k n_k over the round's sampled clients. `trained`
+    holds the flat weights ([P]) of the sampled clients on this rank only (none, on some ranks);
+    one all-reduce over the axis adds every rank's partial sum. `like`: a [P] tensor to shape the
+    zeros of a rank without a sampled client."""
+    weighted = torch.zeros_like(like)  # [P]: sum of n_k w_k over this rank's sampled clients
+    for k, w in trained.items():
+        weighted += sizes[k] * w
+    comm.all_reduce(weighted, axis)
+    return weighted / sum(sizes[k] for k in sampled)
+
+
 class FederatedAveraging(LocalSteps):
     """GradientStrategy: the sampled client's own optimizer (fresh each round), and the server's
-    data-weighted average of the clients' weights over the dp axis."""
+    data-weighted average of the clients' weights over the dp axis. `aggregate_fn` replaces
+    weighted_average (same arguments; a learner's exercise runs through here)."""
+
+    def __init__(self, model, comm, cfg, axis: str = "dp", aggregate_fn=None):
+        super().__init__(model, comm, cfg, axis)
+        self.aggregate_fn = aggregate_fn or weighted_average
 
     def start_client(self) -> None:
         """A client's round starts with an optimizer of its own, without state."""
         self.optimizer = make_optimizer(self.cfg.optimizer, self.model.parameters(), self.cfg.lr,
                                         self.cfg.precision)
 
-    def aggregate(self, weighted_sum: torch.Tensor, total: int) -> None:
-        """The server: weighted_sum is this rank's sum of n_k w_k ([P], flat as `flat`); after
-        the all-reduce over dp it is the round's sum over every sampled client."""
-        self.comm.all_reduce(weighted_sum, self.axis, kind="fedavg")
-        self.load_flat(weighted_sum / total)
+    def aggregate(self, trained: dict[int, torch.Tensor], sizes: list[int], sampled: list[int],
+                  like: torch.Tensor) -> None:
+        """The server's weights := the aggregate of this round's clients, on every rank."""
+        self.load_flat(self.aggregate_fn(trained, sizes, sampled, like, self.comm, self.axis))
 
 
 class FederatedRounds:
@@ -69,8 +86,9 @@ class FederatedRounds:
 
     reference_per_microbatch = False
 
-    def __init__(self, model: torch.nn.Module, comm: Comm, cfg, timeline: Timeline):
-        self.model, self.comm, self.cfg, self.timeline = model, comm, cfg, timeline
+    def __init__(self, model: torch.nn.Module, comm: Comm, cfg, timeline: Timeline,
+                 act: ActivationMeter):
+        self.model, self.comm, self.cfg, self.timeline, self.act = model, comm, cfg, timeline, act
         self.axis = comm.mesh.axis_for("batch")
         self.dp, self.me = comm.size(self.axis), comm.rank(self.axis)
         self.sizes = [client_size(cfg, k) for k in range(cfg.clients)]  # n_k, known to the server
@@ -89,18 +107,16 @@ class FederatedRounds:
         strategy, cfg = self.strategy, self.cfg
         chosen = sample_clients(cfg, round_)
         server = strategy.flat()  # [P]: the weights every sampled client starts from
-        weighted = torch.zeros_like(server)  # [P]: sum of n_k w_k over this rank's sampled clients
-        trained: dict[int, torch.Tensor] = {}
+        trained: dict[int, torch.Tensor] = {}  # [P] each: this rank's sampled clients' weights
         train_loss: dict[int, float] = {}
         for k in (k for k in chosen if k in self.shards):
             strategy.load_flat(server)
             strategy.start_client()
             losses = [self._local_step(k, round_, e) for e in range(cfg.local_steps)]
             trained[k] = strategy.flat()
-            weighted += self.sizes[k] * trained[k]
             train_loss[k] = sum(losses) / len(losses)
         with self.timeline.op("aggregate", round_):
-            strategy.aggregate(weighted, sum(self.sizes[k] for k in chosen))
+            strategy.aggregate(trained, self.sizes, chosen, server)
         average = strategy.flat()
         clients_loss = self._evaluate(round_)
         union = sum(n * x for n, x in zip(self.sizes, clients_loss)) / sum(self.sizes)
@@ -113,7 +129,7 @@ class FederatedRounds:
         x, y = (t.to(rank_device()) for t in
                 client_batch(self.cfg, client, self.shards[client], round_, local_step))  # [B, s]
         self.strategy.zero_grad()
-        with self.timeline.op("forward", round_, local_step, client=client):
+        with self.timeline.op("forward", round_, local_step, client=client), self.act.forward():
             loss = self.model(x, y)
         with self.timeline.op("backward", round_, local_step, client=client):
             loss.backward()
@@ -135,7 +151,7 @@ class FederatedRounds:
         return losses.tolist()
 
     def activation_peak(self) -> int:
-        return 0  # not metered: a client's forward is the plain step's (step.py)
+        return self.act.peak  # a local step's forward, in the metered (last) round
 
     def report(self) -> dict:
         return {"federated": {"clients": self.mine, "sizes": self.sizes,
@@ -145,10 +161,11 @@ class FederatedRounds:
 def summary(report) -> dict:
     """What a federated run's report adds (RunReport.extra["federated"]): per round the sampled
     clients, every client's loss and the union's, each sampled client's training loss and drift
-    (gathered from the ranks that host them); and what crossed the network, rank by rank, per
-    round: the weights' all-reduce counted from the comm records, predicted, written to the
-    sockets; the bytes of every other record (the only way a client's data could have left its
-    rank, counted: zero) and a server-and-clients deployment's bytes for comparison (theory)."""
+    (gathered from the ranks that host them); and what crossed the network, rank by rank: per
+    round the weights' all-reduce, counted from the comm records, predicted and written to the
+    sockets; over the whole run the bytes of every record that is not a whole set of weights (P
+    elements), a bound on the client data that left its rank (counted: zero); and, for
+    comparison, a server-and-clients deployment's bytes per round (theory)."""
     cfg = report.config
     rounds = [dict(r, drift={}, train_loss={}) for r in report.ranks[0]["federated"]["rounds"]]
     for rank in report.ranks:
@@ -170,7 +187,7 @@ def summary(report) -> dict:
                 "theory": report.theory["wire_bytes_per_step"].get("dp", 0),
                 "measured": report.wire_bytes_per_step(r, kind="measured").get("dp", 0)},
             "data_bytes_sent": sum(rec["payload_bytes"] for rec in report.ranks[r]["comm"]
-                                   if rec["step"] >= 0 and rec.get("kind") != "fedavg")})
+                                   if rec["step"] >= 0 and rec["count"] != n_params)})
     return {"clients": cfg["clients"], "clients_per_round": sampled,
             "local_steps": cfg["local_steps"], "non_iid": cfg["non_iid"],
             "client_sizes": report.ranks[0]["federated"]["sizes"],

@@ -1,4 +1,4 @@
-"""Local SGD: every data-parallel rank trains alone for H steps, then the ranks average their weights.
+"""Local SGD: every data-parallel rank trains alone for H steps, then the ranks average weights.
 
 Data parallel (data.py) averages the *gradients* after every backward: the ranks step together,
 and every step pays an all-reduce of the whole model. Local SGD (Stich, 2019, "Local SGD converges

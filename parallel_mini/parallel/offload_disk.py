@@ -20,9 +20,14 @@ beside the count from this thread's Linux I/O counters (/proc/thread-self/io): `
 (bytes through read/write calls: equal to the count), `read_bytes`/`write_bytes` (bytes the
 storage layer moved, in 4 KiB pages). The page cache would answer reads from RAM, so after each
 step the file is synced and its pages dropped (posix_fadvise DONTNEED), as are the pages of a
-ZeRO-3 gather's read: the next read comes from the disk, and read_bytes shows it.
-DeepSpeed's swapper (deepspeed/runtime/swap_tensor/) does the same with async I/O, pinned buffers
-and overlap; here every transfer is synchronous, so that it is easy to read and to measure.
+ZeRO-3 gather's read, and read-ahead is off: the next read comes from the disk, and read_bytes
+shows it. A checkpoint reads the file into RAM for as long as it takes (`snapshot`, `restore`).
+
+DeepSpeed's PipelinedOptimizerSwapper (deepspeed/runtime/swap_tensor/) swaps each parameter's
+states in and out with asynchronous I/O (libaio handles) through a pool of pinned, I/O-aligned
+buffers, one file per state tensor, reading the next parameter's states while the current one
+steps. Here every transfer is synchronous and one file holds the rank's states, so that it is easy
+to read and to measure; the time that overlap would hide is what the lesson's 7B estimate counts.
 """
 from __future__ import annotations
 
