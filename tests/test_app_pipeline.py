@@ -217,15 +217,21 @@ def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference(monkeypatch):
     assert _chart(at, f"gpipe: {WALL}")
 
 
-def test_live_interleaved_vs_zero_bubble_on_two_stages():
+def _live_pair(p: int, m: int, first: str, second: str):
+    """The page after a live run of `first` beside `second` on p stages, m micro-batches."""
     at = _app(PAGE)
-    p, m, v = 2, 4, 2
     _set(at, "radio", "Pipeline stages", p)
     _set(at, "slider", "Micro-batches", m)
-    _set(at, "selectbox", "Schedule", "interleaved")
-    _set(at, "selectbox", "Compare with", "zb")
+    _set(at, "selectbox", "Schedule", first)
+    _set(at, "selectbox", "Compare with", second)
     at.button[0].click().run()
     _assert_clean(at)
+    return at
+
+
+def test_live_interleaved_vs_zero_bubble_on_two_stages():
+    p, m, v = 2, 4, 2
+    at = _live_pair(p, m, "interleaved", "zb")
     assert float(_widget(at.metric, "max |run − reference| (losses, final params): interleaved")
                  .value) <= 1e-5
     assert float(_widget(at.metric, "max |run − reference| (losses, final params): zb")
@@ -303,14 +309,8 @@ def test_live_dualpipe_vs_dualpipev_on_two_stages():
     """Both DualPipes run live on the page: equal to the reference, the wall-clock bubble shown is
     the drawn timeline's idle share, and every stage sends exactly the bytes theory predicts
     (DualPipe's include the exchange of the two copies' gradients)."""
-    at = _app(PAGE)
     p, m = 2, 4
-    _set(at, "radio", "Pipeline stages", p)
-    _set(at, "slider", "Micro-batches", m)
-    _set(at, "selectbox", "Schedule", "dualpipe")
-    _set(at, "selectbox", "Compare with", "dualpipev")
-    at.button[0].click().run()
-    _assert_clean(at)
+    at = _live_pair(p, m, "dualpipe", "dualpipev")
     for lab in ("dualpipe", "dualpipev"):
         (diff,) = [w for w in at.metric if w.label == f"max |run − reference| (losses, final params): {lab}"]
         assert float(diff.value) <= 1e-5
