@@ -537,7 +537,8 @@ def _pipeline_theory(cfg) -> dict:
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
             schedule.owner, r, cfg.microbatches, boundary, schedule.stages)
         if schedule.directions == 2:  # DualPipe: the stage copies' gradients, one exchange a step
-            stage["wire_bytes_per_step"]["pp"] += sum(units) * BYTES_PER_PARAM[cfg.precision]
+            held = sum(units) + (sum(expert_unit_sizes(cfg, mine)) if apart else 0)  # + E/ep experts
+            stage["wire_bytes_per_step"]["pp"] += held * BYTES_PER_PARAM[cfg.precision]
         chunks = [schedule.stage_of(c) for c, o in enumerate(schedule.owner) if o == r]
         blocks = len(chunks) * cfg.layers // schedule.stages  # the stage's blocks
         moe_here = len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),

@@ -378,9 +378,11 @@ v = v_choice if uses_v else 1
 # little beside a stage (zbv needs 2 chunks per rank: both schedules get lcm(v, 2))
 v_shaped = {"zbv", "dualpipev"} & {first, second}
 layers = S.pipeline_layers(pp, v * 2 // math.gcd(v, 2) if v_shaped else v)
+per_chunk = {s: layers // (pp * (v if s == "interleaved" else 2 if s in ("zbv", "dualpipev") else 1))
+             for s in dict.fromkeys([first, second])}  # (dualpipe: p stages, each held twice)
 c3.caption(f"Model: {layers} layers × d{MODEL['d_model']}, vocabulary {MODEL['vocab']}, "
-           f"{STEPS} steps (the same model for both schedules: {layers // (pp * v)} "
-           f"layer(s) per chunk).")
+           f"{STEPS} steps (the same model for both schedules: "
+           + ", ".join(f"{n} layer(s) per chunk ({s})" for s, n in per_chunk.items()) + ").")
 fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 chosen = list(dict.fromkeys([first, second]))

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 
 from .. import theory
 from . import at_scale
-from ..parallel.schedules import build_schedule, chunk_owner, directions, in_flight, overlapped_pairs
+from ..parallel.schedules import build_schedule, chunk_owner, directions, in_flight
 
 GiB = 2 ** 30
 
@@ -575,18 +575,15 @@ def in_flight_per_rank(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
     return list(in_flight(build_schedule(schedule, pp, m, v)))
 
 
-@functools.lru_cache(maxsize=None)
 def dual_paired_share(pp: int, m: int) -> float:
     """DualPipe: the share of a rank's forwards and backwards that run in F&B pairs
-    (schedules.overlapped_pairs; the rank with the fewest), whose communication (the experts'
-    all-to-all, the pipeline's sends) runs while the other half of the pair computes."""
-    s = build_schedule("dualpipe", pp, m)
-    pairs = overlapped_pairs(s)
-    share = []
-    for r, ops in enumerate(s.ops):
-        paired = sum(2 for (rank, _i) in pairs if rank == r)  # an F and a B in each
-        share.append(paired / sum(op.kind in "FB" for op in ops))
-    return min(share)
+    (schedules.overlapped_pairs), whose communication (the experts' all-to-all, the pipeline's
+    sends) runs while the other half of the pair computes. In closed form (tests/test_dualpipe.py
+    counts the pairs of the built schedules): half rank h of R = p/2 with n = m/2 micro-batches per
+    direction pairs 2(n - 2R + h + 1) times in phase 4 and R - h - 1 times in phase 5, of its 2n
+    forwards; the ranks at the ends (h = 0) pair the fewest: (2n - 3R + 1) / 2n."""
+    half, n = pp // 2, m // 2
+    return (2 * n - 3 * half + 1) / (2 * n)
 
 
 # ---------------------------------------------------------------------------------------------
