@@ -1,0 +1,47 @@
+"""The benchmarks' own machinery, without ranks: the stable-median rule and `--compare`."""
+import json
+
+from parallel_mini.course import bench
+
+
+def test_a_median_is_stable_once_it_stops_moving():
+    settled = [10.0, 30.0, 11.0, 10.0, 10.1, 10.0, 10.05, 9.99]
+    assert bench.median_settled(settled)
+    assert not bench.median_settled(settled[:3])            # too few values to tell
+    drifting = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]         # each value moves the median
+    assert not bench.median_settled(drifting)
+    assert bench.median_settled(drifting, tol=0.2)          # the rule's tolerance is used
+    reps = bench.Repeats(least=4, most=8)
+    assert reps.more([settled[:3]])                         # fewer than `least`
+    assert not reps.more([settled])                         # enough and settled
+    assert reps.more([settled, drifting])                   # one series still moving
+    assert not reps.more([settled, drifting + [16.0, 17.0]])  # at the cap: stop
+    assert bench.Repeats.verdict([settled, drifting]) == {"repeats": 6, "stable": False}
+
+
+def _run(cp2, dp2, extra_pp=None):
+    out = {"cp": [{"cp": 2, "impl": "ring", "ours_over_torch": cp2},
+                  {"cp": 4, "impl": "ring", "ours_over_torch": 1.0}],
+           "dp": [{"dp": 2, "bucketed_over_ddp": dp2, "naive_over_ddp": 1.5,
+                   "allreduce_overlapped": 0.5}]}
+    if extra_pp:
+        out["pp"] = [{"pp": 2, "schedule": "1f1b", "ours_over_torch": extra_pp}]
+    return out
+
+
+def test_compare_flags_a_ratio_that_got_worse(tmp_path, capsys):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(_run(cp2=2.0, dp2=1.0)))
+    new.write_text(json.dumps(_run(cp2=1.0, dp2=1.25, extra_pp=0.9)))
+    rows = {(r["row"], r["ratio"]): r for r in bench.compare(json.loads(old.read_text()),
+                                                              json.loads(new.read_text()))}
+    assert rows[("cp 2 ring", "ours/torch")]["change"] == 0.5
+    assert rows[("cp 2 ring", "ours/torch")]["verdict"] == "better"
+    assert rows[("cp 4 ring", "ours/torch")]["verdict"] == ""
+    assert rows[("dp 2", "bucketed/DDP")]["verdict"] == "WORSE"
+    assert rows[("pp 2 1f1b", "ours/torch")]["verdict"] == "new"
+    # the command line: two saved runs, no benchmark run
+    assert bench.main(["--compare", str(old), str(new)]) == 0
+    printed = capsys.readouterr().out
+    assert "1 worse: dp dp 2 bucketed/DDP" in printed and "0.50x" in printed
+    assert bench.main(["--compare", str(old)]) == 2        # one file and no benchmark: refused
