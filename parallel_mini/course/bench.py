@@ -867,7 +867,71 @@ def _cp_rank(impl: str, shape: tuple, warmup: int, steps: int) -> dict:
                 times[name].append(elapsed)
         if i > warmup:
             hidden.append(hidden_fraction(core.hops))
-    return {"times": times, "hidden": hidden}
+    return {"times": times, "hidden": hidden, "split_ms": _tile_split(core, q, k, v, grad)}
+
+
+def _fastest_ms(fn, repeats: int = 7) -> float:
+    """The fastest of `repeats` calls, in ms: on a loaded machine the least disturbed one."""
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def _tile_split(core, q, k, v, grad) -> dict:
+    """Where one tile's time goes (ms, the fastest of 7 calls, on this rank; the ranks run this at the same time,
+    as they run the ring): the written-out tile's steps (score matmul, the causal mask built and
+    applied, log-sum-exp + exp, the P @ V matmul; backward's recomputed P and its four matmuls),
+    the fused tile (torch's flash kernel, forward and backward), the online-softmax merge, the copy
+    of K and V into one message, and posting one hop's send and receive (the calls returning, not
+    the transfer) against the whole hop (post to arrival)."""
+    import math
+
+    from ..parallel import context
+    size = q.shape[2] // len(context.chunks_of(core.layout, core.c, core.rank))
+    qt, kt, vt, dot = (t[:, :, :size] for t in (q, k, v, grad))  # one chunk: [b, a, size, d]
+    scores = qt @ kt.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores, -1)
+    out = (scores - lse.unsqueeze(-1)).exp() @ vt
+    fused_fw, fused_bw = context._FUSED["cpu"]
+    split = {
+        "score matmul": _fastest_ms(lambda: qt @ kt.transpose(-2, -1) / math.sqrt(q.shape[-1])),
+        "causal mask": _fastest_ms(lambda: scores.masked_fill(
+            ~torch.ones(size, size, dtype=torch.bool).tril(), float("-inf"))),
+        "lse + exp": _fastest_ms(lambda: (scores - torch.logsumexp(scores, -1).unsqueeze(-1)).exp()),
+        "P @ V": _fastest_ms(lambda: scores @ vt),
+        "written-out backward": _fastest_ms(lambda: _written_backward(context, dot, qt, kt, vt,
+                                                                     out, lse)),
+        "fused forward": _fastest_ms(lambda: fused_fw(qt, kt, vt, is_causal=False)),
+        "fused backward": _fastest_ms(lambda: fused_bw(dot, qt, kt, vt, out, lse, 0.0, False)),
+        "merge": _fastest_ms(lambda: context._merge(out, lse, out, lse)),
+        "K/V copy": _fastest_ms(lambda: torch.stack([k, v])),
+    }
+    kv = torch.stack([k, v])
+    post, hop_ms = [], []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, hop = core._pass(kv, 0, "kv")
+        post.append(time.perf_counter() - t0)
+        hop.wait()
+        hop_ms.append(time.perf_counter() - t0)
+    core.comm.records.clear()
+    split["post send+recv"] = 1e3 * statistics.median(post)
+    split["whole hop"] = 1e3 * statistics.median(hop_ms)
+    return split
+
+
+def _written_backward(context, grad_out, q, k, v, out, lse):
+    """The written-out tile backward (context._tile_grads without the fused kernel)."""
+    fused, context._FUSED = context._FUSED, {}
+    try:
+        return context._tile_grads(grad_out, q, k, v, out, lse, False)
+    finally:
+        context._FUSED = fused
 
 
 def bench_cp(cps=(2, 4), impls=("ring", "zigzag"), shape=(4, 8, 512, 32), warmup: int = 2,
@@ -881,6 +945,7 @@ def bench_cp(cps=(2, 4), impls=("ring", "zigzag"), shape=(4, 8, 512, 32), warmup
             rows.append({"cp": c, "impl": impl, "ours_ms": 1e3 * ours, "torch_ms": 1e3 * peer,
                          "ours_over_torch": ours / peer,
                          "kv_hidden": statistics.median(res["hidden"]), "shape": list(shape),
+                         "split_ms": res["split_ms"],  # rank 0's
                          **_verdict(res["times"]["ours"], res["times"]["torch"])})
     return rows
 
@@ -892,6 +957,12 @@ def _print_cp(rows):
     print(_table(["cp", "impl", "ours ms", "torch ms", "ours/torch", "kv hidden"],
                  [[r["cp"], r["impl"], f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}",
                    f"{r['ours_over_torch']:.2f}", f"{r['kv_hidden']:.0%}"] for r in rows]))
+    parts = list(rows[0]["split_ms"])
+    print(f"  where a tile's time goes (ms, fastest of 7 calls on rank 0 of each run; one query chunk against "
+          f"one key chunk, [b, a, n, d] = {rows[0]['shape'][:2] + ['s/C or s/2C', rows[0]['shape'][3]]}): "
+          "the written-out tile's steps, the fused tile (the ring's), the merge, copies, one hop")
+    print(_table(["cp", "impl", *parts],
+                 [[r["cp"], r["impl"], *(f"{r['split_ms'][k]:.2f}" for k in parts)] for r in rows]))
 
 
 def _ep_split(report, rank: int, step: int) -> dict:
