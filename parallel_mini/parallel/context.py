@@ -217,9 +217,13 @@ class RingAttentionCore(torch.nn.Module):
         qs, dos, outs = q.split(size, 2), grad_out.split(size, 2), out.split(size, 2)
         lses = [x.contiguous() for x in lse.split(size, 2)]  # the fused backward reads it flat
         dq = [torch.zeros_like(x) for x in qs]
-        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
+        # one message buffer [k, v, dk, dv]: the block travels with its gradients so far. Built
+        # once; each hop sends the buffer it received (no copy per hop, as a cat would make)
+        both = torch.empty(4, *k.shape, dtype=k.dtype, device=k.device)
+        both[0], both[1], both[2:] = k, v, 0
         for t in range(self.c):
             src = (self.rank - t) % self.c
+            kv, dkv = both[:2], both[2:]  # views
             ks, vs = kv[0].split(size, 2), kv[1].split(size, 2)
             dks, dvs = dkv[0].split(size, 2), dkv[1].split(size, 2)  # views: += writes into dkv
             for i, j, qc, kc in self._pairs(src):
@@ -232,9 +236,8 @@ class RingAttentionCore(torch.nn.Module):
                 dks[j].add_(dk_t)
                 dvs[j].add_(dv_t)
             if t < self.c - 1:  # block, and its gradients so far, to the next rank
-                both, hop = self._pass(torch.cat([kv, dkv]), t, "kv+dkv")
+                both, hop = self._pass(both, t, "kv+dkv")
                 hop.wait()
-                kv, dkv = both[:2], both[2:]
             else:  # the last hop takes the gradients home to the block's owner
                 dkv, hop = self._pass(dkv, t, "dkv")
                 hop.wait()
