@@ -1,6 +1,8 @@
 """The benchmarks' own machinery, without ranks: the stable-median rule and `--compare`."""
 import json
 
+import pytest
+
 from parallel_mini.course import bench
 
 
@@ -45,3 +47,15 @@ def test_compare_flags_a_ratio_that_got_worse(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "1 worse: dp dp 2 bucketed/DDP" in printed and "0.50x" in printed
     assert bench.main(["--compare", str(old)]) == 2        # one file and no benchmark: refused
+
+
+@pytest.mark.slow  # two ranks and torch's ring: ~5 s of CPU
+def test_bench_cp_reports_the_tile_split_and_its_stability():
+    """A tiny `bench cp` on 2 ranks: the ratio, the stability verdict and where a tile's time
+    goes are in the row (the values are timings: only their presence is checked)."""
+    rows = bench.bench_cp(cps=(2,), impls=("zigzag",), shape=(1, 2, 16, 4), warmup=1, steps=2)
+    (row,) = rows
+    assert row["ours_over_torch"] > 0 and row["repeats"] >= 2 and isinstance(row["stable"], bool)
+    assert {"score matmul", "causal mask", "fused forward", "fused backward", "merge",
+            "K/V copy", "post send+recv", "whole hop"} <= set(row["split_ms"])
+    assert bench._stability_line("cp", rows).startswith("    ")

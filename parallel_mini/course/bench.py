@@ -1091,6 +1091,7 @@ def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch
                 row["a2a_uniform_formula"] = report.theory["ep_all_to_all_uniform"]
         row["sharded_over_replicated"] = row["sharded_ms"] / row["replicated_ms"]
         row["stable"] = row["sharded_stable"] and row["replicated_stable"]
+        row["repeats"] = row["sharded_steps_measured"]
         rows.append(row)
     return rows
 
