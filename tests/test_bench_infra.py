@@ -21,20 +21,19 @@ def test_a_median_is_stable_once_it_stops_moving():
     assert bench.Repeats.verdict([settled, drifting]) == {"repeats": 6, "stable": False}
 
 
-def _run(cp2, dp2, extra_pp=None):
+def _run(cp2, dp2, pps=(4,)):
     out = {"cp": [{"cp": 2, "impl": "ring", "ours_over_torch": cp2},
                   {"cp": 4, "impl": "ring", "ours_over_torch": 1.0}],
            "dp": [{"dp": 2, "bucketed_over_ddp": dp2, "naive_over_ddp": 1.5,
                    "allreduce_overlapped": 0.5}]}
-    if extra_pp:
-        out["pp"] = [{"pp": 2, "schedule": "1f1b", "ours_over_torch": extra_pp}]
+    out["pp"] = [{"pp": pp, "schedule": "1f1b", "ours_over_torch": 1.0} for pp in pps]
     return out
 
 
 def test_compare_flags_a_ratio_that_got_worse(tmp_path, capsys):
     old, new = tmp_path / "old.json", tmp_path / "new.json"
     old.write_text(json.dumps(_run(cp2=2.0, dp2=1.0)))
-    new.write_text(json.dumps(_run(cp2=1.0, dp2=1.25, extra_pp=0.9)))
+    new.write_text(json.dumps(_run(cp2=1.0, dp2=1.25, pps=(2,))))
     rows = {(r["row"], r["ratio"]): r for r in bench.compare(json.loads(old.read_text()),
                                                               json.loads(new.read_text()))}
     assert rows[("cp 2 ring", "ours/torch")]["change"] == 0.5
@@ -42,6 +41,8 @@ def test_compare_flags_a_ratio_that_got_worse(tmp_path, capsys):
     assert rows[("cp 4 ring", "ours/torch")]["verdict"] == ""
     assert rows[("dp 2", "bucketed/DDP")]["verdict"] == "WORSE"
     assert rows[("pp 2 1f1b", "ours/torch")]["verdict"] == "new"
+    assert rows[("pp 4 1f1b", "ours/torch")]["verdict"] == "gone"
+    assert not any(r["section"] == "ep" for r in rows.values())  # in neither: not compared
     # the command line: two saved runs, no benchmark run
     assert bench.main(["--compare", str(old), str(new)]) == 0
     printed = capsys.readouterr().out

@@ -1477,11 +1477,12 @@ WORSE_BY = 0.10  # a ratio 10 % worse (points: 3 points further from the formula
 
 
 def compare(old: dict, new: dict) -> list[dict]:
-    """Each row and ratio of COMPARED present in both results: then, now, now / then (points:
-    now - then) and "worse" / "better" past WORSE_BY. Rows in only one are listed with None."""
+    """Each row and ratio of COMPARED in the sections both results ran: then, now, now / then
+    (points: now - then) and "worse" / "better" past WORSE_BY. A row in only one of them is
+    listed as "new" or "gone"."""
     rows = []
     for section, (name_of, metrics) in COMPARED.items():
-        if section not in old and section not in new:
+        if section not in old or section not in new:
             continue
         then = {name_of(r): r for r in old.get(section) or []}
         now = {name_of(r): r for r in new.get(section) or []}
@@ -1506,12 +1507,16 @@ def compare(old: dict, new: dict) -> list[dict]:
     return rows
 
 
-def _print_compare(rows: list[dict], old_path: str):
+def _print_compare(rows: list[dict], old_path: str, old: dict, new: dict):
     def num(x):
         return "-" if x is None else f"{x:.2f}"
 
     print(f"compared with {old_path} (ratios within each run; WORSE / better: past "
           f"{WORSE_BY:.0%}, or 3 points for the bubble)")
+    for label, a, b in (("only then", old, new), ("only now", new, old)):
+        alone = [s for s in COMPARED if s in a and s not in b]
+        if alone:
+            print(f"    sections {label} (not compared): {', '.join(alone)}")
     print(_table(["section", "row", "ratio", "then", "now", "now/then (points: now-then)", ""],
                  [[r["section"], r["row"], r["ratio"], num(r["then"]), num(r["now"]),
                    "-" if r["change"] is None else (f"{r['change']:+.1f}" if "points" in r["ratio"]
@@ -1615,7 +1620,7 @@ def main(argv=None) -> int:
                   "to compare two saved runs", file=sys.stderr)
             return 2
         old, new = (json.loads(Path(f).read_text()) for f in args.compare)
-        _print_compare(compare(old, new), args.compare[0])
+        _print_compare(compare(old, new), args.compare[0], old, new)
         return 0
     if args.compare and len(args.compare) != 1:
         print("bench: --compare takes OLD.json when a benchmark runs (OLD.json NEW.json without "
@@ -1661,7 +1666,7 @@ def main(argv=None) -> int:
                 json.dump(out, fh, indent=1)
     if args.compare:
         old = json.loads(Path(args.compare[0]).read_text())
-        _print_compare(compare(old, out), args.compare[0])
+        _print_compare(compare(old, out), args.compare[0], old, out)
     return 0
 
 
