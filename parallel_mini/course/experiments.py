@@ -351,3 +351,30 @@ def fedavg_rounds_to_target(target: float = 3.0, non_iid=(0.0, 10.0), local_step
                                         for r in fed["rounds"]],
                          "weights_bytes_per_round": fed["network"][0]["weights_bytes_per_round"]})
     return rows
+
+
+def barrier_curve(report) -> list[dict]:
+    """A synchronous or asynchronous run's loss curve: per update {time (s on the wall clock,
+    measured), samples, loss} (bench's curves: sync DP's global loss per step; async's smoothed
+    over one update per worker)."""
+    from .bench import _async_curve, _sync_curve
+
+    return _async_curve(report) if report.config.get("asynchronous") else _sync_curve(report)
+
+
+def straggler_runs(ranks: int = 4, factor: float = 3.0, steps: int = 8, batch: int = 12,
+                   max_staleness: int = -1, straggler_rank: int | None = None, **model) -> dict:
+    """Synchronous DP and asynchronous SGD on `ranks` ranks, each without and with a straggler
+    (`straggler_rank`, default the last rank, `factor` times slower): {name: RunReport}, one live
+    run each on the same data and model (SMALL unless given)."""
+    from ..engine import run
+
+    slow = f"{ranks - 1 if straggler_rank is None else straggler_rank}:{factor:g}"
+    common = dict(dp=ranks, steps=steps, batch=batch, **{**SMALL, **model})
+    configs = {"sync DP": RunConfig(**common), f"sync DP, straggler ×{factor:g}":
+               RunConfig(**common, straggler=slow),
+               "async": RunConfig(**common, asynchronous=True, max_staleness=max_staleness),
+               f"async, straggler ×{factor:g}": RunConfig(**common, asynchronous=True,
+                                                          max_staleness=max_staleness,
+                                                          straggler=slow)}
+    return {name: run(cfg) for name, cfg in configs.items()}

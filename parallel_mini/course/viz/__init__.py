@@ -16,6 +16,8 @@ One module per topic, each listing its charts in its docstring:
                                                                   (lesson 06, Long sequences page)
     experts.py   routing, the all-to-all matrix, expert load     (lesson 07, Experts page)
     plan.py      the planner's layouts and the toy's memory       (lessons 08-09, Plan a run page)
+    barrier.py   staleness, loss against the wall clock, local SGD's bytes, FedAvg rounds
+                                                                  (lesson 10, Without a barrier page)
     animate.py   frames drawn in the browser by the chart's own timer (Ring, Long sequences)
     style.py     fitting a chart to its container, presentation sizes
     units.py     what they share: units, autosize, grouped bars by source
