@@ -308,8 +308,7 @@ class UnitsOnDisk(DiskOptimizer):
 
     def shard(self, unit) -> torch.Tensor:
         """My slice of `unit` [k], read from the master plane in the unit's compute precision."""
-        full = unit.full  # (its dtype and device: an op on it would be one GatherOnUse sees)
-        out = torch.empty(unit.layout.shard_numel, dtype=full.dtype, device=full.device)  # [k]
+        out = torch.empty(unit.layout.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
         return self.read(*self.pieces_at[unit], out)
 
 
