@@ -235,6 +235,18 @@ class DiskOptimizer:
                     self.params[i].view(-1).copy_(master)
             self._drop_cache()
 
+    def checkpoint_states(self) -> "Snapshot":
+        """A strategy's `owned`: the states in RAM while a checkpoint reads or fills them; kept
+        until `checkpoint_loaded` writes them back."""
+        self.held = self.snapshot()
+        return self.held
+
+    def checkpoint_loaded(self) -> None:
+        """A strategy's `loaded`: what a checkpoint filled goes back to the file."""
+        if getattr(self, "held", None) is not None:
+            self.restore(self.held)
+            self.held = None
+
     @contextmanager
     def _io_step(self, name: str):
         """I/O outside the training steps is recorded under its own name."""
@@ -264,6 +276,40 @@ class DiskOptimizer:
             os.close(self.fd)
             self.fd = None
         self.counters.close()
+
+
+class DiskMethods:
+    """The GradientStrategy methods --offload-disk fills in, for a strategy whose `disk` names its
+    file ("" for none) and whose `optimizer` is then a DiskOptimizer."""
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.optimizer.buffer] if self.disk else []  # the window the step streams through
+
+    def disk_report(self) -> dict:
+        return self.optimizer.report() if self.disk else {}
+
+    def close(self) -> None:
+        if self.disk:
+            self.optimizer.close()
+
+
+class UnitsOnDisk(DiskOptimizer):
+    """ZeRO-3's optimizer under --offload-disk: the file holds every unit's fp32 master slice and
+    moments, and no unit keeps a slice in RAM (zero3.Unit's `shard` and `master` become None): each
+    gather reads the unit's slice back from the master plane (`shard`)."""
+
+    def __init__(self, path: str, name: str, lr: float, units: list, views: list[torch.Tensor],
+                 step_of):
+        super().__init__(path, name, lr, initial=views, step_of=step_of)
+        self.pieces_at, first = {}, 0  # unit -> its pieces [first, last), contiguous in a plane
+        for u in units:
+            self.pieces_at[u], first = (first, first + len(u.pieces)), first + len(u.pieces)
+            u.shard = u.master = None
+
+    def shard(self, unit) -> torch.Tensor:
+        """My slice of `unit` [k], read from the master plane in the unit's compute precision."""
+        out = torch.empty(unit.layout.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
+        return self.read(*self.pieces_at[unit], out)
 
 
 class Snapshot:
