@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PORT ?= 8501
 
-.PHONY: install dev app lab test test-fast soak lessons lessons-execute bench chromium clean
+.PHONY: install dev app lab test test-gpu test-fast soak lessons lessons-execute bench chromium clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -77,3 +77,11 @@ bench: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# The checks of a machine with a CUDA GPU (tests/test_gpu.py, docs/gpu.md): the CUDA path at world
+# size 1 and gloo ranks with a core each. Skips cleanly without a GPU. GPU_PY=python3 runs them
+# with a Python that already has torch (a lent machine with no network), without the venv.
+GPU_PY ?=
+test-gpu:
+	$(if $(GPU_PY),,$(MAKE) $(VENV)/.dev)
+	$(or $(GPU_PY),$(PY)) -m pytest -q -m gpu tests/test_gpu.py $(GPU_ARGS)

@@ -24,6 +24,7 @@ TOPICS = [
     ("app_pages/pipeline.py", "Pipeline bubbles", ":material/view_timeline:", "pipeline"),
     ("app_pages/long_sequences.py", "Long sequences", ":material/straighten:", "long_sequences"),
     ("app_pages/experts.py", "Experts", ":material/alt_route:", "experts"),
+    ("app_pages/barrier.py", "Without a barrier", ":material/hourglass_disabled:", "barrier"),
     ("app_pages/plan.py", "Plan a run", ":material/map:", "plan"),
 ]
 

@@ -26,15 +26,37 @@ _HELP = {
     "dp_mode": "naive: all-reduce each gradient after backward; bucketed: overlap with backward",
     "bucket_mb": "bucket size in MB for --dp-mode bucketed", "grad_accum": "micro-steps per step",
     "batch": "global batch (sequences per step)", "steps": "optimizer steps",
-    "schedule": "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb, zbv, pipedream, "
-                "pipedream-nostash", "microbatches": "micro-batches per step with --pp > 1",
+    "schedule": "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb, zbv, dualpipev, dualpipe "
+                "(bidirectional, every stage on two ranks), pipedream, pipedream-nostash",
+    "microbatches": "micro-batches per step with --pp > 1",
     "virtual_stages": "model chunks per pipeline rank (interleaved); 0 = the schedule's default",
     "timeout_s": "seconds the run may take before its ranks are stopped",
+    "sync_every": "local SGD: each dp rank takes H optimizer steps alone, then the parameters are "
+                  "averaged over dp (0: data parallel, gradients averaged every step)",
+    "sync_optimizer": "local SGD: average the optimizer's states with the parameters",
+    "federated": "federated averaging: K clients with their own data on the dp ranks; each round "
+                 "C sampled clients train --local-steps steps, the server averages their weights",
+    "clients": "federated: K clients", "clients_per_round": "federated: C clients sampled per round "
+    "(0: all)", "local_steps": "federated: E local optimizer steps per sampled client and round",
+    "rounds": "federated: R rounds (0: --steps)", "non_iid": "federated: A, how far each client's "
+    "mixture of topics leans to its own (0: all the same)",
     "save": "save a distributed checkpoint (sharded, every rank its part) into this directory "
             "after the last step",
     "resume": "continue from the checkpoint in this --save directory up to --steps (any layout; "
-              "without --layers, the checkpoint's)",
+              "without --layers, the checkpoint's). Given the same DIR as --save, a DIR that holds "
+              "no checkpoint yet (no DIR/latest) starts from step 0: the first launch of a job "
+              "that torchrun --max-restarts may restart",
+    "asynchronous": "asynchronous SGD: rank 0 a parameter server, ranks 1..dp-1 workers that "
+                    "pull, compute and push (parallel/async_ps.py)",
+    "max_staleness": "with --async: a worker runs at most K steps ahead of the slowest (0: a "
+                     "barrier every step; -1: no bound)",
+    "straggler": "RANK:FACTOR: that rank's forward and backward take FACTOR times as long (a "
+                 "real sleep), with --dp or --async",
+    "save_every": "with --save: also save a checkpoint every K steps (atomic; a run killed at any "
+                  "moment resumes from the newest complete one)",
+    "keep": "with --save: keep the newest N checkpoints in the directory, prune older ones",
 }
+_ALIASES = {"asynchronous": ("--async", "--asynchronous")}  # a Python keyword cannot name a field
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -58,14 +80,15 @@ def _parser(explicit: bool = False) -> argparse.ArgumentParser:
         if f.name == "extra":
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = _ALIASES.get(f.name, (flag,))
         if f.type in ("bool", bool):
-            run.add_argument(flag, action="store_true", help="compare with the single-process reference"
-                             if f.name == "reference" else None,
+            run.add_argument(*flags, dest=f.name, action="store_true", help="compare with the single-process reference"
+                             if f.name == "reference" else _HELP.get(f.name),
                              **({"default": argparse.SUPPRESS} if explicit else {}))
         else:
             typ = {"int": int, "float": float, "str": str}[str(f.type)]
             default = None if f.name in ("layers", "steps") else f.default  # _pipeline_defaults
-            run.add_argument(flag, type=typ, default=argparse.SUPPRESS if explicit else default,
+            run.add_argument(*flags, dest=f.name, type=typ, default=argparse.SUPPRESS if explicit else default,
                              help=_HELP.get(f.name))
     run.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' = stdout)")
     run.add_argument("--progress", action="store_true", help="print each step's loss to stderr")
@@ -106,6 +129,12 @@ def _summary(report) -> str:
                          f"{[sum(x) for x in zip(*(e['routed'] for e in log))]}, dropped "
                          f"{sum(e['dropped'] for e in log)}, aux loss "
                          f"{sum(e['aux'] for e in log) / len(log):.4f}")
+    if "async" in report.extra:  # parallel/async_ps.py: counted from the server's records
+        a = report.extra["async"]
+        lines.append(f"async: {len(a['updates'])} updates, {a['updates_per_s']:.1f}/s (measured); "
+                     f"per worker {a['updates_per_worker']}; staleness histogram "
+                     f"{a['staleness_histogram']}, mean {a['staleness_mean']:.2f} (theory "
+                     f"{a['theory']['mean']})")
     if "bubble" in report.extra:
         b = report.extra["bubble"]
         wall, gap = b["wall"], b["wall"]["gap_to_formula"]
@@ -121,8 +150,26 @@ def _summary(report) -> str:
             f"{GAP_PARTS[k]} {100 * v:+.1f}" for k, v in gap.items())
             + (f"  (median p2p latency {1e3 * wall['p2p_latency_median_s']:.2f} ms)"
                if wall["p2p_latency_median_s"] is not None else ""))
+    if "local_sgd" in report.extra:  # ranks that train apart (parallel/local_sgd.py)
+        ls = report.extra["local_sgd"]
+        lines.append(f"local SGD: {ls['averages']} averages of the weights over dp (every "
+                     f"H = {ls['sync_every']} steps, and after the last)")
+    if "federated" in report.extra:  # (parallel/federated.py)
+        fed, last = report.extra["federated"], report.extra["federated"]["rounds"][-1]
+        drift = sum(last["drift"].values()) / max(1, len(last["drift"]))
+        lines.append(f"federated: {fed['clients_per_round']} of {fed['clients']} clients a round, "
+                     f"{fed['local_steps']} local step(s) each; last round: union loss "
+                     f"{last['union_loss']:.4f}, mean client drift {drift:.4f}; bytes of client "
+                     f"data sent (counted) {sum(n['data_bytes_sent'] for n in fed['network'])}")
     m = report.ranks[0]["memory"]
     lines.append("rank 0 memory (bytes): " + "  ".join(f"{k} {v:,}" for k, v in m.items()))
+    if "disk" in report.ranks[0]:  # --offload-disk: the last step's bytes to and from the file
+        io = [r for r in report.ranks[0]["disk"]["io"] if isinstance(r["step"], int)][-1]
+        got = io["measured"] or {}
+        lines.append(f"rank 0 disk, last step: read {io['read']:,} written {io['written']:,} bytes "
+                     f"(counted; theory {report.theory.get('disk_io_per_step', {})}); /proc "
+                     f"measured: rchar {got.get('rchar')} wchar {got.get('wchar')} read_bytes "
+                     f"{got.get('read_bytes')} write_bytes {got.get('write_bytes')}")
     return "\n".join(lines)
 
 
@@ -179,8 +226,16 @@ IGNORED_UNLESS = {
     ("cp_impl",): (lambda c: c.cp > 1, "context parallel reads", "add --cp 2 or more"),
     ("top_k", "capacity_factor", "moe_every", "aux_loss_weight", "z_loss_weight"):
         (lambda c: c.experts > 0, "a mixture-of-experts model reads", "add --experts E"),
-    ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed",
-                     "bucketed data parallel reads", "ZeRO and --dp-mode naive do not bucket"),
+    ("save_every", "keep"): (lambda c: bool(c.save), "a run with --save reads", "add --save DIR"),
+    ("bucket_mb",): (lambda c: c.zero == 0 and c.dp_mode == "bucketed" and not c.sync_every
+                     and not c.federated, "bucketed data parallel reads",
+                     "ZeRO, --dp-mode naive, local SGD and federated averaging do not bucket"),
+    ("clients", "clients_per_round", "local_steps", "rounds", "non_iid"):
+        (lambda c: c.federated, "federated averaging reads", "add --federated"),
+    ("steps",): (lambda c: not (c.federated and c.rounds), "a run without --rounds reads",
+                 "a federated run trains --rounds rounds"),
+    ("dp_mode", "bucket_mb"): (lambda c: not c.asynchronous, "synchronous data parallel reads",
+                               "--async pushes each gradient to the server whole"),
 }
 
 
@@ -199,6 +254,9 @@ def _refuse_empty(given: set[str], args) -> None:
     for name in ("save", "resume"):
         if name in given and not getattr(args, name):
             raise ConfigError(f"--{name} '': give a directory name")
+    if "save_every" in given and args.save_every == 0:  # (0 is the default's "last step only")
+        raise ConfigError("--save-every 0: give K >= 1 (a checkpoint every K steps); without "
+                          "--save-every, --save writes one after the last step")
     if args.trace == "-":
         raise ConfigError("--trace -: a trace is a file to open in ui.perfetto.dev, not a stream; "
                           "give a file name")
@@ -218,6 +276,11 @@ def _check_backend(cfg: RunConfig) -> None:
     if not under_torchrun() and cfg.world_size > torch.cuda.device_count():
         raise ConfigError(f"--backend nccl: {cfg.world_size} local ranks need a GPU each and "
                           f"{torch.cuda.device_count()} are here; use --backend gloo or auto")
+
+
+# A rank's error that is a fault met while running, not a bug: its one line, not its traceback.
+ONE_LINE_FAULTS = ("FloatingPointError", "parallel_mini.checkpoint.CheckpointSaveError",
+                   "parallel_mini.preflight.CheckpointError")
 
 
 class _Stopped(KeyboardInterrupt):
@@ -267,25 +330,45 @@ def main(argv=None) -> int:
         _refuse_ignored(given, cfg)
         preflight.check_output("--json", args.json)
         preflight.check_output("--trace", args.trace)
+        if args.json and args.trace and args.json != "-" and \
+                os.path.realpath(args.json) == os.path.realpath(args.trace):
+            raise ConfigError(f"--trace {args.trace}: the same file as --json (the report would "
+                              f"overwrite the trace); give each its own name")
         preflight.check(cfg)
         _check_backend(cfg)
+    except preflight.RunComplete as e:  # (a finished elastic job, relaunched: nothing to do)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: {e}", file=sys.stderr)
+        return 0
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if note:  # only for a run that will start: a refused one gets its one line
         print(note, file=sys.stderr)
     from .engine import run  # imported late: a bad flag answers without loading torch
+    from .checkpoint import CheckpointSaveError
     from .launch import RankError
     try:
         with _stop_signals_end_the_run():
             report = run(cfg)
     except RankError as e:
         last = e.details.rstrip().splitlines()[-1:] or [""]
-        if last[0].startswith("FloatingPointError: "):  # a run that diverged (engine._train)
-            print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)
+        if last[0].split(": ", 1)[0] in ONE_LINE_FAULTS:  # diverged (engine._train), a save that
+            print(f"error: {last[0].split(': ', 1)[1]}", file=sys.stderr)  # failed, a bad checkpoint
+            return 1
+        lost = _report_lost_after_save(cfg, e)
+        if lost:  # trained and saved: only the report is gone
+            print(f"error: {lost}", file=sys.stderr)
             return 1
         print(f"run failed on rank {e.rank}:\n{e.details.rstrip()}", file=sys.stderr)
         return 1
+    except (CheckpointSaveError, preflight.CheckpointError) as e:  # (torchrun: raised right here,
+        if os.environ.get("RANK", "0") == "0":  # in every rank; rank 0 says it)
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ConfigError as e:  # engine.run's own checks, after torch's import took its memory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except _Stopped as e:
         print(f"stopped by {e.name}: every rank was ended; no report", file=sys.stderr)
         return 128 + e.signum
@@ -296,13 +379,34 @@ def main(argv=None) -> int:
     return _write_outputs(report, args)
 
 
+def _report_lost_after_save(cfg, e) -> str | None:
+    """A rank that died without its report (killed, say) after the run's last checkpoint was
+    whole: the training and the save are done, only the report is lost. Says so in one line
+    (None when that is not what happened: no --save, a rank that raised, a checkpoint not at the
+    last step or not complete)."""
+    head = e.details.strip().splitlines()[0] if e.details.strip() else ""
+    if not cfg.save or not head.startswith(f"rank {e.rank} ") or "without a result" not in head \
+            and "before returning a result" not in head:
+        return None
+    try:
+        folder, meta = preflight.resolve(cfg.save)
+    except ConfigError:
+        return None
+    if meta["step"] != cfg.steps:
+        return None
+    how = head.split(" before returning a result")[0].split(", and its exit status")[0]
+    return (f"{how} after the run's last save: all {cfg.steps} steps trained and {folder} is "
+            f"complete (latest names it); only the run's report was lost with rank {e.rank}. "
+            f"Its parameters are in the checkpoint: --resume {cfg.save} with more --steps goes on")
+
+
 def _write_outputs(report, args) -> int:
     """The trace, the report; a write that fails after the run (a disk that filled meanwhile) is
     one line and exit 1: the run finished, its output did not."""
     flag, path = "--trace", args.trace
     try:
         if args.trace:
-            from .trace import write_chrome_trace
+            from .course.timelines import write_chrome_trace
             write_chrome_trace(report, args.trace)
         flag, path = "--json", args.json
         if args.json == "-":

@@ -155,6 +155,16 @@ class Comm:
         dist.recv(tensor, self.mesh.global_rank(axis, src), group=self.mesh.groups[axis])
         self.meter.end(rec)
 
+    def recv_any(self, tensor: torch.Tensor, axis: str, **tags) -> int:
+        """Receive into `tensor` from whichever rank of `axis` sends first, blocking; returns that
+        sender's axis-rank. A parameter server serves its workers in the order they push (gloo
+        can; NCCL cannot receive from an unnamed source)."""
+        rec = self.meter.begin(self._recv_record(tensor, axis, None, **tags), sockets=False)
+        sender = dist.recv(tensor, group=self.mesh.groups[axis])  # a global rank
+        self.meter.end(rec)
+        rec["peer"] = self.mesh.members[axis].index(sender)
+        return rec["peer"]
+
 
 # ---------------------------------------------------------------------------------------------
 # Ring all-reduce (Patarasuk & Yuan, 2009; popularised for deep learning by Baidu, 2017)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from contextlib import nullcontext
@@ -35,18 +36,21 @@ import torch.distributed as dist
 
 from . import checkpoint, preflight
 from .comm import Comm
-from .config import RunConfig
+from .config import RunConfig, offload_file
 from .data import global_batch, shard
 from .interfaces import GradientStrategy, StepRunner
 from .launch import init_from_env, rank_device, run_ranks, under_torchrun
 from .mesh import Mesh, build_mesh
-from .meters import ActivationMeter, LiveBytes, Timeline, model_state_bytes
+from .meters import (ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, cuda_bytes_freed,
+                     model_state_bytes)
 from .model import build_model
 from .moe import Experts
 from .optim import PARAM_DTYPE
 from .placement import Box, held_by
+from .parallel.async_ps import slow_down, train_async
 from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import PlainDataParallel
+from .parallel import federated, local_sgd
 from .parallel.expert import ExpertAndDense, ExpertParallel, apply_expert_parallel, split_parameters
 from .parallel.pipedream import PipeDreamRunner
 from .parallel.pipeline import PipelineRunner
@@ -68,6 +72,10 @@ def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | Non
     ZeRO-3 makes each layer's experts a unit of their own (FSDP2's nested fully_shard), the
     other strategies are built twice, once per group of parameters (ExpertAndDense)."""
     mesh = comm.mesh
+    if cfg.sync_every:  # local SGD: each dp rank steps alone, weights averaged every H steps
+        return local_sgd.LocalSGD(model, comm, cfg, mesh.axis_for("loss"))
+    if cfg.federated:  # clients step alone, the server averages their weights every round
+        return federated.FederatedAveraging(model, comm, cfg, mesh.axis_for("loss"), average_fn)
     axes = dict(axis=mesh.axis_for("loss"), shard_axis=mesh.axis_for("shard"),
                 replicate_axis=mesh.axis_for("replicate"))
     if experts is None or not experts.sharded:
@@ -83,17 +91,21 @@ def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | Non
 
 
 def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> GradientStrategy:
+    disk = offload_file(cfg.offload_disk, comm.mesh.rank) if cfg.offload_disk else ""
     if cfg.zero == 0:
-        return PlainDataParallel(model, comm, cfg, axes["axis"], average_fn)
+        return PlainDataParallel(model, comm, cfg, axes["axis"], average_fn, offload_disk=disk)
     dtype = PARAM_DTYPE[cfg.precision]
     if cfg.zero in (1, 2):
         return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,
-                                offload=cfg.offload, **axes)
-    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, apart=apart, **axes)
+                                offload=cfg.offload, offload_disk=disk, **axes)
+    return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, apart=apart,
+                             offload_disk=disk, **axes)
 
 
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
     """The step runner for `cfg` (step 6 above). A pipeline keeps only this rank's stage."""
+    if cfg.federated:  # a step is a round: the clients on this rank train on their own data
+        return federated.FederatedRounds(model, comm, cfg, timeline, act)
     if cfg.pp == 1:
         return PlainStep(model, cfg.grad_accum, timeline, act)
     schedule = for_config(cfg)
@@ -151,40 +163,56 @@ def _mean_over(value: float, mesh: Mesh, axis: str) -> float:
 def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> dict:
     """Runs on every rank. `init_seed_offset` (tests) makes ranks initialise differently, to show
     that the start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
-    naive mode's gradient averaging (a learner's exercise runs through here)."""
+    naive mode's gradient averaging (a learner's exercise runs through here); with --federated it
+    replaces the server's aggregation (federated.weighted_average's arguments)."""
     cfg = RunConfig.from_dict(cfg_dict)
     mesh = build_mesh(cfg)  # 1
-    comm, timeline, live = Comm(mesh), Timeline(), LiveBytes()
-    act = ActivationMeter(live)
     device = rank_device()
+    base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    comm, timeline, live = Comm(mesh), Timeline(device), LiveBytes()
+    act = ActivationMeter(live)
     model = build_model(cfg, seed=cfg.seed + init_seed_offset * mesh.rank).to(device)  # 2
+    if cfg.asynchronous:  # a parameter server and its workers instead of steps
+        return train_async(cfg, mesh, comm, timeline, model)
     apply_tensor_parallel(model, comm, cfg.sp, axis="tp")  # 3
     context = apply_context_parallel(model, comm, cfg.cp_impl, axis="cp")  # 4
     micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum  # losses divided by this
     experts = apply_expert_parallel(model, comm, mesh.axis_for("expert"), 1 / micro_steps)
     experts.route_whole_sequences(context, cfg.seq, "tp" if cfg.sp else None)  # whole sequences
     recompute = apply_checkpointing(model, cfg.checkpointing)  # 5
-    runner = make_runner(cfg, model, comm, timeline, live, act)  # 6
+    runner = slow_down(make_runner(cfg, model, comm, timeline, live, act), cfg, mesh.rank,
+                       timeline)  # 6 (--straggler: one rank sleeps after computing)
     strategy = parallelize(model, comm, cfg, average_fn, experts)  # 7
     runner.attach(strategy)  # 8
-    start = checkpoint.load(cfg.resume, model, strategy, mesh) if cfg.resume else 0
+    start = checkpoint.resume(cfg, model, strategy, mesh) if cfg.resume else 0
 
-    losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start)
-    if cfg.save:  # after the last step; DCP's own collectives, not training traffic
-        checkpoint.save(cfg.save, cfg.steps, model, strategy, mesh, cfg,
-                        kill_rank=cfg.extra.get("kill_rank_during_save"))
+    def save(step: int) -> None:  # every --save-every steps and after the last; DCP's own
+        checkpoint.save(cfg.save, step, model, strategy, mesh, cfg)  # collectives, not training's
+
+    losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start,
+                          save if cfg.save else None)
+    timeline.resolve()  # CUDA: each op's GPU start/end from its events (no-op on CPU)
+    if cfg.save:
+        save(cfg.steps)
     memory = model_state_bytes(strategy.state_tensors())
     memory["transient"] = strategy.transient_bytes()
     memory["activations_peak"] = runner.activation_peak()
     memory["total_peak"] = live.peak
+    cuda_memory = ({"cuda_memory": cuda_allocator_view(strategy.state_tensors(), strategy.buffers(),
+                                                       base)} if device.type == "cuda" else {})
+    disk = strategy.disk_report()  # --offload-disk: the states' bytes in this rank's file
+    if disk:
+        memory["disk"] = disk["bytes"]
     comm.step = -1  # gathering for the comparison below is bookkeeping, not training traffic
     full = strategy.full_parameters()  # collective under ZeRO-3: every rank takes part
     full = gather_full_parameters(model, full, mesh)  # tp slices, ep experts, pp stages -> whole
     out = {"rank": mesh.rank, "coords": mesh.coords, "losses": losses, "memory": memory,
            "metered_step": cfg.steps - start - 1,  # ran under the live-bytes meter: slower ops
            "resumed_from_step": start,
+           **cuda_memory,
            "comm": comm.records, "events": timeline.events, "wall_s": wall,
            "n_params": sum(p.numel() for p in full.values()),
+           **({"disk": disk} if disk else {}),
            "recompute": {"segment_forwards": recompute.forward_calls,
                          "recomputed_forwards": recompute.recomputed_calls},
            **runner.report(), **context.report(), **experts.report()}
@@ -194,18 +222,23 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
         ref_losses, ref_params = train_reference(cfg, device, runner.reference_per_microbatch)
         out["reference_losses"] = ref_losses[start:]  # uninterrupted, from step 0: these steps
         out["max_abs_diff"] = max_abs_diff(losses, full, ref_losses[start:], ref_params)
+    if cuda_memory and cfg.extra.get("cuda_free_states"):  # last: frees every state (test_gpu)
+        out["cuda_freed"] = cuda_bytes_freed(strategy.state_tensors())
+    strategy.close()
     return out
 
 
 def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live: LiveBytes,
-           mesh: Mesh, context: ContextParallel, start: int = 0) -> tuple[list[float], float]:
+           mesh: Mesh, context: ContextParallel, start: int = 0, save=None
+           ) -> tuple[list[float], float]:
     """The steps after `start` (a resumed run's checkpoint step); the last one under the
     live-bytes meter. Returns the global loss per step and the wall-clock seconds of all steps.
     Records (comm, events) number the steps of this run from 0; the data are those of step
-    start + step (batches are a pure function of the step: that is the data position)."""
+    start + step (batches are a pure function of the step: that is the data position). `save(n)`
+    writes the checkpoint after step n every --save-every steps (its time is not the steps')."""
     batch_axis, losses = mesh.axis_for("batch"), []
     dist.barrier()  # line the ranks up so their timelines share a start
-    t_start = time.perf_counter()
+    t_start, saving = time.perf_counter(), 0.0
     for step in range(cfg.steps - start):
         comm.step = step
         # The live-bytes meter slows every op ~4x, so it watches only the last step: by then every
@@ -225,7 +258,13 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
         if cfg.extra.get("progress") and mesh.rank == 0:
             print(f"step {start + step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr,
                   flush=True)
-    return losses, time.perf_counter() - t_start
+        done = start + step + 1
+        checkpoint.crash_point(cfg, mesh.rank, f"step {done}")  # (tests: a kill between saves)
+        if save is not None and cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+            t_save = time.perf_counter()
+            save(done)
+            saving += time.perf_counter() - t_save
+    return losses, time.perf_counter() - t_start - saving
 
 
 def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
@@ -241,15 +280,27 @@ def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
 def run(cfg: RunConfig, average_fn=None) -> RunReport:
     """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
     preflight.check(cfg.validate())  # the values, then what this machine and disk allow
+    if cfg.offload_disk:  # the ranks' working directory may not be this process's
+        cfg = dataclasses.replace(cfg, offload_disk=os.path.abspath(cfg.offload_disk))
+    try:
+        return _run(cfg, average_fn)
+    finally:  # whatever happened to the ranks, --offload-disk leaves no file (unless kept)
+        if cfg.offload_disk and not cfg.keep_offload:
+            mine = [int(os.environ["RANK"])] if under_torchrun() else range(cfg.world_size)
+            preflight.remove_offload_files(cfg.offload_disk, mine)
+
+
+def _run(cfg: RunConfig, average_fn=None) -> RunReport:
     t0 = time.perf_counter()
+    backend = None if cfg.backend == "auto" else cfg.backend
+    backend = "gloo" if cfg.asynchronous else backend  # the server receives from any worker
     if under_torchrun():
-        init_from_env(None if cfg.backend == "auto" else cfg.backend, cfg.timeout_s)
+        init_from_env(backend, cfg.timeout_s)
         mine = train_rank(cfg.to_dict(), average_fn=average_fn)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         per_rank = gathered
     else:
-        backend = None if cfg.backend == "auto" else cfg.backend
         results = run_ranks(train_rank, cfg.world_size, cfg.to_dict(), timeout=cfg.timeout_s,
                             pg_timeout=min(cfg.timeout_s, 60.0), backend=backend,
                             average_fn=average_fn)
@@ -259,11 +310,21 @@ def run(cfg: RunConfig, average_fn=None) -> RunReport:
     # bytes, the bubble's timed steps), and says where it started.
     merged = dataclasses.replace(cfg, steps=cfg.steps - start) if start else cfg
     report = merge_rank_results(merged, per_rank, wall_s=time.perf_counter() - t0)
+    if cfg.asynchronous:  # the server's records are the run's (parallel/async_ps.py)
+        report.extra["async"] = report.ranks[0].pop("async")
     if cfg.resume:
         report.extra["resumed_from_step"] = start
+        step_dir = f"step_{start}"  # (DIR/latest may name a newer one by now)
+        where = cfg.resume if os.path.basename(os.path.normpath(cfg.resume)) == step_dir \
+            else os.path.join(cfg.resume, step_dir)
         if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
-            print(f"resumed from step {start} ({checkpoint.resolve(cfg.resume)[0]}): trained "
-                  f"steps {start + 1}-{cfg.steps}", file=sys.stderr)
+            print(f"resumed from step {start} ({where}): trained steps {start + 1}-{cfg.steps}"
+                  if start else f"--resume {cfg.resume}: no checkpoint there yet; trained from "
+                  f"step 0", file=sys.stderr)
+    if cfg.sync_every:  # what the averages cost, counted, predicted and measured
+        report.extra["local_sgd"] = local_sgd.summary(report)
+    if cfg.federated:  # per round: clients' losses, drift; what crossed the network
+        report.extra["federated"] = federated.summary(report)
     if cfg.save:
         report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
     return report

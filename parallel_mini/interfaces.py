@@ -87,6 +87,14 @@ class GradientStrategy(Protocol):
         """After a checkpoint filled the owned pieces: refresh what is computed from them (the
         bf16 compute copies of fp32 masters). Nothing by default."""
 
+    def disk_report(self) -> dict:
+        """--offload-disk (parallel/offload_disk.py): the bytes this rank keeps in its file and the
+        bytes read and written per step, counted and measured. {} when nothing is on disk."""
+        return {}
+
+    def close(self) -> None:
+        """After the run: let go of what outlives a step (--offload-disk's open file)."""
+
     def grad_deferred(self, p: torch.nn.Parameter) -> None:
         """A zero-bubble pipeline's B left p's weight gradient to a later W (pipeline.py): only a
         strategy that reduces as gradients arrive (ZeRO-3) cares. Nothing by default."""

@@ -17,12 +17,16 @@ that dies without a word is reported with its exit signal and what that signal u
 gloo when ranks disagree on a tensor size; a kill from outside: `kill`, the out-of-memory killer; a
 crash); a run that exceeds `timeout` is killed with a message naming the ranks that did not finish and
 whether they were idle (waiting on each other: likely a deadlock) or still computing (the run needs more
-time). No rank outlives `run_ranks`, nor the process that called it: a rank ends itself when that
+time), and where each was. What the parent reads from outside (`Watch`): a rank stopped by a signal
+(state T in /proc/PID/stat) is named as stopped, not blamed on the peer that waited for it; a peer's
+timeout names the rank it waited for and where that rank is (its own stack, dumped on SIGUSR1); a
+forkserver killed from outside is not taken for the ranks' exit. No rank outlives `run_ranks`, nor the process that called it: a rank ends itself when that
 process is gone, however it ended (SIGKILL included; see `exit_with_parent`).
 """
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -30,7 +34,10 @@ import os
 import select
 import signal
 import socket
+import shutil
 import sys
+import sysconfig
+import tempfile
 import threading
 import time
 import traceback
@@ -96,6 +103,11 @@ def device_for(backend: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _bound_to(device: torch.device) -> dict:
+    """NCCL groups told their device up front (else each collective guesses it from the rank)."""
+    return {"device_id": device} if device.type == "cuda" else {}
 
 
 def rank_device() -> torch.device:
@@ -190,13 +202,49 @@ def exit_with_parent(result_fd: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+MMAP_THRESHOLD = 128 * 1024  # glibc's default starting value, held fixed (see fix_malloc_threshold)
+
+
+def fix_malloc_threshold() -> bool:
+    """Hold glibc's mmap threshold at MMAP_THRESHOLD, so that every block of at least that size
+    (a tensor of 32k floats or more) comes from mmap and goes back to the system when freed.
+
+    Why: glibc raises the threshold each time such a block is freed (up to 32 MB on 64-bit), after
+    which large tensors come from the heap, and a heap keeps the holes that freed tensors leave;
+    tensors of other sizes fit them badly. An MoE layer's per-expert tensors change size every
+    step: a 1-rank run (4 experts, top-2, 2 layers, 16k tokens a step) grew ~10 MB a step, with
+    its routing log off, and passed its memory estimate in 20 steps; held fixed, 0.7 MB a step
+    (measured from /proc/self/statm after each step; dense runs did not grow either way). Returns
+    whether it was set (glibc only)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        M_MMAP_THRESHOLD = -3
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to hold
+        return False
+
+
 TORCHRUN_PLACEMENT = {"pinned": False, "cores": None, "cores_available": None,
                       "how": "under torchrun: CPU affinity left as the launcher set it"}
 
 
-def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo):
+def dump_stack_on_request(path: str) -> None:
+    """On SIGUSR1, write every Python thread's stack to `path` (faulthandler: from the signal
+    handler itself, so it answers while the rank is blocked inside gloo, holding the GIL). The
+    launcher asks when a run goes wrong, to say where a rank is (see `where`)."""
+    fh = open(path, "w")  # kept open for the rank's life: faulthandler writes to its descriptor
+    faulthandler.register(signal.SIGUSR1, file=fh, all_threads=True, chain=False)
+    dump_stack_on_request.file = fh
+
+
+def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo, stack_dir=None):
     placement = pin_to_core(rank, world_size)  # before any thread exists: they inherit it
     exit_with_parent(conn.fileno())
+    fix_malloc_threshold()
+    if stack_dir is not None:
+        dump_stack_on_request(os.path.join(stack_dir, f"rank{rank}"))
     torch.set_num_threads(1)  # one compute thread per rank: ranks do not fight over cores
     connect_gloo_lazily()
     out = _Tee(sys.__stderr__ if echo else None)
@@ -206,9 +254,9 @@ def _rank_main(rank, world_size, port, payload, conn, backend, pg_timeout, echo)
             fn, args, kwargs = cloudpickle.loads(payload)
             store = dist.TCPStore("127.0.0.1", port, is_master=False,
                                   timeout=timedelta(seconds=pg_timeout))
+            device = device_for(backend, rank)  # NCCL: the group is bound to this rank's GPU
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout))
-            device_for(backend, rank)
+                                    timeout=timedelta(seconds=pg_timeout), **_bound_to(device))
             value = fn(*args, **kwargs)
             if isinstance(value, dict) and "events" in value:
                 # a rank's report with a timeline (engine.train_rank): its times are read
@@ -297,19 +345,25 @@ def _launch(payload: bytes, world_size: int, timeout: float, pg_timeout: float, 
     ctx = _context()
     oom_before = oom_kills()  # to tell a rank ended by the out-of-memory killer (see _why_it_died)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    stack_dir = tempfile.mkdtemp(prefix="parallel_mini_stacks_")
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world_size, store.port, payload, pipes[r][1], backend,
-                               pg_timeout, echo))
+                               pg_timeout, echo, stack_dir))
              for r in range(world_size)]
+    started = {}
     try:
         with _main_module_hidden():
             for p in procs:
                 p.start()
+                started[p.pid] = start_time(p.pid)
         for _, w in pipes:
             w.close()  # the parent keeps only the read ends
-        return _collect(procs, [r for r, _ in pipes], timeout, oom_before)
+        watch = Watch(procs, stack_dir, pg_timeout, oom_before)
+        return _collect(procs, [r for r, _ in pipes], timeout, oom_before, watch)
     finally:
         _kill(procs)
+        _kill_orphans(started)
+        shutil.rmtree(stack_dir, ignore_errors=True)
         del store
 
 
@@ -364,7 +418,15 @@ def _why_it_died(code: int | None, oom_before: int | None) -> str:
     return "It ended without a result."
 
 
-def _died(r, procs, outputs, oom_before) -> RankError:
+def _died(r, procs, outputs, oom_before, watch: Watch | None = None) -> RankError:
+    if watch is not None and watch.forkserver_gone():
+        state = proc_state(procs[r].pid)
+        now = ("gone" if state in (None, "Z") else f"still there, state {state} in "
+               f"/proc/{procs[r].pid}/stat: ended by this launcher now")
+        return RankError(r, f"rank {r} ended without a result, and its exit status is unknown: the "
+                            f"forkserver that started the ranks (pid {watch.server_gone}), which "
+                            f"reports how each rank ended, is gone (killed from outside this run); "
+                            f"rank {r} is {now}", outputs)
     procs[r].join(timeout=1)
     code = procs[r].exitcode
     status = "no exit status yet" if code is None else _signal_name(code)
@@ -381,7 +443,7 @@ def _lost_peer(details) -> bool:
 
 
 def _root_cause(first: RankError, procs, conns, pending, outputs, oom_before,
-                grace: float = 0.5) -> RankError:
+                grace: float = 0.5, watch: Watch | None = None) -> RankError:
     """A rank that fails makes its peers fail too, with gloo's "Connection closed/reset by peer",
     often before the parent reads the first failure: a rank that dies silently (a C++ abort), or
     one whose report sits in its pipe behind a peer's that the parent happened to read first (two
@@ -389,17 +451,25 @@ def _root_cause(first: RankError, procs, conns, pending, outputs, oom_before,
     connection). Give the other ranks a moment; a death without a report (a rank that reports exits
     0), or, when `first` only lost its peer, another rank's report of something else, is the cause."""
     others = [r for r in pending if r != first.rank]
+    if watch is not None:
+        stopped = [r for r in others if proc_state(procs[r].pid) in ("T", "t")]
+        if stopped:  # it waited on a rank that was stopped: that is the news
+            return _then(watch.stopped(stopped[0], outputs), first)
+        if _timed_out_waiting(first.details):
+            hung = _hung(first, others, procs, conns, outputs, watch)
+            if hung is not None:
+                return _then(hung, first)
     deadline = time.monotonic() + grace
     while others:
         dead = [r for r in others if procs[r].exitcode not in (None, 0) and not conns[r].poll()]
         if dead:
-            return _then(_died(dead[0], procs, outputs, oom_before), first)
+            return _then(_died(dead[0], procs, outputs, oom_before, watch), first)
         if _lost_peer(first.details):
             for r in [r for r in others if conns[r].poll()]:
                 try:
                     status, value, outputs[r], _ = cloudpickle.loads(conns[r].recv_bytes())
                 except EOFError:
-                    return _then(_died(r, procs, outputs, oom_before), first)
+                    return _then(_died(r, procs, outputs, oom_before, watch), first)
                 others.remove(r)  # reported: its pipe is read, whatever it said
                 if status != "ok" and not _lost_peer(value):
                     return _then(RankError(r, value, outputs), first)
@@ -407,6 +477,34 @@ def _root_cause(first: RankError, procs, conns, pending, outputs, oom_before,
             break
         time.sleep(0.02)
     return first
+
+
+# gloo's words when a collective or recv waited past the process group's timeout
+TIMED_OUT = ("Timed out waiting", "timed out", "Timeout waiting")
+
+
+def _timed_out_waiting(details) -> bool:
+    return any(words in str(details) for words in TIMED_OUT)
+
+
+def _hung(first: RankError, others, procs, conns, outputs, watch: Watch) -> RankError | None:
+    """`first` waited on its peers past the process group's timeout: a peer that is alive, has not
+    reported and did not end is the one that made no progress; named with where it is."""
+    for r in others:
+        if conns[r].poll() or proc_state(procs[r].pid) in (None, "Z"):
+            continue
+        cpu0, t0 = cpu_seconds(procs[r].pid), time.monotonic()
+        at = watch.where(r)
+        cpu1, wall = cpu_seconds(procs[r].pid), time.monotonic() - t0
+        busy = ""
+        if cpu0 is not None and cpu1 is not None and wall > 0:
+            share = (cpu1 - cpu0) / wall
+            busy = (f"; computing ({share:.0%} of a core while looked at)" if share >= IDLE_CPU_SHARE
+                    else f"; waiting ({share:.0%} of a core while looked at)")
+        return RankError(r, f"rank {r} made no progress for {watch.pg_timeout:g} s in "
+                            f"{at or 'a place it could not say'}: rank {first.rank} waited that "
+                            f"long for it in a collective and timed out{busy}", outputs)
+    return None
 
 
 def _then(cause: RankError, first: RankError) -> RankError:
@@ -428,11 +526,163 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def _timed_out(timeout, pending, procs, sample, outputs) -> RunTimeout:
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()  # after the command name (may hold spaces)
+    except (OSError, IndexError):
+        return None
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of a process in /proc/PID/stat: R running, S sleeping (waiting), D in
+    the kernel, T stopped by a signal (SIGSTOP, SIGTSTP), t stopped by a debugger, Z ended, not yet
+    reaped; None where it is gone (or no /proc)."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): a pid with another start time is
+    another process (pids are reused)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+STOPPED_GRACE_S = 5.0  # a rank seen stopped (state T) this long ends the run, named as the cause
+STATE_NAMES = {"T": "SIGSTOP state T", "t": "stopped by a debugger, state t"}
+
+
+class Watch:
+    """What the parent reads of its ranks from outside while it waits: their /proc state (a rank
+    stopped by a signal is named as such, not blamed on the peer that waited for it), whether
+    the forkserver that started them (and reports their exit status) is still there, and, on
+    request, where a rank is (its Python stack, `where`)."""
+
+    def __init__(self, procs, stack_dir: str | None, pg_timeout: float, oom_before=None):
+        self.procs, self.stack_dir, self.pg_timeout = procs, stack_dir, pg_timeout
+        self.oom_before, self.stopped_since, self.server_gone = oom_before, {}, None
+        forked = procs and type(getattr(procs[0], "_popen", None)).__module__.endswith("forkserver")
+        self.server = _forkserver_pid() if forked else None
+
+    def check_stopped(self, pending, outputs) -> None:
+        """Raise for a rank stopped by a signal for STOPPED_GRACE_S (read every wake-up, <= 1 s)."""
+        now = time.monotonic()
+        for r in pending:
+            if proc_state(self.procs[r].pid) == "T":
+                since = self.stopped_since.setdefault(r, now)
+                if now - since >= STOPPED_GRACE_S:
+                    raise self.stopped(r, outputs, now - since)
+            else:
+                self.stopped_since.pop(r, None)
+
+    def stopped(self, r, outputs, for_s: float | None = None) -> RankError:
+        pid = self.procs[r].pid
+        state = proc_state(pid)
+        how = f" for {for_s:.0f} s" if for_s else ""
+        if state == "t":
+            return RankError(r, f"rank {r} stopped ({STATE_NAMES['t']} in /proc/{pid}/stat){how}: "
+                                f"a debugger holds it, and its peers waited on it", outputs)
+        return RankError(r, f"rank {r} stopped ({STATE_NAMES['T']} in /proc/{pid}/stat){how}: a "
+                            f"stopped rank runs nothing and its peers wait on it in their next "
+                            f"collective. Something sent it SIGSTOP or SIGTSTP (kill -STOP, Ctrl-Z "
+                            f"of its process group, a scheduler suspending it; kill -CONT {pid} "
+                            f"resumes one); the run was ended", outputs)
+
+    def forkserver_gone(self) -> bool:
+        """The forkserver (the ranks' parent, which reports their exit status) has ended: killed
+        from outside. Its state is read, not waited for (multiprocessing reaps it itself); or a
+        rank's sentinel spoke while the rank lived (_collect: the forkserver closed it dying)."""
+        if self.server is not None and self.server_gone is None \
+                and proc_state(self.server) in (None, "Z"):
+            self.server_gone = self.server
+        return self.server_gone is not None
+
+    def where(self, r: int) -> str | None:
+        """Where rank r is now: its Python stack, dumped by the rank on SIGUSR1, read back as the
+        innermost call and the innermost call of the program (outside torch); None when it
+        cannot say (stopped, gone, no stack file)."""
+        if self.stack_dir is None or proc_state(self.procs[r].pid) in (None, "Z", "T", "t"):
+            return None
+        path = os.path.join(self.stack_dir, f"rank{r}")
+        try:
+            before = os.path.getsize(path)
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            return None
+        deadline, last = time.monotonic() + 2.0, before
+        while time.monotonic() < deadline:  # the dump: the file grows, then stops growing
+            time.sleep(0.05)
+            size = os.path.getsize(path)
+            if size > before and size == last:
+                break
+            last = size
+        with open(path) as fh:
+            fh.seek(before)
+            return innermost_calls(fh.read())
+
+
+def innermost_calls(dump: str) -> str | None:
+    """From a faulthandler dump of every thread, the rank's main thread (the one in _rank_main):
+    "F (file:line)" for its innermost call, then ", called from G (file:line)" for the innermost
+    one of the program (outside torch, Python's standard library and this launcher), when that
+    is another."""
+    for block in dump.split("\n\n"):
+        frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
+        if not any(ln.endswith(" in _rank_main") for ln in frames):
+            continue
+        calls = []
+        for ln in frames:  # File "PATH", line N in FUNC (most recent first)
+            try:
+                path, rest = ln[len('File "'):].split('", line ', 1)
+                line, func = rest.split(" in ", 1)
+            except ValueError:
+                continue
+            calls.append((func, "/".join(path.split("/")[-2:]), line, path))
+        if not calls:
+            return None
+        f, file, line, _ = calls[0]
+        text = f"{f} ({file}:{line})"
+        stdlib = sysconfig.get_paths()["stdlib"] + "/"
+        own = next((c for c in calls if "/torch/" not in c[3] and not c[3].endswith("launch.py")
+                    and not c[3].startswith(stdlib)), None)
+        if own is not None and own is not calls[0]:
+            text += f", called from {own[0]} ({own[1]}:{own[2]})"
+        return text
+    return None
+
+
+def _forkserver_pid() -> int | None:
+    try:
+        from multiprocessing import forkserver
+        return forkserver._forkserver._forkserver_pid
+    except (ImportError, AttributeError):
+        return None
+
+
+def _kill_orphans(started: dict[int, int | None]) -> None:
+    """Ranks whose forkserver was killed: multiprocessing can no longer end them (it asks the
+    forkserver), so they are ended by pid, if that pid is still the same process."""
+    for pid, t0 in started.items():
+        if t0 is not None and start_time(pid) == t0 and proc_state(pid) not in (None, "Z"):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _timed_out(timeout, pending, procs, sample, outputs, watch: Watch | None = None) -> RunTimeout:
     """"Did not finish" and, where /proc says how much CPU the pending ranks used over the last
     window before the deadline, what that suggests: idle ranks wait on each other (a collective or
     recv their peers never call); a rank still computing means the run is longer than the timeout."""
     head = f"ranks {pending} did not finish within {timeout:g} s"
+    if watch is not None:  # where each was: stopped, or its innermost call
+        at = {}
+        for r in pending:
+            state = proc_state(procs[r].pid)
+            where = f"stopped ({STATE_NAMES[state]})" if state in STATE_NAMES else watch.where(r)
+            if where:
+                at[r] = where if state in STATE_NAMES else f"in {where}"
+        if at:
+            head += " (" + "; ".join(f"rank {r} {w}" for r, w in at.items()) + ")"
     more_time = ("give it more time: --timeout-s on the command line, the `timeout` argument of "
                  "run_ranks")
     shares = {}
@@ -462,8 +712,9 @@ def _timed_out(timeout, pending, procs, sample, outputs) -> RunTimeout:
         f"the run smaller."), outputs, shares)
 
 
-def _collect(procs, conns, timeout, oom_before=None) -> list[RankResult]:
+def _collect(procs, conns, timeout, oom_before=None, watch: Watch | None = None) -> list[RankResult]:
     n = len(procs)
+    watch = watch or Watch(procs, None, timeout, oom_before)
     results: list[RankResult | None] = [None] * n
     outputs = [""] * n
     deadline = time.monotonic() + timeout
@@ -473,25 +724,33 @@ def _collect(procs, conns, timeout, oom_before=None) -> list[RankResult]:
         pending = [r for r in range(n) if results[r] is None]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _timed_out(timeout, pending, procs, sample, outputs)
+            raise _timed_out(timeout, pending, procs, sample, outputs, watch)
         if sample is None and remaining <= window:
             sample = (time.monotonic(), {r: cpu_seconds(procs[r].pid) for r in pending})
         wake = remaining - window if sample is None else remaining  # wake for the sample
-        ready = mpc.wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
+        # a forkserver killed from outside: its sentinels say nothing of the ranks any more (EOF
+        # on each, an exit code 255 that no rank gave): a rank's pipe tells its end instead
+        sentinels = [] if watch.forkserver_gone() else [procs[r].sentinel for r in pending]
+        ready = mpc.wait([conns[r] for r in pending] + sentinels,
                          timeout=max(0.0, min(wake, 1.0)))
         for r in pending:
             if conns[r] in ready or conns[r].poll():  # poll() is also true at EOF
                 try:
                     status, value, outputs[r], placement = cloudpickle.loads(conns[r].recv_bytes())
                 except EOFError:  # the rank closed its pipe without a word: it died
-                    raise _died(r, procs, outputs, oom_before) from None
+                    raise _died(r, procs, outputs, oom_before, watch) from None
                 if status == "ok":
                     results[r] = RankResult(r, value, outputs[r], placement)
                     continue
                 raise _root_cause(RankError(r, value, outputs), procs, conns, pending, outputs,
-                                  oom_before)
-            if procs[r].sentinel in ready and results[r] is None and not conns[r].poll():
-                raise _died(r, procs, outputs, oom_before)  # gone, though its pipe is not at EOF
+                                  oom_before, watch=watch)
+            if procs[r].sentinel in ready and results[r] is None and not conns[r].poll() \
+                    and not watch.forkserver_gone():
+                if proc_state(procs[r].pid) not in (None, "Z"):  # the rank lives: the sentinel
+                    watch.server_gone = watch.server or -1  # spoke for its dying forkserver
+                    continue
+                raise _died(r, procs, outputs, oom_before, watch)  # gone, its pipe not at EOF
+        watch.check_stopped([r for r in pending if results[r] is None], outputs)
     return results  # type: ignore[return-value]
 
 
@@ -504,7 +763,9 @@ def init_from_env(backend: str | None = None, pg_timeout: float = 60.0) -> torch
     purpose); TORCHRUN_PLACEMENT says so in the report."""
     torch.set_num_threads(1)
     connect_gloo_lazily()
+    fix_malloc_threshold()
     backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    device = device_for(backend, int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
-    return device_for(backend, int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout), **_bound_to(device))
+    return device

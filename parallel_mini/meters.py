@@ -1,10 +1,12 @@
 """Meters: everything that only measures, so that each core file keeps only its topic.
 
     memory          tensors_bytes, model_state_bytes, ActivationMeter, LiveBytes (engine.py)
-    op events       Timeline: kind, step, micro-batch, stage, wall and CPU time (runners)
+    op events       Timeline: kind, step, micro-batch, stage, wall and CPU time (runners),
+                    and GPU time from CUDA events on a CUDA device
     communication   CommMeter, WireMeter: one record per collective, bytes as the ring model
                     says and as written to the sockets (comm.py's Comm calls them)
-    experts         ComputeTimer, log_routing: compute time, the routing log (moe.py)
+    experts         ComputeTimer, log_routing, RoutingLog: compute time, the routing log,
+                    its bounded sample of token choices (moe.py)
     ring attention  RingHop, hidden_fraction: each hop's posted/computed/arrived (context.py)
     pipelines       HeldBytes: what a stage holds after each op (parallel/pipeline.py)
 
@@ -47,6 +49,64 @@ def model_state_bytes(states: dict[str, list[torch.Tensor]]) -> dict[str, int]:
     """Bytes by category from a strategy's `state_tensors()`: {"params": [...], "grads": [...],
     "optimizer": [...]}, each storage counted once."""
     return {category: tensors_bytes(tensors) for category, tensors in states.items()}
+
+
+def _cuda_storages(tensors) -> dict[int, torch.UntypedStorage]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors
+            if t.is_cuda and t.untyped_storage().nbytes()}
+
+
+def _rounded(tensors) -> int:
+    """Bytes of the distinct CUDA storages among `tensors` as the caching allocator hands them
+    out: in blocks of 512 bytes."""
+    return sum(-(-st.nbytes() // 512) * 512 for st in _cuda_storages(tensors).values())
+
+
+def cuda_allocator_view(states: dict[str, list[torch.Tensor]], buffers, base: int) -> dict:
+    """On a CUDA device: what the caching allocator holds beside the meter's model states.
+    `allocated`: torch.cuda.memory_allocated() minus `base` (read before the model was built);
+    `rounded_512`: each category's storages rounded up to the allocator's 512-byte blocks;
+    `other_blocks`: sizes of live blocks that are none of these storages (libraries' workspaces),
+    and the same after asking PyTorch to free its cuBLAS workspaces."""
+    torch.cuda.synchronize()
+    gc.collect()
+    everything = [t for ts in states.values() for t in ts] + list(buffers)
+    known = set(_cuda_storages(everything))
+
+    def other_blocks():
+        sizes = []
+        for seg in torch.cuda.memory_snapshot():
+            address = seg["address"]
+            for block in seg["blocks"]:
+                if block["state"] == "active_allocated" and address not in known:
+                    sizes.append(block["size"])
+                address += block["size"]
+        return sorted(sizes, reverse=True)
+    view = {"allocated": torch.cuda.memory_allocated() - base, "rounded_512_total": _rounded(everything),
+            "rounded_512": {**{k: _rounded(ts) for k, ts in states.items()}, "buffers": _rounded(buffers)},
+            "storages": {k: len(_cuda_storages(ts)) for k, ts in states.items()},
+            "other_blocks": other_blocks()}
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
+        view["other_blocks_after_clearing_cublas_workspaces"] = other_blocks()
+        view["allocated_after_clearing_cublas_workspaces"] = torch.cuda.memory_allocated() - base
+    return view
+
+
+def cuda_bytes_freed(states: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Free each category's CUDA storages (resize to 0 bytes: the allocator takes the block back)
+    and read how far torch.cuda.memory_allocated() falls: the allocator's own count of what the
+    category held. Destroys the states: the last thing a rank does (tests/test_gpu.py)."""
+    torch.cuda.synchronize()
+    freed, done = {}, set()
+    for kind in ("optimizer", "grads", "params"):
+        before = torch.cuda.memory_allocated()
+        for ptr, st in _cuda_storages(states.get(kind, [])).items():
+            if ptr not in done:
+                done.add(ptr)
+                st.resize_(0)
+        freed[kind] = before - torch.cuda.memory_allocated()
+    return freed
 
 
 class ActivationMeter:
@@ -157,19 +217,47 @@ class Timeline:
     """Op events for one rank: kind, step, microbatch, stage, wall start/end, own CPU seconds.
 
     Wall times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux, shared by all local ranks, so
-    ranks line up); `cpu` is this thread's CPU time, what the op would take on a device of its own."""
+    ranks line up); `cpu` is this thread's CPU time, what the op would take on a device of its own.
+    On a CUDA device the host only queues kernels, so wall time says when an op was *launched*:
+    each op also records two CUDA events on the current stream, and `resolve()` (after the last
+    step) turns them into `gpu_start`/`gpu_end` on the same clock, when the GPU really ran it."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         self.events: list[dict] = []
+        self._cuda = device is not None and device.type == "cuda"
+        if self._cuda:  # the origin: an event recorded when the host clock reads `_t0`
+            torch.cuda.synchronize(device)
+            self._origin, self._t0 = torch.cuda.Event(enable_timing=True), time.perf_counter()
+            self._origin.record()
 
     @contextmanager
     def op(self, kind: str, step: int = 0, microbatch: int | None = None, stage: int = 0, **extra):
         start, cpu0 = time.perf_counter(), time.thread_time()
+        marks = self._mark() if self._cuda else None
         yield
+        if marks:
+            marks[1].record()
         self.events.append({"kind": kind, "step": step, "microbatch": microbatch, "stage": stage,
                             "start": start, "end": time.perf_counter(),
-                            "cpu": time.thread_time() - cpu0, **extra})
+                            "cpu": time.thread_time() - cpu0, **extra,
+                            **({"_cuda": marks} if marks else {})})
 
+    @staticmethod
+    def _mark():
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return begin, end
+
+    def resolve(self) -> None:
+        """CUDA events -> seconds on the host clock (waits for the GPU once; events cannot be
+        pickled, so this runs before the rank returns its records)."""
+        if not self._cuda:
+            return
+        torch.cuda.synchronize()
+        for e in self.events:
+            begin, end = e.pop("_cuda")
+            e["gpu_start"] = self._t0 + self._origin.elapsed_time(begin) / 1e3
+            e["gpu_end"] = self._t0 + self._origin.elapsed_time(end) / 1e3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,24 +453,69 @@ class ComputeTimer:
         return y
 
 
+# The token-by-token routing (which experts each token chose, whether each was kept) is what the
+# routing chart draws; kept for at most this many steps per layer, and this many tokens of a step
+# (whole sequences, the first ones): a bounded sample, so that a long or wide run's log does not
+# grow by every token of every step (issue 26: ~48 MB a step, a report past 8 GB). The counts per
+# expert are logged for every forward.
+ROUTING_SAMPLE_STEPS = 16
+ROUTING_SAMPLE_TOKENS = 512
+
+
+class RoutingLog(list):
+    """One MoE layer's log: a list of entries (one per forward), and `sampled`, the entries that
+    keep their tokens' choices. The steps sampled: always the latest, and before it the steps that
+    are multiples of a stride, the smallest power of two that keeps at most ROUTING_SAMPLE_STEPS
+    of them (the stride doubles as the run goes on: 0, 1, 2, ..., then 0, 2, 4, ..., ...). The
+    same steps on every rank: the choice depends on the step only."""
+
+    def __init__(self):
+        super().__init__()
+        self.sampled: list[dict] = []
+
+    def keep_choices(self, step: int, entry: dict) -> None:
+        stride = 1
+        while -(-step // stride) > ROUTING_SAMPLE_STEPS:  # multiples of stride in [0, step)
+            stride *= 2
+        kept = []
+        for e in self.sampled:
+            if e["step"] % stride == 0:
+                kept.append(e)
+            else:
+                for key in ("choices", "kept_mask", "positions", "tokens_sampled"):
+                    e.pop(key, None)
+        self.sampled = kept + [entry]
+
+
 def log_routing(moe, r, counts: torch.Tensor, cap: int, aux, z, mine=None) -> None:
     """One entry in `moe.log` per forward of an MoE layer (none for activation checkpointing's
     re-run inside backward): tokens routed and kept per expert, drops, the two losses, the
-    experts' compute time; on the first micro-batch of each step also every token's choices and
-    whether kept, and where this rank's tokens sit in their sequences (None: whole sequences)."""
+    experts' compute time. On the first micro-batch of a sampled step (RoutingLog) also the
+    first ROUTING_SAMPLE_TOKENS tokens' choices and whether kept (whole sequences: `choices`,
+    `kept_mask`, [token][choice]), where those tokens sit in their sequences (`positions`; None:
+    whole sequences from position 0) and `tokens_sampled` (of how many this rank routed)."""
     if torch._C._current_graph_task_id() != -1:
         return  # inside backward: a recomputation, not a new forward
     routed = torch.nn.functional.one_hot(r.expert, moe.n_experts).sum((0, 1, 2))  # [E], pre-drop
     step = moe.clock() if moe.clock is not None else None
     first_of_step = not moe.log or moe.log[-1]["step"] != step
-    moe.log.append({
-        "step": step, "layer": moe.layer, "routed": routed.tolist(),
-        "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
-        "capacity": cap, "aux": aux.item(), "z": z.item(),
-        "compute_s": moe.experts.timer.last_forward_s,
-        **({"choices": r.expert.flatten(0, 1).tolist(),
-            "kept_mask": r.keep.flatten(0, 1).tolist(),
-            "positions": None if mine is None else mine.tolist()} if first_of_step else {})})
+    entry = {"step": step, "layer": moe.layer, "routed": routed.tolist(),
+             "kept": counts.tolist(), "dropped": int(routed.sum() - counts.sum()),
+             "capacity": cap, "aux": aux.item(), "z": z.item(),
+             "compute_s": moe.experts.timer.last_forward_s}
+    if first_of_step:
+        b, s = r.expert.shape[:2]
+        seqs = max(1, min(b, ROUTING_SAMPLE_TOKENS // s))  # whole sequences, at least one
+        n = min(s, ROUTING_SAMPLE_TOKENS)  # (one sequence longer than the sample: its start)
+        where = None if mine is None else mine[:n].tolist()
+        if mine is None and n < s:
+            where = list(range(n))
+        entry.update(choices=r.expert[:seqs, :n].flatten(0, 1).tolist(),
+                     kept_mask=r.keep[:seqs, :n].flatten(0, 1).tolist(), positions=where,
+                     tokens_sampled=[seqs * n, b * s])
+        if isinstance(moe.log, RoutingLog) and isinstance(step, int):
+            moe.log.keep_choices(step, entry)
+    moe.log.append(entry)
 
 
 

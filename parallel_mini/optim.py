@@ -20,6 +20,17 @@ import math
 import torch
 
 
+def adam_update(p, g, m, v, t: int, lr: float, betas, eps: float) -> None:
+    """Adam's step t on p in place, with its moments m and v (elementwise: a slice of p stepped
+    with the same slices of g, m, v gives the same bits as the whole; offload_disk.py relies on it)."""
+    b1, b2 = betas
+    bias1, bias2 = 1 - b1 ** t, 1 - b2 ** t
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g.conj(), value=1 - b2)
+    denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bias1)
+
+
 class Adam:
     def __init__(self, params, lr=3e-3, betas=(0.9, 0.999), eps=1e-5):
         self.params = list(params)
@@ -29,21 +40,15 @@ class Adam:
 
     @torch.no_grad()
     def step(self):
-        b1, b2 = self.betas
         for i, p in enumerate(self.params):
             if p.grad is None:  # no gradient this step: leave the parameter and its moments alone
                 continue
             # torch counts steps per parameter: one that sat out a step keeps its bias correction
             t = self.param_steps[i] = self.param_steps.get(i, 0) + 1
-            bias1, bias2 = 1 - b1 ** t, 1 - b2 ** t
             st = self.state.get(i)
             if st is None:
                 st = self.state[i] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-            m, v, g = st["exp_avg"], st["exp_avg_sq"], p.grad
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g.conj(), value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(bias2)).add_(self.eps)
-            p.addcdiv_(m, denom, value=-self.lr / bias1)
+            adam_update(p, p.grad, st["exp_avg"], st["exp_avg_sq"], t, self.lr, self.betas, self.eps)
 
     def zero_grad(self):
         for p in self.params:

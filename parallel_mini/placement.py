@@ -238,12 +238,15 @@ def gpt_held(cfg, tp: tuple[int, int] = (1, 0), ep: tuple[int, int] = (1, 0),
     return out
 
 
-def stage_blocks(owner: list[int], layers: int, stage: int) -> tuple[set[int], tuple[bool, bool]]:
+def stage_blocks(owner: list[int], layers: int, stage: int,
+                 stages: int | None = None) -> tuple[set[int], tuple[bool, bool]]:
     """gpt_held's `blocks` for pipeline rank `stage`: the blocks of the chunks it owns (owner[c]:
     the rank of chunk c, each of layers/len(owner) blocks), and whether it holds the embedding
-    (chunk 0) and the head (the last chunk) (pipeline.partition)."""
-    n, per = len(owner), layers // len(owner)
-    chunks = [c for c in range(n) if owner[c] == stage]
+    (chunk 0) and the head (the last chunk) (pipeline.partition). `stages`: the model's stages
+    when fewer than the chunks (DualPipe: chunk c is a copy of stage c % stages)."""
+    n = stages or len(owner)
+    per = layers // n
+    chunks = {c % n for c in range(len(owner)) if owner[c] == stage}
     return {i for c in chunks for i in range(c * per, (c + 1) * per)}, (0 in chunks, n - 1 in chunks)
 
 
@@ -302,9 +305,10 @@ def rank_held(cfg, rank: int) -> dict[str, list[Block]]:
     members = rank_groups(cfg, rank)
     blocks = None
     if cfg.pp > 1:
-        from .parallel.schedules import chunk_owner, virtual_stages  # pure Python
+        from .parallel.schedules import chunk_owner, directions, virtual_stages  # pure Python
         owner = chunk_owner(cfg.schedule, cfg.pp, virtual_stages(cfg.schedule, cfg.virtual_stages))
-        blocks = stage_blocks(owner, cfg.layers, members["pp"].index(rank))
+        blocks = stage_blocks(owner, cfg.layers, members["pp"].index(rank),
+                              len(owner) // directions(cfg.schedule))
     ep = _size_rank(members, "expert", rank) if getattr(cfg, "ep", 1) > 1 else (1, 0)
     return gpt_held(cfg, _size_rank(members, "tp", rank), ep, blocks)
 

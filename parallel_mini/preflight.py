@@ -6,22 +6,35 @@ run in a fraction of a second; whoever launches ranks asks (the CLI, engine.run)
     check_fits(cfg)     theory's memory estimate against this machine's available memory
     check_flags(cfg)    --save/--resume: the directories, and the checkpoint's meta.json
     resolve(path)       a checkpoint's folder and meta.json, read without trusting either
+    resume_path(cfg)    the folder a run resumes from, or None: its own empty --save directory
+    verify(path, meta)  every file's size and sha256, and DCP's .metadata's names (unpickled inert)
     check_output(f, p)  a report or trace file can be written at p (before the run, not after)
+    check_offload_disk  --offload-disk DIR: exists, writable, free of this run's files, big enough
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import os
+import pickle
+import stat
+import sys
 import tempfile
 
-from .config import GPTConfig, ConfigError, under_torchrun
+from .config import GPTConfig, ConfigError, offload_file, under_torchrun
 
 
 class CheckpointError(ConfigError):
     """A bad --save/--resume: one line, before any rank starts (or a checkpoint that lies)."""
+
+
+class RunComplete(CheckpointError):
+    """--resume DIR --save DIR where DIR/latest is at --steps already: the job finished before (a
+    relaunch of its command line, or torchrun restarting a group that died after its last save).
+    Not an error: the CLI says so in one line and exits 0."""
 
 
 def check(cfg) -> None:
@@ -36,6 +49,8 @@ def check(cfg) -> None:
         check_fits(cfg)
     if cfg.save or cfg.resume:
         check_flags(cfg)
+    if cfg.offload_disk:
+        check_offload_disk(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,12 +65,17 @@ def check_fits(cfg) -> None:
         return
     est = local_run_bytes_estimate(cfg)
     if est["total"] > available / 2:
-        parts = ", ".join(f"{k} {_gb(est[k])}" for k in ("activations", "logits", "states", "data")
+        parts = ", ".join(f"{k.replace('_', ' ')} {_gb(est[k])}" for k in ESTIMATE_PARTS
                           if est[k] > 2 ** 20)
+        report = f" + the report {_gb(est['report'])}" if est["report"] > 2 ** 20 else ""
         raise ConfigError(f"this run needs about {_gb(est['total'])} of memory ({cfg.world_size} "
-                          f"rank{'s' * (cfg.world_size > 1)} x {_gb(est['per_rank'])}: {parts}), "
-                          f"more than half of the {_gb(available)} this machine has available; "
-                          f"lower --batch, --seq, --vocab, --d-model or --layers")
+                          f"rank{'s' * (cfg.world_size > 1)} x {_gb(est['per_rank'])}: {parts}"
+                          f"{report}), more than half of the {_gb(available)} this machine has "
+                          f"available; lower --batch, --seq, --vocab, --d-model, --layers or --steps")
+
+
+# the named parts of theory.local_run_bytes_estimate a refusal lists (those over 1 MB)
+ESTIMATE_PARTS = ("activations", "logits", "states", "transients", "layer_objects", "logs", "data")
 
 
 def available_memory() -> int | None:
@@ -80,7 +100,8 @@ def _gb(nbytes: float) -> str:
 # ---------------------------------------------------------------------------------------------
 # checkpoints: what --resume reads before any rank starts (checkpoint.py writes them)
 # ---------------------------------------------------------------------------------------------
-META_TYPES = {"step": int, "world_size": int, "model": dict, "seed": int, "optimizer": str}
+META_TYPES = {"step": int, "world_size": int, "model": dict, "seed": int, "optimizer": str,
+              "precision": str}
 _JSON_NAMES = {int: "whole number", dict: "JSON object", str: "string", list: "list",
                float: "number", bool: "true/false", type(None): "null"}
 
@@ -107,15 +128,20 @@ def resolve(path: str) -> tuple[str, dict]:
         raise _bad(path, f"{meta_file} is not JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(meta, dict):
         raise _bad(path, f"{meta_file} holds a {_JSON_NAMES.get(type(meta), '?')}, not a JSON object")
-    for key, typ in META_TYPES.items():
-        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
-            got = "nothing" if key not in meta else _JSON_NAMES.get(type(meta[key]), "?")
-            raise _bad(path, f"{meta_file}: '{key}' should be a {_JSON_NAMES[typ]}, found {got}")
+
+    def typed(keys):
+        for key in keys:
+            typ = META_TYPES[key]
+            if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+                got = "nothing" if key not in meta else _JSON_NAMES.get(type(meta[key]), "?")
+                raise _bad(path, f"{meta_file}: '{key}' should be a {_JSON_NAMES[typ]}, found {got}")
+    typed(["step", "world_size", "model", "seed", "optimizer"])
     if meta["step"] < 0:
         raise _bad(path, f"{meta_file}: 'step' {meta['step']} is negative")
     missing = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in meta["model"]]
     if missing:
         raise _bad(path, f"{meta_file}: the model lacks {missing}")
+    typed(["precision"])
     return path, meta
 
 
@@ -156,6 +182,34 @@ def check_flags(cfg) -> None:
                               f"weight versions are not in a checkpoint yet; checkpoints work with "
                               f"data parallel, ZeRO 1/2/3, tensor, context, expert parallel and "
                               f"the synchronous pipeline schedules")
+    if cfg.resume and under_torchrun() and os.environ.get("RANK") == "0" \
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" \
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print("note: torchrun's workers share its agents' store: a restarted group can read the "
+              "last group's keys and fail again (pytorch issue 135712); set "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun", file=sys.stderr)
+    start = 0
+    if cfg.resume and not _first_launch(cfg):
+        if not os.path.isdir(cfg.resume):
+            raise CheckpointError(f"--resume {cfg.resume}: no such directory")
+        path, meta = resolve(cfg.resume)
+        start = meta["step"]
+        if meta["step"] == cfg.steps and _same_dir(cfg.save, cfg.resume):
+            raise RunComplete(f"--resume {cfg.resume}: {path} was saved after step {cfg.steps} = "
+                              f"--steps: this run is complete, nothing left to train")
+        if meta["step"] >= cfg.steps:
+            raise CheckpointError(f"--steps {cfg.steps}: the checkpoint in {cfg.resume} was saved "
+                                  f"after step {meta['step']}; --steps is the step to train up to, "
+                                  f"give more than {meta['step']}")
+        mine = {"model": vars(GPTConfig.from_run(cfg)), "seed": cfg.seed, "optimizer": cfg.optimizer,
+                "precision": cfg.precision}  # (fp32 master weights resumed as bf16: not the run)
+        for k, v in mine.items():
+            if meta[k] != v:
+                diff = {f: (meta[k].get(f), v[f]) for f in v if meta[k].get(f) != v[f]} \
+                    if k == "model" else (meta[k], v)
+                raise CheckpointError(f"--resume {cfg.resume}: saved with another {k} (saved, "
+                                      f"now: {diff}); resume with the same {k}")
+        verify(path, meta)
     if cfg.save:
         parent = os.path.dirname(os.path.abspath(cfg.save))
         if not os.path.isdir(parent) or (os.path.lexists(cfg.save) and not os.path.isdir(cfg.save)):
@@ -165,8 +219,12 @@ def check_flags(cfg) -> None:
         if os.path.lexists(latest) and not os.path.isfile(latest):
             raise CheckpointError(f"--save {cfg.save}: {latest} is not a file (the save ends by "
                                   f"pointing it at the new step); remove it or choose another directory")
-        if os.path.isdir(os.path.join(cfg.save, f"step_{cfg.steps}")):
-            raise CheckpointError(f"--save {cfg.save}: step_{cfg.steps} is already saved there; "
+        every = cfg.save_every or cfg.steps  # (engine: after every step that K divides)
+        points = set(range((start // every + 1) * every, cfg.steps, every))
+        taken = sorted(n for n in points | {cfg.steps}
+                       if os.path.isdir(os.path.join(cfg.save, f"step_{n}")))
+        if taken and not _same_dir(cfg.save, cfg.resume):  # (resuming there: a restart's own)
+            raise CheckpointError(f"--save {cfg.save}: step_{taken[0]} is already saved there; "
                                   f"choose another directory or remove it")
         # Tried for real, as check_output does (a read-only file system, /proc): a uniquely named
         # probe, since under torchrun every rank of the node asks at once.
@@ -178,22 +236,145 @@ def check_flags(cfg) -> None:
             os.rmdir(tempfile.mkdtemp(dir=where, prefix=".write-probe-"))
         except OSError as e:
             raise CheckpointError(f"--save {cfg.save}: cannot write there ({e.strerror})") from None
-    if cfg.resume:
-        if not os.path.isdir(cfg.resume):
-            raise CheckpointError(f"--resume {cfg.resume}: no such directory")
-        _, meta = resolve(cfg.resume)
-        if meta["step"] >= cfg.steps:
-            raise CheckpointError(f"--steps {cfg.steps}: the checkpoint in {cfg.resume} was saved "
-                                  f"after step {meta['step']}; --steps is the step to train up to, "
-                                  f"give more than {meta['step']}")
-        mine = {"model": vars(GPTConfig.from_run(cfg)), "seed": cfg.seed, "optimizer": cfg.optimizer,
-                "precision": cfg.precision}  # (fp32 master weights resumed as bf16: not the run)
-        for k, v in mine.items():
-            if meta.get(k, v) != v:
-                diff = {f: (meta[k].get(f), v[f]) for f in v if meta[k].get(f) != v[f]} \
-                    if k == "model" else (meta[k], v)
-                raise CheckpointError(f"--resume {cfg.resume}: saved with another {k} (saved, "
-                                      f"now: {diff}); resume with the same {k}")
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def resume_path(cfg) -> str | None:
+    """The checkpoint folder a run resumes from (DIR/step_N), or None for a run that starts from
+    step 0: one whose --resume is its own --save directory and that directory holds no checkpoint
+    yet (no DIR/latest; missing is fine). So one command line serves every launch of a job that
+    torchrun restarts: the first starts, every later one resumes."""
+    return None if _first_launch(cfg) else resolve(cfg.resume)[0]
+
+
+def _first_launch(cfg) -> bool:
+    return _same_dir(cfg.save, cfg.resume) and not os.path.lexists(os.path.join(cfg.resume, "latest"))
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: every file's checksum, and DCP's pickled .metadata read without running it
+# ---------------------------------------------------------------------------------------------
+def file_digests(folder: str) -> dict:
+    """{name: {"bytes": n, "sha256": hex}} for every file in a checkpoint folder but meta.json
+    (which holds this). Anything that is not a regular file (a link, a FIFO) is an error."""
+    return {name: _digest(os.path.join(folder, name)) for name in sorted(os.listdir(folder))
+            if name != "meta.json"}
+
+
+def _digest(file: str) -> dict:
+    st = os.lstat(file)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file (a link, a FIFO or a device)", file)
+    h = hashlib.sha256()
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # (never blocks on a FIFO)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # (swapped after the lstat)
+            raise OSError(errno.EINVAL, "not a regular file", file)
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return {"bytes": st.st_size, "sha256": h.hexdigest()}
+
+
+def verify(path: str, meta: dict) -> None:
+    """Every file meta.json lists is there, a regular file, of its size and checksum; and DCP's
+    .metadata names only DCP's own classes (read_dcp_metadata). Raises CheckpointError naming the
+    first file that differs."""
+    files = meta.get("files")
+    if not isinstance(files, dict):  # (a save before checksums: it cannot be verified)
+        raise _bad(path, f"meta.json: 'files' (every file's checksum) should be a JSON object, "
+                         f"found {'nothing' if files is None else _JSON_NAMES.get(type(files), '?')}")
+    if ".metadata" not in files:
+        raise _bad(path, "meta.json lists no .metadata (DCP's index of the shards)")
+    for name, want in sorted(files.items()):
+        file = os.path.join(path, name)
+        if os.path.basename(name) != name or name in (".", "..", "meta.json") \
+                or not isinstance(want, dict):
+            raise _bad(path, f"meta.json lists a file {name[:60]!r} that is not one of its own")
+        if not os.path.lexists(file):
+            raise CheckpointError(f"--resume {path}: {name} is missing; the checkpoint is "
+                                  f"incomplete (resume from another step_N or save again)")
+        try:
+            got = _digest(file)
+        except OSError as e:
+            raise CheckpointError(f"--resume {path}: cannot read {name} ({e.strerror})") from None
+        if got["bytes"] != want.get("bytes"):
+            raise CheckpointError(f"--resume {path}: {name} holds {got['bytes']:,} bytes, "
+                                  f"{want.get('bytes')!r} were saved (truncated or overwritten); "
+                                  f"resume from another step_N or save again")
+        if got["sha256"] != want.get("sha256"):
+            raise CheckpointError(f"--resume {path}: {name} does not match its checksum (sha256) "
+                                  f"in meta.json: the file was changed or corrupted after the save; "
+                                  f"resume from another step_N or save again")
+    read_dcp_metadata(os.path.join(path, ".metadata"))
+
+
+# What DCP pickles into .metadata (torch 2.x): its own dataclasses, torch.Size, dtypes, layouts,
+# a path. Nothing else may be named: unpickling a name is how a pickle runs code.
+DCP_NAMES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "StorageMeta",
+                                              "TensorProperties", "_MEM_FORMAT_ENCODING",
+                                              "ChunkStorageMetadata", "BytesStorageMetadata",
+                                              "MetadataIndex"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16",
+              "int8", "uint8", "bool"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+def allowed_name(path: str, module: str, name: str) -> None:
+    """Raises CheckpointError unless module.name is one DCP_NAMES allows."""
+    if name not in DCP_NAMES.get(module, ()):
+        raise CheckpointError(f"--resume {os.path.dirname(path)}: .metadata names "
+                              f"{module[:60]}.{name[:60]}, which DCP's metadata never holds; "
+                              f"refused unread (unpickling it could run code)")
+
+
+class _Inert:
+    """Stands for every object of a pickle read torch-free: takes any arguments, does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return _Inert()
+
+
+class _NamesOnly(pickle.Unpickler):
+    """Walks a pickle with every allowed name replaced by _Inert: checks the names, runs nothing."""
+
+    def __init__(self, fh, path: str):
+        super().__init__(fh)
+        self.path = path
+
+    def find_class(self, module, name):
+        allowed_name(self.path, module, name)
+        return _Inert
+
+    def persistent_load(self, pid):
+        raise CheckpointError(f"--resume {os.path.dirname(self.path)}: .metadata holds a "
+                              f"persistent reference, which DCP's metadata never holds")
+
+
+def read_dcp_metadata(path: str) -> None:
+    """Check DCP's .metadata torch-free: a pickle whose every named class is one of DCP_NAMES
+    (checkpoint.py then reads it with the real classes, through the same allow-list)."""
+    try:
+        with open(path, "rb") as fh:
+            _NamesOnly(fh, path).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a garbled pickle raises anything)
+        raise CheckpointError(f"--resume {os.path.dirname(path)}: .metadata is not DCP's metadata "
+                              f"({type(e).__name__})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,3 +409,48 @@ def check_output(flag: str, path: str | None) -> None:
     if not existed:
         with contextlib.suppress(FileNotFoundError):  # (torchrun: another rank's probe removed it)
             os.remove(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# --offload-disk: the directory each rank's optimizer states go to (parallel/offload_disk.py)
+# ---------------------------------------------------------------------------------------------
+def check_offload_disk(cfg) -> None:
+    """The directory exists, can be written, holds none of this run's files yet, and has room for
+    what every rank will keep there (theory's `disk` bytes, summed over the ranks)."""
+    where = cfg.offload_disk
+    if not os.path.isdir(where):
+        raise ConfigError(f"--offload-disk {where}: no such directory; create it first (each "
+                          f"rank keeps its optimizer states in a file there)")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=where, prefix=".write-probe-"))  # tried for real, as --save
+    except OSError as e:
+        raise ConfigError(f"--offload-disk {where}: cannot write there ({e.strerror}); choose a "
+                          f"directory you may write") from None
+    ranks = [int(os.environ["RANK"])] if under_torchrun() else range(cfg.world_size)
+    for r in ranks:
+        if os.path.lexists(offload_file(where, r)):
+            raise ConfigError(f"--offload-disk {where}: {offload_file(where, r)} exists already (a "
+                              f"run with --keep-offload, or one still running?); remove it or "
+                              f"choose another directory")
+    need = offload_disk_bytes(cfg)
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise ConfigError(f"--offload-disk {where}: the ranks' optimizer states need "
+                          f"{need:,} bytes and the file system has {free:,} free; free some "
+                          f"space, choose another directory or a smaller model")
+
+
+def offload_disk_bytes(cfg) -> int:
+    """Bytes every rank together keeps in --offload-disk files (theory's `disk`, per rank)."""
+    from .theory import run_theory
+    th = run_theory(cfg, 0)
+    stages = th.get("stages", [th])  # a pipeline's ranks differ by stage; the others do not
+    return cfg.world_size // len(stages) * sum(s["memory"]["disk"] for s in stages)
+
+
+def remove_offload_files(directory: str, ranks) -> None:
+    """After the run (or its failure): the files its ranks wrote, and nothing else."""
+    for r in ranks:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(offload_file(directory, r))

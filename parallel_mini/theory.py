@@ -52,17 +52,6 @@ INTERCONNECTS = {
 }
 
 
-H100_BF16_FLOPS = 989e12  # dense bf16 peak of one H100 SXM, FLOP/s
-NVLINK_GPUS_PER_NODE = 8  # an HGX H100 node: 8 GPUs on one NVSwitch
-
-
-def matmul_time(n_params: float, tokens: float, gpus: int = 1,
-                flops: float = H100_BF16_FLOPS) -> float:
-    """Lower bound on one training step's compute per GPU: 6 FLOPs per parameter per token (2
-    forward + 4 backward; Kaplan et al., 2020), shared by `gpus`, at peak throughput."""
-    return 6 * n_params * tokens / gpus / flops
-
-
 def transfer_time(nbytes: float, link: str) -> float:
     """Seconds to move `nbytes` over `link` at its full bandwidth (a lower bound)."""
     return nbytes / INTERCONNECTS[link]
@@ -294,14 +283,20 @@ def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
 
 def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "fp32",
                       zero: int = 0, n: int = 1, unit_sizes: list[int] | None = None,
-                      offload: bool = False, fp32_grad_accum: bool = False) -> dict:
+                      offload: bool = False, fp32_grad_accum: bool = False,
+                      disk: bool = False) -> dict:
     """Persistent bytes per rank after an optimizer step, by category (the memory table).
 
     Unsharded: b*P + b*P + o*P (b = 4 fp32 / 2 bf16; o = 8 Adam fp32, 12 Adam bf16-mixed): 16P mixed.
     ZeRO-1: b*P' + b*P' + o*P'/N      (4P + 12P/N mixed)      P' = P padded to a multiple of N
     ZeRO-2: b*P' + (b + o)*P'/N       (2P + 14P/N mixed)
-    ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes"""
+    ZeRO-3: (2b + o)*Q/N              (16P/N mixed)           Q = sum of the units' padded sizes
+    `disk` (--offload-disk, ZeRO-Infinity): the fp32 master and the moments leave RAM for a file,
+    d = 4 + 8 (Adam; SGD 4) bytes per element the rank owns, whatever the compute precision:
+    ZeRO-0 d*P, ZeRO-1/2 d*P'/N (12P'/N), ZeRO-3 d*Q/N with its parameter slices (params 0)."""
     b, o = BYTES_PER_PARAM[precision], optimizer_bytes_per_param(optimizer, precision)
+    if disk:
+        return _disk_state_bytes(n_params, optimizer, b, zero, n, unit_sizes)
     if zero == 0:  # fp32_grad_accum: + an fp32 gradient buffer (20 bytes/param with Adam)
         grads = (b + 4 * fp32_grad_accum) * n_params
         return {"params": b * n_params, "grads": grads, "optimizer": o * n_params}
@@ -314,6 +309,41 @@ def model_state_bytes(n_params: int, optimizer: str = "adam", precision: str = "
         return {"params": b * pp, "grads": grads, "optimizer": o * pp // n}
     q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
     return {"params": b * q // n, "grads": b * q // n, "optimizer": o * q // n}
+
+
+def disk_owned_elements(n_params: int, zero: int, n: int, unit_sizes: list[int] | None) -> int:
+    """Elements whose optimizer states a rank keeps (in its --offload-disk file)."""
+    if zero == 0:
+        return n_params
+    if zero in (1, 2):
+        return padded(n_params, n) // n
+    return sum(padded(u, n) for u in (unit_sizes or [n_params])) // n
+
+
+def _disk_state_bytes(n_params, optimizer, b, zero, n, unit_sizes) -> dict:
+    on_disk = (optimizer_bytes_per_param(optimizer, "fp32") + 4) * \
+        disk_owned_elements(n_params, zero, n, unit_sizes)
+    if zero == 0:
+        return {"params": b * n_params, "grads": b * n_params, "optimizer": 0, "disk": on_disk}
+    if zero in (1, 2):
+        pp = padded(n_params, n)
+        return {"params": b * pp, "grads": b * pp if zero == 1 else b * pp // n, "optimizer": 0,
+                "disk": on_disk}
+    q = sum(padded(u, n) for u in (unit_sizes or [n_params]))
+    return {"params": 0, "grads": b * q // n, "optimizer": 0, "disk": on_disk}
+
+
+def disk_io_bytes_per_step(cfg, n_params: int, unit_sizes: list[int], n: int) -> dict:
+    """--offload-disk's traffic per step: the step reads and writes every plane (master and
+    moments: 12 bytes per owned element with Adam); ZeRO-3 also reads each unit's master slice
+    (4 bytes per element) for each of its two gathers per micro-step (forward, backward)."""
+    owned = disk_owned_elements(n_params, cfg.zero, n, unit_sizes)
+    per_element = optimizer_bytes_per_param(cfg.optimizer, "fp32") + 4  # every plane's 4 bytes
+    read = written = per_element * owned
+    if cfg.zero == 3:
+        micro_steps = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+        read += 2 * micro_steps * 4 * owned
+    return {"read": read, "written": written}
 
 
 def zero_wire_bytes_per_step(zero: int, n_params: int, precision: str, n: int,
@@ -341,6 +371,41 @@ def hybrid_replica_wire_bytes(zero: int, n_params: int, precision: str, shard: i
                             for u in unit_sizes)
 
 
+def local_sgd_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Local SGD (parallel/local_sgd.py): one all-reduce of the fp32 parameters (with
+    --sync-optimizer, of Adam's two moments too) after every H-th of T steps and after the last,
+    ceil(T/H) in all: per step ceil(T/H)/T x 2(N-1)/N x 4P(1 + states), about DDP's bytes / H."""
+    states = 2 if cfg.sync_optimizer and cfg.optimizer == "adam" else 0
+    averages = -(-cfg.steps // cfg.sync_every)
+    return averages * wire_bytes("all_reduce", 4 * n_params * (1 + states), cfg.dp) / cfg.steps
+
+
+def async_staleness(workers: int, factor: float = 1.0, max_staleness: int = -1) -> dict:
+    """Expected staleness of asynchronous SGD with a parameter server (parallel/async_ps.py): W
+    workers, one of them `factor` times slower (1: none). Unbounded (K = -1), every worker always
+    has a gradient in flight, so one on a step of time t_i misses t_i * sum_(j != i) 1/t_j
+    updates: W - 1 for all without a straggler; with one, F(W-1) for it and W - 2 + 1/F for the
+    others, and still W - 1 on average over updates. K = 0: each round's W gradients come from one
+    version and are applied in turn, 0..W-1: (W - 1)/2 exactly. No formula for 0 < K: the bound
+    (W - 1)(2K + 1) holds for every K >= 0."""
+    W, F = workers, factor
+    out = {"bound": None if max_staleness < 0 else (W - 1) * (2 * max_staleness + 1)}
+    if max_staleness == 0:
+        return {**out, "mean": (W - 1) / 2, "straggler": None, "others": None}
+    if max_staleness > 0:
+        return {**out, "mean": None, "straggler": None, "others": None}
+    slow = F * (W - 1) if F != 1 else None
+    return {**out, "mean": W - 1, "straggler": slow,
+            "others": (W - 2 + 1 / F) if F != 1 else W - 1}
+
+
+def async_server_wire_bytes_per_step(cfg, n_params: int) -> float:
+    """Bytes the server sends per --steps step: a grant of [version, weights] (fp32) per update,
+    --steps x W of them, and a last one to each worker that says stop."""
+    workers = cfg.dp - 1
+    return (cfg.steps * workers + workers) * 4 * (n_params + 1) / cfg.steps
+
+
 def run_theory(cfg, n_params: int) -> dict:
     """The predictions for one RunConfig, as they go into the run report. With pipeline stages the
     ranks differ: `stages` holds one entry per pipeline rank, and the top level is stage 0's."""
@@ -350,7 +415,13 @@ def run_theory(cfg, n_params: int) -> dict:
     units = gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp, **_moe(cfg),
                            experts_apart=apart)
     out = _rank_theory(cfg, units, expert_unit_sizes(cfg, range(cfg.layers)) if apart else [])
+    if getattr(cfg, "asynchronous", False):  # a parameter server's grants, not an all-reduce
+        out["wire_bytes_per_step"] = {"dp": async_server_wire_bytes_per_step(cfg, sum(units))}
     micro = cfg.batch // (cfg.dp * cfg.grad_accum)  # sequences per forward pass on a rank
+    if getattr(cfg, "sync_every", 0):  # local SGD: parameters averaged, not gradients
+        out["wire_bytes_per_step"] = {"dp": local_sgd_wire_bytes_per_step(cfg, sum(units))}
+    if getattr(cfg, "federated", False):  # a step is a round: one all-reduce of the weights
+        out["wire_bytes_per_step"] = {"dp": wire_bytes("all_reduce", 4 * sum(units), cfg.dp)}
     if cfg.tp > 1:
         out["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(cfg) \
             + moe_sp_wire_bytes_per_step(cfg)
@@ -381,8 +452,9 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
     hybrid = 0 < cfg.dp_shard < cfg.dp  # HYBRID_SHARD: shard in groups, replicate across them
     # ZeRO's shard group: dp_shard x cp (context parallel ranks hold the same weights too)
     shard = (cfg.dp_shard if hybrid else cfg.dp) * getattr(cfg, "cp", 1)
+    disk = bool(getattr(cfg, "offload_disk", ""))
     states = model_state_bytes(n_params, cfg.optimizer, cfg.precision, cfg.zero, shard, units,
-                               cfg.offload, cfg.fp32_grad_accum)
+                               cfg.offload, cfg.fp32_grad_accum, disk)
     wire: dict[str, float] = {}
     names = role_names(cfg)  # the comm records' names of the loss, shard and replica groups
     if cfg.zero == 0:
@@ -401,8 +473,11 @@ def _rank_theory(cfg, units: list[int], expert_units: list[int] = ()) -> dict:
             slice_bytes = BYTES_PER_PARAM[cfg.precision] * padded(n_params, shard) // shard
             wire["pcie"] = 2 * slice_bytes
     wire = {g: (b if cfg.dp * cfg.cp > 1 or g == "pcie" else 0) for g, b in wire.items()}
-    return {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
-            "wire_bytes_per_step": wire}
+    out = {"n_params_per_rank": n_params, "padding_elements": padding, "memory": states,
+           "wire_bytes_per_step": wire}
+    if disk:
+        out["disk_io_per_step"] = disk_io_bytes_per_step(cfg, n_params, units, shard)
+    return out
 
 
 def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
@@ -422,11 +497,15 @@ def _expert_rank_theory(cfg, units: list[int], expert_units: list[int]) -> dict:
         g = names.get(g) or g
         wire[g] = wire.get(g, 0) + b
     experts_held = sum(expert_units)
-    return {"n_params_per_rank": sum(units) + experts_held, "expert_params_per_rank": experts_held,
-            "padding_elements": dense["padding_elements"] + expert["padding_elements"],
-            "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
-                       for k in dense["memory"] | expert["memory"]},
-            "wire_bytes_per_step": wire}
+    out = {"n_params_per_rank": sum(units) + experts_held, "expert_params_per_rank": experts_held,
+           "padding_elements": dense["padding_elements"] + expert["padding_elements"],
+           "memory": {k: dense["memory"].get(k, 0) + expert["memory"].get(k, 0)
+                      for k in dense["memory"] | expert["memory"]},
+           "wire_bytes_per_step": wire}
+    if "disk_io_per_step" in dense:  # --offload-disk (ZeRO-3: one file holds both)
+        out["disk_io_per_step"] = {k: v + expert["disk_io_per_step"][k]
+                                   for k, v in dense["disk_io_per_step"].items()}
+    return out
 
 
 def _activations_per_layer(cfg, micro: int) -> dict:
@@ -449,24 +528,33 @@ def _pipeline_theory(cfg) -> dict:
     apart = getattr(cfg, "ep", 1) > 1  # expert parallel: the experts' states go over edp
     for r in range(cfg.pp):
         units = pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, schedule.owner, r,
-                                     cfg.tp, **_moe(cfg), experts_apart=apart)
-        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r)[0])  # the stage's blocks
+                                     cfg.tp, **_moe(cfg), experts_apart=apart,
+                                     stages=schedule.stages)
+        mine = sorted(stage_blocks(schedule.owner, cfg.layers, r, schedule.stages)[0])  # its blocks
         stage = _rank_theory(cfg, units, expert_unit_sizes(cfg, mine) if apart else [])
         if getattr(cfg, "ep", 1) > 1:
             stage["ep_all_to_all_uniform"] = ep_wire_bytes_per_step(cfg, mine)
         stage["wire_bytes_per_step"]["pp"] = pipeline_p2p_bytes_per_step(
-            schedule.owner, r, cfg.microbatches, boundary)
-        chunks = [c for c, o in enumerate(schedule.owner) if o == r]
-        blocks = len(chunks) * cfg.layers // len(schedule.owner)  # the stage's blocks
+            schedule.owner, r, cfg.microbatches, boundary, schedule.stages)
+        if schedule.directions == 2:  # DualPipe: the stage copies' gradients, one exchange a step
+            held = sum(units) + (sum(expert_unit_sizes(cfg, mine)) if apart else 0)  # + E/ep experts
+            stage["wire_bytes_per_step"]["pp"] += held * BYTES_PER_PARAM[cfg.precision]
+        chunks = [schedule.stage_of(c) for c, o in enumerate(schedule.owner) if o == r]
+        blocks = len(chunks) * cfg.layers // schedule.stages  # the stage's blocks
         moe_here = len(set(mine) & set(moe_blocks(cfg.layers, getattr(cfg, "experts", 0),
                                                   getattr(cfg, "moe_every", 1))))
         if cfg.tp > 1:
             stage["wire_bytes_per_step"]["tp"] = tp_wire_bytes_per_step(
-                cfg, blocks=blocks, embed=0 in chunks, head=len(schedule.owner) - 1 in chunks,
+                cfg, blocks=blocks, embed=0 in chunks, head=schedule.stages - 1 in chunks,
                 moe=moe_here) + moe_sp_wire_bytes_per_step(cfg, moe_here)
         if cfg.cp > 1:
             wire = stage["wire_bytes_per_step"]
             wire["cp"] = wire.get("cp", 0) + cp_wire_bytes_per_step(cfg, blocks=blocks, moe=moe_here)
+        if schedule.directions == 2:  # DualPipe: a rank's blocks see half the micro-batches
+            for k, v in stage["wire_bytes_per_step"].items():
+                stage["wire_bytes_per_step"][k] = v / 2 if k in ("tp", "cp") else v
+            if "ep_all_to_all_uniform" in stage:
+                stage["ep_all_to_all_uniform"] /= 2
         stage["microbatches_in_flight"] = in_flight(schedule)[r]
         stages.append(stage)
     return {"n_params": gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers,
@@ -533,6 +621,34 @@ def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, checkpointing
 
 
 RANK_BASELINE_BYTES = 400 * 2 ** 20  # one rank's interpreter, torch and gloo, measured ~300 MB
+# What a rank holds beyond its tensors' bytes, named (issue 26: 20,000 layers used 4.2 GB against
+# 0.8 GB estimated). Measured as the growth of a rank's peak RSS (VmHWM) with --layers, 1 rank,
+# 2 steps: d_model 16, 0.315 MB a block (0.08 MB estimated before); d_model 64, 2.13 MB (1.02).
+LAYER_OBJECT_BYTES = 384 * 2 ** 10  # per block: its modules, and its ~12 parameters' tensors
+#   (parameter, gradient, two moments, step), the autograd graph's saved tensors and the hooks,
+#   each a Python object, a TensorImpl and a storage (~0.24 MB measured at d_model 16)
+TRANSIENT_BYTES_PER_PARAM = 24  # beyond the 20 of `states`: the full parameters gathered after
+#   the last step (4), Adam's foreach temporaries and the heap's slack (~18 B measured at d_model 64)
+EXPERT_OBJECT_BYTES = 128 * 2 ** 10  # more per expert an MoE block holds: its 4 parameters'
+#   tensors and its own autograd nodes (a 4-expert block grew 1.2 MB more than a dense one at
+#   d_model 32, of which the estimate's states and transients covered ~0.8)
+RECORD_BYTES = 1024  # one comm record or timeline event, a Python dict (~0.6-1 KB)
+RECORDS_PER_LAYER_STEP = 8  # records per block and micro-batch of a step, an upper bound (comm
+#   records per gradient bucket or parameter, events per op; dp 2, 400 blocks: 6 measured)
+
+
+def _local_params(cfg) -> int:
+    """sum(gpt_unit_sizes(...)) for the run, counted on one period of blocks (every moe_every-th
+    is an MoE block; the others alike) and multiplied out: counting all of a 1,000,000-block
+    model block by block took 2 minutes and 4.5 GB, for a refusal that must answer at once."""
+    sizes = lambda n: gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, n, cfg.tp, **_moe(cfg))
+    period = max(1, getattr(cfg, "moe_every", 1))
+    if cfg.layers <= 2 * period:
+        return sum(sizes(cfg.layers))
+    one = sizes(period)  # [embedding, the period's blocks, head]
+    blocks = one[1:-1]
+    whole, rest = divmod(cfg.layers, period)
+    return one[0] + one[-1] + whole * sum(blocks) + sum(blocks[:rest])
 
 
 def local_run_bytes_estimate(cfg) -> dict:
@@ -541,66 +657,37 @@ def local_run_bytes_estimate(cfg) -> dict:
     gradient buffer), every block's activations for the rank's whole share of the batch (as if
     every micro-batch were in flight), the logits three times (logits, softmax, gradient), the
     global batch of token ids (inputs and targets, int64: every rank draws it), and
-    RANK_BASELINE_BYTES. Returns the parts and the total over the world's ranks."""
-    local_params = sum(gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, cfg.tp,
-                                      **_moe(cfg)))
+    RANK_BASELINE_BYTES; then what is not tensors' bytes: `transients` (TRANSIENT_BYTES_PER_PARAM),
+    `layer_objects` (LAYER_OBJECT_BYTES per block the rank holds, EXPERT_OBJECT_BYTES more per
+    expert of an MoE block) and `logs` (the comm records
+    and op events of every step, RECORDS_PER_LAYER_STEP per block and micro-batch, and the MoE
+    log: its counts per forward and its bounded sample of token choices, meters.RoutingLog).
+    The launching process holds every rank's logs once more in the merged report, and its JSON
+    (`report`). Returns the parts and the total over the world's ranks."""
+    local_params = _local_params(cfg)
     b = cfg.batch // cfg.dp
     acts = cfg.layers * gpt_activation_bytes_per_layer(cfg.seq, b, cfg.d_model, cfg.heads, "none",
                                                        4, cfg.tp, cfg.sp, cfg.cp, cfg.cp_impl)
     logits = 3 * 4 * b * (cfg.seq // cfg.cp) * (cfg.vocab // cfg.tp)
     data = 2 * 8 * cfg.batch * cfg.seq
+    blocks = -(-cfg.layers // cfg.pp)  # the most a pipeline stage holds
+    micro = cfg.microbatches if cfg.pp > 1 else cfg.grad_accum
+    layer_objects = LAYER_OBJECT_BYTES * blocks
+    # (+1: the full parameters' gathering after the last step is recorded too)
+    logs = (cfg.steps + 1) * micro * (blocks + 2) * RECORDS_PER_LAYER_STEP * RECORD_BYTES
+    if getattr(cfg, "experts", 0):
+        moe_layers = len(moe_blocks(cfg.layers, cfg.experts, cfg.moe_every))
+        tokens = min(512, b * cfg.seq)  # meters.ROUTING_SAMPLE_TOKENS
+        per_token = 2 * (56 + 8 * cfg.top_k) + 3 * 8  # two lists of k, their pointers, a position
+        logs += moe_layers * (cfg.steps * micro * RECORD_BYTES + 17 * tokens * per_token)
+        layer_objects += -(-moe_layers // cfg.pp) * cfg.experts // cfg.ep * EXPERT_OBJECT_BYTES
     per_rank = {"states": 20 * local_params, "activations": int(acts), "logits": logits,
-                "data": data, "baseline": RANK_BASELINE_BYTES}
-    return {**per_rank, "per_rank": sum(per_rank.values()),
-            "total": cfg.world_size * sum(per_rank.values())}
-
-
-# Model presets for theory-only rows (too big to run here). Shapes after the public Llama configs;
-# n_params is the headline size the memory table uses.
-PRESETS = {
-    "1B": {"n_params": 1_000_000_000, "layers": 16, "d_model": 2048, "heads": 32, "vocab": 128256},
-    "7B": {"n_params": 7_000_000_000, "layers": 32, "d_model": 4096, "heads": 32, "vocab": 32000},
-    "70B": {"n_params": 70_000_000_000, "layers": 80, "d_model": 8192, "heads": 64, "vocab": 32000},
-    "405B": {"n_params": 405_000_000_000, "layers": 126, "d_model": 16384, "heads": 128,
-             "vocab": 128256},
-}
-
-GPU_MEMORY_GB = {"24 GB (RTX 4090)": 24, "40 GB (A100 40G)": 40, "80 GB (A100/H100 80G)": 80,
-                 "141 GB (H200)": 141}
-
-
-def model_parallel_params(n_params: int, tp: int = 1, pp: int = 1) -> int:
-    """Parameters on one GPU after tensor and pipeline parallel split the model, before ZeRO:
-    Psi/(tp*pp), rounded up to a whole parameter. An approximation: it ignores that one pipeline
-    stage holds the embeddings (and another the LM head), so stages are not equal, and that under
-    TP the LayerNorms and row-parallel biases stay whole on every rank (gpt_unit_sizes counts our
-    GPT exactly)."""
-    return -(-n_params // (tp * pp))
-
-
-def memory_per_gpu(n_params: int, gpus: int, zero: int, precision: str = "bf16-mixed",
-                   optimizer: str = "adam", layers: int = 0, d_model: int = 0, heads: int = 1,
-                   seq: int = 0, micro_batch: int = 0, checkpointing: str = "none",
-                   offload: bool = False, tp: int = 1, pp: int = 1, sp: bool = False) -> dict:
-    """Bytes per GPU by category for a big model (theory only) on N = `gpus` data-parallel ranks
-    x tp x pp GPUs in all.
-
-    Model states: TP and PP divide the parameters first, Psi/(tp*pp) per GPU (model_parallel_params:
-    an approximation that ignores which pipeline stage holds the embeddings and LM head, and the
-    LayerNorm / bias parameters TP replicates), then ZeRO shards what is left over the N
-    data-parallel ranks (model_state_bytes at that stage).
-    Activations (Korthikanti et al., 2022): L x activation_bytes_per_layer(s, b, h, a, tp, sp), i.e.
-    sbh(34 + 5as/h) at tp = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP + SP.
-    PP does not change them under 1F1B: the first stage keeps p micro-batches in flight, each
-    through its L/p layers, i.e. L layers' worth of one micro-batch whatever p (their section
-    4.2.3); the other stages hold less. ZeRO does not shard activations."""
-    states = model_state_bytes(model_parallel_params(n_params, tp, pp), optimizer, precision, zero,
-                               gpus, offload=offload and zero in (1, 2))
-    states.pop("host", None)
-    acts = layers * activation_bytes_per_layer(seq, micro_batch, d_model, heads, checkpointing,
-                                               tp=tp, sp=sp) \
-        if layers and seq and micro_batch else 0
-    return {**states, "activations": acts}
+                "data": data, "baseline": RANK_BASELINE_BYTES,
+                "transients": TRANSIENT_BYTES_PER_PARAM * local_params,
+                "layer_objects": layer_objects, "logs": logs}
+    report = 2 * cfg.world_size * logs  # the merged report's dicts, and its JSON text
+    return {**per_rank, "per_rank": sum(per_rank.values()), "report": report,
+            "total": cfg.world_size * sum(per_rank.values()) + report}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,7 +703,9 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
       share of the total).
     zb (ZB-H1, Qi et al., 2024): (p-1)(F+B-W) idle beside m(F+B+W) busy, with the op costs F, B, W
       given in `costs` (default: equal, which gives (p-1)/(3m+p-1), a third of 1F1B's bubble).
-    zbv: its greedy order has no closed form; the value is that order replayed with `costs`."""
+    zbv: its greedy order has no closed form; the value is that order replayed with `costs`.
+    dualpipe, dualpipev: the DeepSeek-V3 report's (PP/2-1)(F&B+B-3W) (dualpipe_idle) beside each
+      rank's busy time, PP the model's stages (dualpipe: p; dualpipev: 2p chunks of half a stage)."""
     p = pp
     if p == 1:
         return 0.0
@@ -630,6 +719,12 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
         c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
         idle = max(0.0, (p - 1) * (c["F"] + c["B"] - c["W"]))
         return idle / (idle + m * (c["F"] + c["B"] + c["W"]))
+    if schedule in ("dualpipe", "dualpipev"):
+        c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+        stages = p if schedule == "dualpipe" else 2 * p
+        idle = dualpipe_idle(stages, c)
+        busy = (m if schedule == "dualpipe" else 2 * m) * (c["F"] + c["B"] + c["W"])
+        return idle / (idle + busy)
     if schedule == "zbv":  # a greedy order has no closed form: replay it with the costs given
         from .parallel.schedules import build_schedule, idle_fractions, simulate
         c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
@@ -640,25 +735,69 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, costs: dict | No
 
 def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner: list[int],
                          rank: int, tp: int = 1, experts: int = 0, moe_every: int = 1,
-                         ep: int = 1, experts_apart: bool = False) -> list[int]:
+                         ep: int = 1, experts_apart: bool = False,
+                         stages: int | None = None) -> list[int]:
     """Parameters per unit on one pipeline rank. The model is cut into len(owner) chunks of
     layers/len(owner) blocks; the first chunk also holds the token and position embeddings, the last
     one the final LayerNorm and the LM head (as in Megatron-LM): those two stages are heavier.
-    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes."""
+    Counted from the placement of the rank's stage (placement.gpt_held), as gpt_unit_sizes.
+    `stages`: DualPipe's model has fewer stages than chunks (each stage twice, placement.stage_blocks)."""
     model = SimpleNamespace(vocab=vocab, seq=seq, d_model=d_model, layers=layers, experts=experts,
                             moe_every=moe_every)
-    stage = stage_blocks(owner, layers, rank)
+    stage = stage_blocks(owner, layers, rank, stages)
     return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0), stage), experts_apart)
 
 
-def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int) -> int:
+def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int,
+                                stages: int | None = None) -> int:
     """Bytes this rank sends per step: each micro-batch's activation [b, s, h] forward out of every
     chunk whose successor lives elsewhere, and its gradient backward out of every chunk whose
-    predecessor does. Point to point: what is sent is the payload itself."""
+    predecessor does. Point to point: what is sent is the payload itself. DualPipe (`stages` =
+    len(owner)/2): each copy carries half the micro-batches, and the two copies of a stage sum
+    their gradients (pipeline._sum_copies: one exchange of the rank's gradients, not counted here)."""
+    n = stages or len(owner)
+    per_chunk = m * n // len(owner)  # micro-batches through each chunk
     sends = 0
     for c, r in enumerate(owner):
         if r != rank:
             continue
-        sends += c + 1 < len(owner) and owner[c + 1] != rank
-        sends += c > 0 and owner[c - 1] != rank
-    return sends * m * boundary_bytes
+        sends += c % n + 1 < n and owner[c + 1] != rank
+        sends += c % n > 0 and owner[c - 1] != rank
+    return sends * per_chunk * boundary_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# DualPipe beside 1F1B and zero bubble: the DeepSeek-V3 report's table (DeepSeek-AI, 2024, table
+# 2; DualPipeV: Sea AI Lab's "cut-in-half", 2025). PP is the number of pipeline STAGES (DualPipeV
+# runs them on PP/2 devices). The report's B is the full backward (our B + W), W the weight part,
+# and F&B a forward and a backward of two micro-batches run as one overlapped unit: F + B + W
+# when nothing overlaps (the toy: one CPU), less when one's communication hides behind the other.
+# ---------------------------------------------------------------------------------------------
+def dualpipe_idle(stages: int, costs: dict, overlapped: float | None = None) -> float:
+    """Idle time per device: (PP/2-1)(F&B + B_full - 3W). `overlapped`: F&B's time (default
+    F + B_full, no overlap). The eight phases of parallel/schedules.py replayed with each F&B pair
+    as one unit and equal op costs (the report's figure) give exactly this (tests/test_dualpipe.py);
+    with unequal costs the formula is the report's estimate, off by a fraction of an op (replay
+    the order for the toy's own costs: schedules.simulate)."""
+    full = costs["B"] + costs["W"]
+    fb = costs["F"] + full if overlapped is None else overlapped
+    return max(0.0, (stages / 2 - 1) * (fb + full - 3 * costs["W"]))
+
+
+def pipeline_table(stages: int, costs: dict | None = None, overlapped: float | None = None) -> list[dict]:
+    """The report's rows for `stages` pipeline stages: bubble (idle time per device, in the costs'
+    unit), parameters per device (x one stage's), activations per device (micro-batches of one
+    stage's activations held at the peak), devices. Theory: formulas, not measured."""
+    c = costs or {"F": 1.0, "B": 1.0, "W": 1.0}
+    full = c["B"] + c["W"]
+    dual = dualpipe_idle(stages, c, overlapped)
+    return [
+        {"method": "1F1B", "bubble": (stages - 1) * (c["F"] + full), "parameters": 1,
+         "activations": stages, "devices": stages},
+        {"method": "ZB1P", "bubble": (stages - 1) * (c["F"] + full - 2 * c["W"]), "parameters": 1,
+         "activations": stages, "devices": stages},
+        {"method": "DualPipe", "bubble": dual, "parameters": 2, "activations": stages + 1,
+         "devices": stages},
+        {"method": "DualPipeV", "bubble": dual, "parameters": 2, "activations": stages + 1,
+         "devices": stages // 2},
+    ]

@@ -1,5 +1,5 @@
-"""Timelines of a run: as measured on the wall clock, replayed "as if each rank had its own
-device", the bubble in both, and a trace file.
+"""A pipeline run's bubble: measured on the wall clock, and replayed "as if each rank had its own
+device" (the views drawn from them and the trace file: course/timelines.py).
 
 Measured (wall clock): every op event's start and end. When the machine has at least as many cores
 as the run has ranks, the launcher pins each rank to a core of its own with one thread
@@ -21,7 +21,6 @@ its last, across the pipeline) in which the rank ran no F, B or W.
 """
 from __future__ import annotations
 
-import json
 import statistics
 
 from . import theory
@@ -30,7 +29,7 @@ from .parallel.schedules import dependencies, for_config, idle_fractions, simula
 COMPUTE = ("F", "B", "W")
 
 
-def _pipelines(report) -> list[list[dict]]:
+def pipelines(report) -> list[list[dict]]:
     """The ranks of each pipeline (one per data-parallel replica), in stage order."""
     by_replica: dict[tuple, list[dict]] = {}
     for r in report.ranks:
@@ -65,7 +64,7 @@ def own_device_costs(report, pipeline: list[dict] | None = None) -> dict[tuple, 
     a same-shaped micro-batch in the same time, which the undisturbed samples show: the low
     percentile (like timeit's best-of) drops the disturbed ones and keeps differences between
     stages (the first holds the embeddings, the last the head and the loss)."""
-    pipeline = pipeline or _pipelines(report)[0]
+    pipeline = pipeline or pipelines(report)[0]
     steps = set(_steps_to_measure(report.config["steps"]))
     samples: dict[tuple, list[float]] = {}
     for stage, r in enumerate(pipeline):
@@ -83,7 +82,7 @@ def own_device_replay(report, step: int, pipeline: list[dict] | None = None,
     durations="typical": every op takes its own_device_costs (the same for every step).
     durations="each": every op of `step` its own measured CPU time, disturbances included."""
     schedule = for_config(report.config)
-    pipeline = pipeline or _pipelines(report)[0]
+    pipeline = pipeline or pipelines(report)[0]
     if durations == "typical":
         cost = own_device_costs(report, pipeline)
         return simulate(schedule, lambda rank, op: cost[(rank, op.kind, op.chunk)])
@@ -93,35 +92,16 @@ def own_device_replay(report, step: int, pipeline: list[dict] | None = None,
     return simulate(schedule, lambda rank, op: cpu[(rank, op.kind, op.microbatch, op.chunk)])
 
 
-def wall_view(report, step: int, pipeline: list[dict] | None = None) -> list[dict]:
-    """The same step as measured: wall-clock start and end of every op, waits included."""
-    pipeline = pipeline or _pipelines(report)[0]
-    out = []
-    for stage, r in enumerate(pipeline):
-        for e in r["events"]:
-            if e["step"] == step and (e["kind"] in COMPUTE or e["kind"] in ("send", "wait")):
-                out.append({"rank": stage, "kind": e["kind"], "microbatch": e["microbatch"],
-                            "chunk": e["stage"], "start": e["start"], "end": e["end"]})
-    t0 = min(e["start"] for e in out)
-    for e in out:
-        e["start"] -= t0
-        e["end"] -= t0
-    return out
-
-
 def op_costs(report) -> dict[str, float]:
     """F, B and W's own-device CPU seconds (per chunk; own_device_costs averaged over stages and
     pipelines): the zero-bubble formula's inputs."""
     by_kind: dict[str, list[float]] = {}
-    for pipeline in _pipelines(report):
+    for pipeline in pipelines(report):
         for (_, kind, _), seconds in own_device_costs(report, pipeline).items():
             by_kind.setdefault(kind, []).append(seconds)
     return {k: statistics.fmean(v) for k, v in by_kind.items()}
 
 
-LABELS = {"wall": "measured (wall clock)",
-          "replayed": "replayed (measured op times, own-device schedule)",
-          "theory": "formula"}
 GAP_PARTS = {"stage_imbalance": "stage imbalance", "op_time_variation": "op-time variation",
              "p2p_messages": "p2p messages (hand-off, latency, receive)", "between_ops": "between ops"}
 
@@ -161,7 +141,7 @@ def _replay_with_links(schedule, duration, hand_off, latency, receive) -> list[d
         for r, ops in enumerate(schedule.ops):
             while position[r] < len(ops):
                 op = ops[position[r]]
-                deps = dependencies(op, schedule.n_chunks)
+                deps = dependencies(op, schedule.stages)
                 if any(d not in end for d in deps):
                     break
                 remote = [d for d in deps if owner[d.chunk] != r]
@@ -198,7 +178,7 @@ def wall_gap(report, step: int, pipeline: list[dict] | None = None) -> dict:
     most what that message can have taken) and the receive of a message that was already there
     (its "wait" event). What is left to the measured bubble happens between ops."""
     schedule = for_config(report.config)
-    pipeline = pipeline or _pipelines(report)[0]
+    pipeline = pipeline or pipelines(report)[0]
     pp = schedule.pp
     ev = [[e for e in r["events"] if e["step"] == step] for r in pipeline]
     ops = {(rank, e["kind"], e["microbatch"], e["stage"]): e
@@ -271,7 +251,7 @@ def bubble(report) -> dict:
     pp = cfg["pp"]
     own, each, gaps = [], [], {step: [] for step in steps}
     cpu_share: list[list[float]] = []
-    for pipeline in _pipelines(report):
+    for pipeline in pipelines(report):
         own.append(idle_fractions(own_device_replay(report, steps[0], pipeline), pp))
         for step in steps:
             each.append(idle_fractions(own_device_replay(report, step, pipeline, "each"), pp))
@@ -306,40 +286,3 @@ def bubble(report) -> dict:
     replayed = {"overall": statistics.fmean(per_rank), "per_rank": per_rank,
                 "each_op": statistics.fmean(x for f in each for x in f)}
     return {"wall": wall, "replayed": replayed, "theory": formula, "steps": steps, "op_cpu_s": costs}
-
-
-# ---------------------------------------------------------------------------------------------
-# Chrome / Perfetto trace (open in chrome://tracing or ui.perfetto.dev)
-# ---------------------------------------------------------------------------------------------
-def chrome_trace(report) -> dict:
-    """Every op event and comm record of every rank, one process per rank (thread 0: ops, thread
-    1: communication), times in microseconds. The JSON Trace Event Format's complete events."""
-    events = []
-    for r in report.ranks:
-        pid = r["rank"]
-        events.append({"name": "process_name", "ph": "M", "pid": pid,
-                       "args": {"name": f"rank {pid} " + " ".join(f"{a}{v}" for a, v in r["coords"].items())}})
-        for tid, name in ((0, "ops"), (1, "comm")):
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-        for e in r["events"]:
-            label = e["kind"] if e.get("microbatch") is None else f"{e['kind']}{e['microbatch']}"
-            events.append({"name": label, "cat": e["kind"], "ph": "X", "pid": pid, "tid": 0,
-                           "ts": 1e6 * e["start"], "dur": 1e6 * (e["end"] - e["start"]),
-                           "args": {k: v for k, v in e.items() if k not in ("start", "end")}})
-        for c in r["comm"]:
-            if "end" in c:
-                events.append({"name": c["op"], "cat": c["group"], "ph": "X", "pid": pid, "tid": 1,
-                               "ts": 1e6 * c["start"], "dur": 1e6 * (c["end"] - c["start"]),
-                               "args": {k: v for k, v in c.items() if k not in ("start", "end")}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_chrome_trace(report, path: str) -> None:
-    with open(path, "w") as fh:
-        json.dump(chrome_trace(report), fh)
-
-
-def replay_ops(schedule, cost: dict[str, float]) -> list[dict]:
-    """A schedule drawn before any run: every F/B/W takes `cost[kind]` seconds (e.g. F 1, B 2)."""
-    return simulate(schedule, lambda rank, op: cost[op.kind] / schedule.virtual)
-

@@ -8,17 +8,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "browser: drives Debian chromium via playwright")
     config.addinivalue_line("markers", "notebooks: executes the lesson notebooks (nbval)")
     config.addinivalue_line("markers", "slow: the whole composition matrix; run with -m slow")
+    config.addinivalue_line("markers", "gpu: a lent GPU machine's checks (make test-gpu, -m gpu)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests run only when asked for by marker (`pytest -m slow`): `make test` stays
-    within CI's time."""
-    if "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow: run with -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    """`slow` and `gpu` tests run only when asked for by marker (`pytest -m slow`, `-m gpu`):
+    `make test` stays within CI's time, and the GPU machine's checks run there alone."""
+    asked = config.getoption("-m") or ""
+    for marker, how in (("slow", "run with -m slow"), ("gpu", "a GPU machine's check: make test-gpu")):
+        if marker in asked:
+            continue
+        skip = pytest.mark.skip(reason=f"{marker}: {how}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -336,3 +336,43 @@ def test_failed_live_run_shows_one_line_error(monkeypatch):
     assert err.value == "Rank 1 failed: RuntimeError: out of memory on rank 1"
     assert [c["spec"]["title"]["text"] for c in _charts(at)] == [
         "Memory per GPU by ZeRO stage (predicted)"]  # no measured chart
+
+
+def test_disk_choice_moves_the_optimizer_to_a_disk_bar_at_every_stage():
+    """Theory: with the optimizer on disk each stage's GPU bar loses its optimizer (ZeRO-3: its
+    parameter slices too) and a disk bar holds 12 bytes per parameter the rank owns (fp32 master
+    + two moments); the GPU total, and so the fit, counts the GPU's bytes only."""
+    at = _page()  # (the page's default: the small toy on 2 GPUs, fp32 Adam)
+    _set(at, "checkbox", "Optimizer states to disk", True)
+    by = _stage_bars(at)
+    p = TOY_PARAMS
+    for k, stage in enumerate(STAGES):
+        name = f"{stage} + disk"
+        assert by[name, "disk"] == (12 * p if k == 0 else 12 * p // 2), name
+        assert by.get((name, "optimizer"), 0) == 0
+        assert by.get((name, "params"), 0) == (0 if k == 3 else 4 * p)  # fp32 weights
+    # model states on the GPU: ZeRO-0 keeps 4P weights + 4P gradients, no optimizer
+    from parallel_mini.course.viz.units import bytes_unit
+    div, unit = bytes_unit(8 * p)
+    assert _metric_of(at, 0).value == f"{8 * p / div:.3f} {unit}"
+    # CPU offload and disk are one at a time: ticking the CPU box unticks and greys the disk box
+    _set(at, "checkbox", "Offload", True)
+    assert not _widget(at.checkbox, "Optimizer states to disk").value
+    assert _widget(at.checkbox, "Optimizer states to disk").disabled
+
+
+@pytest.mark.slow
+def test_live_disk_runs_all_four_stages_equal_to_theory_to_the_byte():
+    at = _page()
+    _set(at, "select_slider", "GPUs", 2)
+    _set(at, "checkbox", "Optimizer states to disk", True)
+    at.button[0].click().run()
+    _assert_clean(at)
+    p, live = TOY_PARAMS, _live(at)
+    for k, stage in enumerate(STAGES):
+        name = f"{stage} + disk"
+        want = 12 * p if k == 0 else 12 * p // 2
+        assert live[name, "disk", "measured"] == live[name, "disk", "predicted"] == want
+        assert live[name, "optimizer", "measured"] == 0
+    assert "equal to the byte" in at.success[0].value
+    assert _chart(at, "Bytes to and from disk")

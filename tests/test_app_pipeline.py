@@ -217,15 +217,21 @@ def test_live_gpipe_vs_1f1b_bubbles_memory_bytes_and_reference(monkeypatch):
     assert _chart(at, f"gpipe: {WALL}")
 
 
-def test_live_interleaved_vs_zero_bubble_on_two_stages():
+def _live_pair(p: int, m: int, first: str, second: str):
+    """The page after a live run of `first` beside `second` on p stages, m micro-batches."""
     at = _app(PAGE)
-    p, m, v = 2, 4, 2
     _set(at, "radio", "Pipeline stages", p)
     _set(at, "slider", "Micro-batches", m)
-    _set(at, "selectbox", "Schedule", "interleaved")
-    _set(at, "selectbox", "Compare with", "zb")
+    _set(at, "selectbox", "Schedule", first)
+    _set(at, "selectbox", "Compare with", second)
     at.button[0].click().run()
     _assert_clean(at)
+    return at
+
+
+def test_live_interleaved_vs_zero_bubble_on_two_stages():
+    p, m, v = 2, 4, 2
+    at = _live_pair(p, m, "interleaved", "zb")
     assert float(_widget(at.metric, "max |run − reference| (losses, final params): interleaved")
                  .value) <= 1e-5
     assert float(_widget(at.metric, "max |run − reference| (losses, final params): zb")
@@ -263,3 +269,55 @@ def test_live_interleaved_vs_zero_bubble_on_two_stages():
     labels = {(r["source"], r["stage"]): r["in_flight"]
               for r in _rows_with(_chart(at, "Activation peak per stage"), "in_flight")}
     assert labels["zb", "rank 0"] == f"{p} in flight"  # 1F1B's count, W's queued behind B
+
+
+def test_dualpipe_plans_and_refusal():
+    """DualPipe beside DualPipeV, planned: each F&B pair drawn as one unit (the report's count), the
+    drawn plan idles exactly the report's (PP/2-1)(F&B+B-3W) share with F = B = W = 1: (p-2)/(3m+p-2)
+    for DualPipe's p stages, (p-1)/(3m+p-1) for DualPipeV's 2p chunks; m below 2p is refused."""
+    at = _app(PAGE)
+    _set(at, "selectbox", "Schedule", "dualpipe")
+    _set(at, "selectbox", "Compare with", "dualpipev")
+    _assert_clean(at)
+    p, m = 4, 8
+    # one model for both: 2p chunks of 4 blocks for DualPipeV, p stages of 8 for DualPipe
+    assert any("Model: 32 layers" in c.value and "8 layer(s) per chunk (dualpipe), 4 layer(s) per "
+               "chunk (dualpipev)" in c.value for c in at.caption)
+    want = {"dualpipe": (p - 2) / (3 * m + p - 2), "dualpipev": (p - 1) / (3 * m + p - 1)}
+    for s, share in want.items():
+        (metric,) = [w for w in at.metric if w.label == f"Bubble (theory): {s}"]
+        assert metric.value == f"{share:.1%}"
+        (chart,) = [c for c in _charts(at) if c["spec"].get("usermeta", {}).get("title", str(
+            c["spec"]["title"]["text"])).startswith(f"Planned: {s},")]
+        rows = _timeline_rows(chart)
+        assert _idle_share(rows) == pytest.approx(share, abs=1e-12)
+        assert "F&B pair" in " ".join(chart["spec"]["title"]["subtitle"])
+    # DualPipe: micro-batches 0-3 go down from rank 0, 4-7 come up from rank 3
+    dual = _timeline_rows(_chart(at, "Planned: dualpipe,"))
+    assert {r["microbatch"] for r in dual if r["kind"] == "F" and r["rank"] == 0 and r["chunk"] == 0} \
+        == {0, 1, 2, 3}
+    assert {r["microbatch"] for r in dual if r["kind"] == "F" and r["rank"] == 3 and r["chunk"] == 4} \
+        == {4, 5, 6, 7}
+    _set(at, "slider", "Micro-batches", 6)  # below 2p = 8
+    assert not at.exception and len(at.error) == 2
+    assert all("needs at least 2 x pp = 8" in e.value for e in at.error)
+    assert at.button[0].disabled
+
+
+@pytest.mark.slow
+def test_live_dualpipe_vs_dualpipev_on_two_stages():
+    """Both DualPipes run live on the page: equal to the reference, the wall-clock bubble shown is
+    the drawn timeline's idle share, and every stage sends exactly the bytes theory predicts
+    (DualPipe's include the exchange of the two copies' gradients)."""
+    p, m = 2, 4
+    at = _live_pair(p, m, "dualpipe", "dualpipev")
+    for lab in ("dualpipe", "dualpipev"):
+        (diff,) = [w for w in at.metric if w.label == f"max |run − reference| (losses, final params): {lab}"]
+        assert float(diff.value) <= 1e-5
+        (exact,) = [w for w in at.metric
+                    if w.label == f"Stages sending exactly the formula's bytes (counted): {lab}"]
+        assert exact.value == f"{p} of {p}"
+        (chart,) = [c for c in _charts(at) if str(c["spec"].get("usermeta", {}).get("title", c["spec"]["title"]["text"])) == f"{lab}: {WALL}"]
+        (measured,) = [w for w in at.metric if w.label == f"Measured: {lab}"]
+        assert float(measured.value.rstrip("%")) == pytest.approx(
+            100 * _idle_share(_timeline_rows(chart)), abs=0.05 + 1e-9)

@@ -41,3 +41,31 @@ def test_memory_page_runs_all_zero_stages_live(app_url):  # noqa: F811
             expect(page.get_by_text("Activations, measured peak")).to_be_visible()
         finally:
             browser.close()
+
+
+@pytest.mark.slow
+def test_disk_choice_runs_live_and_its_charts_fit(app_url):  # noqa: F811
+    """The "to disk" choice: the four stages run live with --offload-disk, the page shows the
+    step's bytes to and from disk beside the /proc counters, and every chart fits its column."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from test_browser_fit import chart_overflows
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(f"{app_url}/memory")
+            charts = page.locator('[data-testid="stVegaLiteChart"]')
+            charts.first.wait_for(timeout=60_000)
+            page.get_by_text("Optimizer states to disk").click(timeout=30_000)
+            stages_chart = charts.filter(has=page.locator("svg text", has_text="+ disk"))
+            stages_chart.first.wait_for(timeout=30_000)
+            page.get_by_role("button", name="Run live").click(timeout=30_000)
+            io = charts.filter(has=page.locator("svg text", has_text="Bytes to and from disk"))
+            io.wait_for(timeout=120_000)
+            expect(io.locator('path[aria-roledescription="bar"]').first).to_be_visible()
+            expect(page.get_by_text("equal to the byte")).to_be_visible()
+            assert chart_overflows(page) == []
+        finally:
+            browser.close()

@@ -21,7 +21,8 @@ SCREEN = {"width": 1440, "height": 900}
 PAGES = {"ring": ("Ring all-reduce", False), "data_parallel": ("Data parallel", False),
          "memory": ("Memory per GPU", True), "tensor": ("Tensor parallel", True),
          "pipeline": ("Pipeline bubbles", True), "long_sequences": ("Long sequences", False),
-         "experts": ("Experts", False), "plan": ("Plan a run", True)}
+         "experts": ("Experts", False), "barrier": ("Without a barrier", False),
+         "plan": ("Plan a run", True)}
 LIVE = "ring"  # the page run live (one run: a few seconds)
 CHART_TEXT_PX = """() => [...document.querySelectorAll('[data-testid="stVegaLiteChart"] svg text')]
     .filter(t => t.textContent.trim()).map(t => parseFloat(getComputedStyle(t).fontSize))"""

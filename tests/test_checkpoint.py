@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 import json
+import pickle
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from parallel_mini.placement import flat_boxes
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.engine import run
 from parallel_mini.launch import RankError
-from parallel_mini.preflight import check
+from parallel_mini.preflight import check, file_digests
 
 SMALL = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8)
 
@@ -59,7 +60,9 @@ def test_refusals_name_the_flag(tmp_path, capsys):
         check(RunConfig(save=str(tmp_path / "no" / "such")).validate())
     saved = tmp_path / "saved"  # what resume reads before any rank starts: latest, meta.json
     (saved / "step_2").mkdir(parents=True)
-    (saved / "step_2" / "meta.json").write_text(json.dumps(_meta(RunConfig(**SMALL), 2)))
+    (saved / "step_2" / ".metadata").write_bytes(pickle.dumps({}))  # (names no class: inert)
+    files = file_digests(str(saved / "step_2"))
+    (saved / "step_2" / "meta.json").write_text(json.dumps({**_meta(RunConfig(**SMALL), 2), "files": files}))
     (saved / "latest").write_text("step_2\n")
     with pytest.raises(ConfigError, match="--steps 2: .*saved after step 2.*more than 2"):
         check(RunConfig(steps=2, resume=str(saved), **SMALL).validate())
@@ -73,32 +76,73 @@ def test_refusals_name_the_flag(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: --resume") and "Traceback" not in err[0]
 
 
-# -- same layout: bit-identical; a save killed half-way -------------------------------------------
-def test_resume_same_layout_bit_identical_and_killed_save(tmp_path):
-    """dp2: 3 steps straight vs 2 + (a resume whose save is killed) + 1 resumed from step 2. The
-    resumed run's loss and its whole saved state (parameters, Adam moments and steps) equal the
-    uninterrupted run's to the bit; the killed save left `latest` on step 2."""
+# -- same layout: bit-identical; killed between saves and during them ---------------------------
+def _listing(d: str) -> set:
+    return {n for n in os.listdir(d) if not n.startswith(".")}
+
+
+def _shards(folder: str) -> dict:
+    """The sha256 of every rank's shard file, as the save recorded them in meta.json."""
+    files = json.load(open(os.path.join(folder, "meta.json")))["files"]
+    return {name: f["sha256"] for name, f in files.items() if name.endswith(".distcp")}
+
+
+def _kill(rank: int, at: str) -> dict:
+    return {"kill": {"rank": rank, "at": at}}
+
+
+def test_periodic_saves_killed_anywhere_resume_bit_identical(tmp_path):
+    """dp2, 6 steps, a checkpoint every 2, the newest 2 kept. The same run killed twice: rank 1
+    during the save of step 4 (its part written, not the whole), then rank 1 after step 5 (between
+    saves); each time relaunched with the same command line (a kill between renaming step_N and
+    pointing `latest` at it: the slow test below). The last resume's losses and its whole final state (parameters, Adam
+    moments and steps) equal the uninterrupted run's to the bit."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    straight = run(RunConfig(dp=2, steps=3, save=a, **SMALL))
-    first = run(RunConfig(dp=2, steps=2, save=b, **SMALL))
-    assert first.losses == straight.losses[:2]
-    killed = RunConfig(dp=2, steps=3, resume=b, save=b, **SMALL, extra={"kill_rank_during_save": 1})
-    with pytest.raises(RankError):
-        run(killed)
-    assert open(os.path.join(b, "latest")).read().strip() == "step_2"
-    assert os.path.isdir(os.path.join(b, "step_3.tmp")) and not os.path.exists(os.path.join(b, "step_3"))
-    with pytest.raises(ConfigError, match="step_2 is already saved"):
-        check(RunConfig(dp=2, steps=2, save=b, **SMALL).validate())
-    resumed = run(RunConfig(dp=2, steps=3, resume=b, save=b, **SMALL))
-    assert resumed.extra["resumed_from_step"] == 2
-    assert resumed.losses == straight.losses[2:]  # bit-identical
-    want = saved_tensors(os.path.join(a, "step_3"), tmp_path)
-    got = saved_tensors(os.path.join(b, "step_3"), tmp_path)
-    state = {k for k in want if not k.startswith("rng/")}
-    assert state == {k for k in got if not k.startswith("rng/")}
-    assert any(k.startswith("exp_avg_sq/") for k in state) and any(k.startswith("step/") for k in state)
-    for k in state:
-        assert torch.equal(torch.as_tensor(want[k]), torch.as_tensor(got[k])), k
+    every = dict(dp=2, steps=6, save_every=2, keep=2, **SMALL)
+    straight = run(RunConfig(save=a, **every))
+    assert _listing(a) == {"latest", "step_4", "step_6"}  # step_2 pruned after step_6 was whole
+    again = dict(save=b, resume=b, **every)  # one command line: its first launch starts at 0
+    for rank, at, latest, left in ((1, "save 4 written", "step_2", {"step_2", "step_4.tmp"}),
+                                   (1, "step 5", "step_4", {"step_2", "step_4"})):
+        with pytest.raises(RankError):
+            run(RunConfig(**again, extra=_kill(rank, at)))
+        assert open(os.path.join(b, "latest")).read().strip() == latest, at
+        assert _listing(b) == {"latest"} | left, at
+    resumed = run(RunConfig(**again))
+    assert resumed.extra["resumed_from_step"] == 4
+    assert resumed.losses == straight.losses[4:]  # bit-identical
+    assert _listing(b) == {"latest", "step_4", "step_6"}
+    # Every rank's shard file (its parameters, Adam moments and steps, RNG state) byte for byte;
+    # only DCP's .metadata differs (the save's id and folder name).
+    want, got = (_shards(os.path.join(d, "step_6")) for d in (a, b))
+    assert len(want) == 2 and want == got
+    with pytest.raises(ConfigError, match="step_4 is already saved"):
+        check(RunConfig(save=b, **every).validate())  # (not resuming there: another run's)
+
+
+def test_periodic_flags_refused_torch_free():
+    """Bad --save-every / --keep: one line, exit 2, before torch is imported."""
+    cases = [["--save-every", "0", "--save", "x"], ["--save-every", "2"], ["--keep", "0", "--save", "x"],
+             ["--keep", "2"], ["--save-every", "-1", "--save", "x"], ["--save-every", "1e3", "--save", "x"]]
+    code = ("import sys, contextlib, io; from parallel_mini.__main__ import main\n"
+            f"for argv in {cases!r}:\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err):\n"
+            "        try:\n"
+            "            rc = main(['run', *argv])\n"
+            "        except SystemExit as e:\n"
+            "            rc = e.code\n"
+            "    print(rc, err.getvalue().strip().replace(chr(10), ' | '))\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.environ.get("TMPDIR", "/tmp")).stdout.splitlines()
+    assert out[-1] == "False", out  # torch never imported
+    words = ["--save-every 0: give K >= 1", "--save-every 2: needs --save DIR",
+             "--keep 0: must be a whole number >= 1", "--keep: this run would ignore it",
+             "--save-every -1: must be a whole number >= 1", "--save-every"]
+    for line, want in zip(out, words):
+        rc, msg = line.split(" ", 1)
+        assert rc == "2" and want in msg and " | " not in msg and "Traceback" not in msg, line
 
 
 # -- another layout: the reference curve within 1e-5 ----------------------------------------------
@@ -185,3 +229,36 @@ def test_cli_save_then_resume_under_another_layout(tmp_path):
     assert "resumed from step 2" in out.stderr
     assert report["resumed_from_step"] == 2 and len(report["losses"]) == 2
     assert report["max_abs_diff"] <= 1e-5
+
+
+KILLED = {"zero3-save-4-written": (dict(dp=2, zero=3), 1, "save 4 written"),
+          "tp2xpp2-step-3": (dict(tp=2, pp=2, microbatches=2), 3, "step 3"),
+          "dp2-ep2-save-4-renamed": (dict(dp=2, ep=2, experts=4), 0, "save 4 renamed")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KILLED)
+def test_periodic_killed_resumes_bit_identical_other_strategies(name, tmp_path):
+    layout, rank, at = KILLED[name]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    every = dict(steps=4, save_every=2, **SMALL, **layout)
+    straight = run(RunConfig(save=a, **every))
+    with pytest.raises(RankError):
+        run(RunConfig(save=b, resume=b, **every, extra=_kill(rank, at)))
+    resumed = run(RunConfig(save=b, resume=b, **every))
+    assert resumed.extra["resumed_from_step"] == 2 and resumed.losses == straight.losses[2:]
+    want, got = (_shards(os.path.join(d, "step_4")) for d in (a, b))
+    assert want and want == got
+
+
+@pytest.mark.slow
+def test_periodic_killed_resumes_under_another_layout(tmp_path):
+    """Killed after step 3 under dp2 ZeRO-3 (saved every 2), resumed under tp2: the reference
+    curve and final parameters within 1e-5."""
+    ck = str(tmp_path / "ck")
+    with pytest.raises(RankError):
+        run(RunConfig(dp=2, zero=3, steps=5, save=ck, save_every=2, **SMALL, extra=_kill(0, "step 3")))
+    resumed = run(RunConfig(tp=2, steps=5, save=ck, save_every=2, resume=ck, reference=True, **SMALL))
+    assert resumed.extra["resumed_from_step"] == 2 and len(resumed.losses) == 3
+    assert resumed.max_abs_diff <= 1e-5, resumed.max_abs_diff_detail
+    assert _listing(ck) == {"latest", "step_2", "step_4", "step_5"}

@@ -72,6 +72,8 @@ BAD = [
     # sizes this machine cannot hold: refused with the estimate
     (["--batch", "10000000"], "memory"), (["--seq", "10000000"], "memory"),
     (["--vocab", "100000000"], "memory"), (["--dp", "8", "--batch", "65536", "--seq", "512"], "memory"),
+    # issue 26: 20,000 blocks used 4.2 GB against 0.8 GB estimated (objects per block now counted)
+    (["--layers", "1000000", "--d-model", "8", "--heads", "1"], "layer objects"),
     # too many local ranks; outputs that cannot be written
     (["--dp", "17", "--batch", "17"], "world size"),
     (["--json", "/nonexistent/dir/report.json"], "--json"), (["--trace", "/nonexistent/t.json"], "--trace"),
@@ -121,6 +123,9 @@ BAD = [
     (["--json", "/proc"], "--json"), (["--trace", "/tmp"], "--trace"),
     (["--json", LONG], "--json"), (["--trace", LONG], "--trace"),
     (["--json", "/nonexistent/" + "b" * 300], "--json"),
+    # one file for both: the report overwrote the trace, silently
+    (["--json", "/tmp/pm_same.json", "--trace", "/tmp/pm_same.json"], "same file"),
+    (["--json", "/tmp/pm_same.json", "--trace", "/tmp/../tmp/pm_same.json"], "same file"),
     # checkpoint directories that cannot be one
     (["--save", "/nonexistent/ckpt"], "--save"), (["--save", "/dev/null"], "--save"),
     (["--save", "/proc/self/status"], "--save"), (["--resume", "/nonexistent/ckpt"], "--resume"),
@@ -244,9 +249,13 @@ def test_save_where_no_checkpoint_can_go_is_one_line(case, tmp_path, capsys):
 def test_a_good_meta_passes_the_checks(tmp_path):
     """The same reading accepts what checkpoint.py writes (so the cases above fail for their
     reason, not for any meta.json)."""
-    from parallel_mini.preflight import check_flags, resolve
+    import pickle
+    from parallel_mini.preflight import check_flags, file_digests, resolve
     d = _checkpoint(tmp_path / "ckpt", GOOD_META)
     assert resolve(str(d)) == (str(d / "step_2"), GOOD_META)
+    (d / "step_2" / ".metadata").write_bytes(pickle.dumps({}))  # (names no class: inert)
+    meta = {**GOOD_META, "files": file_digests(str(d / "step_2"))}  # what a save adds
+    (d / "step_2" / "meta.json").write_text(json.dumps(meta))
     check_flags(RunConfig(steps=3, resume=str(d)))
 
 
@@ -296,12 +305,12 @@ class _Report:
 def test_an_output_that_fails_after_the_run_is_one_line_exit_1(flag, monkeypatch, capsys):
     """A disk that fills during the run (written to /dev/full, which the checks before the run
     refuse: so the write is tried here directly): the run finished, its output did not."""
-    import parallel_mini.trace
+    import parallel_mini.course.timelines
 
     def write_chrome_trace(report, path):  # (the real one needs a real report)
         with open(path, "w") as fh:
             fh.write("{}")
-    monkeypatch.setattr(parallel_mini.trace, "write_chrome_trace", write_chrome_trace)
+    monkeypatch.setattr(parallel_mini.course.timelines, "write_chrome_trace", write_chrome_trace)
     args = SimpleNamespace(json="/dev/full" if flag == "--json" else None,
                            trace="/dev/full" if flag == "--trace" else None)
     assert _write_outputs(_Report(), args) == 1
@@ -322,6 +331,19 @@ def test_a_diverged_rank_is_one_line_exit_1(monkeypatch, capsys):
     monkeypatch.setattr(parallel_mini.engine, "run", run)
     line = refused(["run", "--steps", "2"], capsys, rc_wanted=1)
     assert line == "error: step 9: the loss is nan; the run diverged (lower --lr, ...)", line
+
+
+def test_a_refusal_inside_the_run_is_one_line_exit_2(monkeypatch, capsys):
+    """engine.run checks again after torch's import (which took memory: issue 26's --seq 4638,
+    accepted by the CLI, then refused with a traceback): its ConfigError is the one line too."""
+    import parallel_mini.engine
+    from parallel_mini.config import ConfigError
+
+    def run(cfg):
+        raise ConfigError("this run needs about 9.1 GB of memory (...); lower --batch")
+    monkeypatch.setattr(parallel_mini.engine, "run", run)
+    line = refused(["run", "--steps", "2"], capsys)
+    assert line == "error: this run needs about 9.1 GB of memory (...); lower --batch", line
 
 
 @pytest.mark.slow

@@ -132,6 +132,9 @@ REFUSED = [
     (dict(cp=4, cp_impl="ulysses", heads=2, d_model=32), "Ulysses gives each"),
     (dict(ep=2, dp=2), "expert parallel"),
     (dict(tp=2, pp=2, sp=True, seq=33), "--seq 33"),
+    (dict(asynchronous=True, dp=2, tp=2), "composes with --dp alone"),
+    (dict(asynchronous=True, dp=2, zero=1), "the server holds the whole optimizer"),
+    (dict(straggler="1:3", dp=2, pp=2, layers=2), "composes with --dp alone"),
 ]
 
 

@@ -152,3 +152,21 @@ def test_torch_ring_attention_peer_agrees(impl):
     """The benchmark's peer (torch's ring attention template) gives our outputs and gradients."""
     for diffs in (r.value for r in run_ranks(_ours_vs_torch_ring, 2, impl)):
         assert max(diffs) < 1e-5, diffs
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_tile_equals_the_written_out_tile(causal, monkeypatch):
+    """The fused CPU tile (torch's flash kernel: output, log-sum-exp, gradients) against the
+    written-out tile that other devices run (context._FUSED emptied), fp32 at 1e-5."""
+    from parallel_mini.parallel import context
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(2, 3, 8, 4, generator=g) for _ in range(4))
+    # a merged row's out and lse: this tile's own, shifted as if other tiles had been merged in
+    fused = context._attend_tile(q, k, v, causal)
+    out, lse = fused[0] * 0.7, fused[1] + 0.4
+    fused_grads = context._tile_grads(do, q, k, v, out, lse, causal)
+    monkeypatch.setattr(context, "_FUSED", {})
+    written = context._attend_tile(q, k, v, causal)
+    written_grads = context._tile_grads(do, q, k, v, out, lse, causal)
+    for a, b in zip((*fused, *fused_grads), (*written, *written_grads)):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5

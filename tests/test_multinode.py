@@ -2,6 +2,7 @@
 "node") run here without a second machine. Traffic stays on 127.0.0.1."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,19 +17,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agents(args: list[str], nnodes: int = 2, nproc: int = 2, timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    """`nnodes` torchrun agents, each `nproc` workers, meeting at one c10d endpoint on loopback."""
+def _agents(args: list[str], nnodes: int = 2, nproc: int = 2, timeout: float = 180,
+            torchrun: tuple = (), env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """`nnodes` torchrun agents, each `nproc` workers, meeting at one c10d endpoint on loopback;
+    `torchrun`: more of its flags (--max-restarts R), `env`: more environment for the workers."""
     port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     procs = [subprocess.Popen(
-        [str(TORCHRUN), "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+        [str(TORCHRUN), *torchrun, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"pm{port}",
          "--node-rank", str(i), "--local-addr", "127.0.0.1", "-m", "parallel_mini", "run", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(nnodes)]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        for i in range(nnodes)]
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:  # (a hung agent: it and its workers, each agent's own session, are ended)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
     return out
 
 

@@ -1,5 +1,5 @@
 """Our pipeline parallel against PyTorch's own: torch.distributed.pipelining's ScheduleGPipe,
-Schedule1F1B, ScheduleInterleaved1F1B and ScheduleZBVZeroBubble on the same stage split (a
+Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV on the same stage split (a
 PipelineStage per chunk, built from our `partition` / `forward_chunk`: `peers.TorchPipeline`), the
 same data and Adam arithmetic. In one launch, torch's schedule and ours (`peers.OurPipeline`) train
 side by side; both must equal the single-process reference (losses and every final parameter to
@@ -56,6 +56,7 @@ CASES = {  # id: (pp, layers, microbatches, torch's schedule, ours, torch's chun
     "1f1b-pp2": (2, 4, 4, "1f1b", "1f1b", [[0], [1]]),
     "interleaved-pp2": (2, 4, 4, "interleaved", "interleaved", [[0, 2], [1, 3]]),
     "zbv-pp2": (2, 4, 4, "zbv", "zbv", [[0, 3], [1, 2]]),  # both lay the 4 chunks out in a V
+    "dualpipev-pp2": (2, 4, 4, "dualpipev", "dualpipev", [[0, 3], [1, 2]]),  # ScheduleDualPipeV
     "gpipe-pp4": (4, 4, 8, "gpipe", "gpipe", [[0], [1], [2], [3]]),
     "1f1b-pp4": (4, 4, 8, "1f1b", "1f1b", [[0], [1], [2], [3]]),
     "interleaved-pp4": (4, 8, 8, "interleaved", "interleaved", [[0, 4], [1, 5], [2, 6], [3, 7]]),
@@ -71,7 +72,7 @@ def test_torch_pipelining_agrees(case):
     ref_losses, ref_params = _reference(**{k: v for k, v in kw.items() if k != "pp"})
 
     assert [r["chunks"] for r in ranks] == chunks
-    if torch_name == "zbv":  # torch's zero bubble really splits the backward: I then W
+    if torch_name in ("zbv", "dualpipev"):  # torch's really split the backward: I then W
         assert all({"F", "I", "W"} <= set(r["kinds"]) for r in ranks), [r["kinds"] for r in ranks]
     n_chunks = sum(len(c) for c in chunks)
     holds_last = [n_chunks - 1 in r["chunks"] for r in ranks]

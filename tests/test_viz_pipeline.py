@@ -13,7 +13,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from parallel_mini import trace
+from parallel_mini.course import timelines
 from parallel_mini.course import viz
 from parallel_mini.parallel import schedules as S
 from parallel_mini.course.viz import pipeline as P
@@ -24,7 +24,7 @@ SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}
 
 def _plan(schedule: str, p: int, m: int, v: int = 0) -> list[dict]:
     sched = S.build_schedule(schedule, p, m, v)
-    return trace.replay_ops(sched, SPLIT if sched.split_backward else UNIT)
+    return timelines.replay_ops(sched, SPLIT if sched.split_backward else UNIT)
 
 
 def _layers(chart) -> list[dict]:

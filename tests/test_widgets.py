@@ -11,7 +11,7 @@ import json
 import pytest
 
 from parallel_mini import engine, theory
-from parallel_mini.course import viz
+from parallel_mini.course import at_scale, viz
 from parallel_mini.course import widgets as w
 
 
@@ -62,10 +62,10 @@ def test_memory_explorer_redraws_theory_at_every_slider_move():
     m.zero.value = 2  # the chosen stage is drawn opaque, the others faded
     spec = m.chart.to_dict()
     assert "ZeRO-2" in json.dumps(spec["layer"][0]["encoding"]["opacity"])
-    m.model.value = "7B"  # a preset: theory.memory_per_gpu against an 80 GB GPU, no live run
+    m.model.value = "7B"  # a preset: at_scale.memory_per_gpu against an 80 GB GPU, no live run
     got = _stage_bytes(m.chart)
-    p = theory.PRESETS["7B"]
-    want = theory.memory_per_gpu(p["n_params"], 8, 1, "bf16-mixed", "adam", p["layers"],
+    p = at_scale.PRESETS["7B"]
+    want = at_scale.memory_per_gpu(p["n_params"], 8, 1, "bf16-mixed", "adam", p["layers"],
                                  p["d_model"], p["heads"], w.BIG_SEQ, w.BIG_MICRO_BATCH)
     assert all(got[("ZeRO-1", c)] == v for c, v in want.items())
     assert m.run_button.disabled and "theory only" in m.status.value

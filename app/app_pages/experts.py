@@ -87,13 +87,14 @@ def show_routing(rep: dict) -> tuple[int, int]:
     c = rep["config"]
     E, k, F, seq = c["experts"], c["top_k"], c["capacity_factor"], c["seq"]
     st.subheader("1 · Where each token goes (measured)")
-    layers, steps = vx.moe_layers(rep), vx.moe_steps(rep)
+    layers = vx.moe_layers(rep)
     r1, r2, r3 = st.columns(3)
-    step = r1.select_slider("Step", steps, value=steps[-1], key="experts_step",
-                            help="Routing changes as the router trains: step through it.")
     layer = r2.radio("MoE layer", layers, horizontal=True, key="experts_layer")
     rank = r3.radio("Rank (its own tokens)", [r["rank"] for r in rep["ranks"]], horizontal=True,
                     key="experts_rank")
+    steps = vx.routing_steps(rep, rank, layer) or vx.moe_steps(rep)  # (a long run: a sample)
+    step = r1.select_slider("Step", steps, value=steps[-1], key="experts_step",
+                            help="Routing changes as the router trains: step through it.")
     pm.chart(vx.routing_heatmap(rep, rank=rank, layer=layer, step=step))
     df = vx.routing_frame(rep, rank, layer, step)
     cap = capacity(seq, E, k, F)

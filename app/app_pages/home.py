@@ -43,6 +43,9 @@ presses of the same new setting at once join one run. Tick *Fresh measurement* t
   round, causal tile maps, bytes and activations against the formula.
 - **Experts**: a mixture of experts on 2 or 4 ranks: the all-to-all that routes tokens, expert load
   and drops, the aux loss that balances them.
+- **Without a barrier**: a straggler against synchronous DP and asynchronous SGD on 4 ranks (the
+  staleness histogram, loss against the wall clock), local SGD's bytes per sample, federated
+  averaging on non-IID clients.
 - **Plan a run**: a model and a cluster in, the planner's ranked layouts and the decision guide
   out, the toy version of the chosen layout run live.
 

@@ -2,7 +2,10 @@
 with tensor (TP, optionally + SP) and pipeline (PP) parallel degrees on top of the N data-parallel
 ranks, and for the toy models a live run of all four stages whose measured bytes are drawn beside
 the prediction (when the layout runs live here: one place, `why_not_live`, decides)."""
+import hashlib
 import json
+import os
+import tempfile
 
 import pandas as pd
 import streamlit as st
@@ -10,7 +13,7 @@ import streamlit as st
 import presentation as pm
 from live_runs import StepBar, fmt_bytes, last_result, run_live, training_run
 from parallel_mini import preflight, theory
-from parallel_mini.course import viz
+from parallel_mini.course import at_scale, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.viz.units import format_bytes
 
@@ -21,7 +24,7 @@ LIVE_GPUS = (1, 2, 4)
 MAX_LIVE_RANKS = max(LIVE_GPUS)  # N x TP x PP ranks share this machine's cores
 DEGREES = [1, 2, 4, 8]  # TP and PP
 STAGES = [0, 1, 2, 3]
-STATE_CATS = ["params", "grads", "optimizer", "host"]  # model states: must equal theory exactly
+STATE_CATS = ["params", "grads", "optimizer", "host", "disk"]  # must equal theory exactly
 
 st.title("Memory per GPU")
 pm.intro(r"""
@@ -31,7 +34,9 @@ parameter Ψ: 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master copy and two mo
 Plain data parallel (ZeRO-0) replicates all of it on each of N GPUs. ZeRO (Rajbhandari et al.,
 2020) shards it: **stage 1** the optimizer states, **stage 2** also the gradients, **stage 3**
 also the parameters (gathered layer by layer when needed). ZeRO-Offload moves the sharded
-optimizer (with its fp32 master copy) to CPU RAM. Activations are not sharded by ZeRO.
+optimizer (with its fp32 master copy) to CPU RAM; ZeRO-Infinity (2021) one level further, to a
+file on disk (NVMe), streamed through a small buffer at each step (ZeRO-3: the parameter slices
+too). Activations are not sharded by ZeRO.
 **Tensor parallel** (TP = t) splits every layer's matrices over t GPUs and **pipeline parallel**
 (PP = p) gives each of p GPUs L/p of the layers: together they divide the model states by t·p
 *before* ZeRO shards them over the N data-parallel ranks (N·t·p GPUs in all). TP also divides most
@@ -40,7 +45,7 @@ activations by t (all of them with sequence parallel, SP); PP with the 1F1B sche
 
 controls = pm.Controls(4, sidebar_columns=2)  # fourteen controls: two columns in presentation mode
 c1, c2, c3, c4 = controls.columns
-model = c1.selectbox("Model", [*TOYS, *theory.PRESETS, CUSTOM],
+model = c1.selectbox("Model", [*TOYS, *at_scale.PRESETS, CUSTOM],
                      key=pm.kept("mem.model", [*TOYS][0]),
                      help="Toy models run live here; the presets and custom sizes use theory alone.")
 toy = model in TOYS
@@ -56,7 +61,7 @@ elif model == CUSTOM:
              "heads": int(c1.number_input("Attention heads", 1, 512,
                                           key=pm.kept("mem.heads", 40)))}
 else:
-    shape = theory.PRESETS[model]
+    shape = at_scale.PRESETS[model]
 gpus = c1.select_slider("GPUs (data-parallel ranks N)", [2 ** i for i in range(11)],
                         key=pm.kept("mem.gpus", 2))
 highlight = c1.radio("ZeRO stage", STAGES, horizontal=True, key=pm.kept("mem.highlight", 0),
@@ -77,14 +82,23 @@ else:
                                    key=pm.kept("mb_big", 1))
     seq = c3.select_slider("Sequence length (tokens)", [512, 1024, 2048, 4096, 8192],
                            key=pm.kept("seq_big", 2048))
-capacity_label = c3.selectbox("GPU capacity", list(theory.GPU_MEMORY_GB),
-                              key=pm.kept("mem.capacity", list(theory.GPU_MEMORY_GB)[2]))
-capacity = theory.GPU_MEMORY_GB[capacity_label] * 1e9  # decimal GB, as the capacities are quoted
+capacity_label = c3.selectbox("GPU capacity", list(at_scale.GPU_MEMORY_GB),
+                              key=pm.kept("mem.capacity", list(at_scale.GPU_MEMORY_GB)[2]))
+capacity = at_scale.GPU_MEMORY_GB[capacity_label] * 1e9  # decimal GB, as the capacities are quoted
 offload = c4.checkbox("Offload optimizer to CPU (ZeRO-Offload)", key=pm.kept("mem.offload", False),
                       help="Applies to the ZeRO-1 and ZeRO-2 bars only: ZeRO-Offload (Ren et al., "
                            "2021), as parallel_mini implements it, offloads the sharded optimizer "
-                           "of stages 1-2. ZeRO-3's offload (ZeRO-Infinity) is not modelled; "
-                           "ZeRO-0 and ZeRO-3 are drawn without offload.")
+                           "of stages 1-2; ZeRO-0 and ZeRO-3 are drawn without it. For "
+                           "ZeRO-Infinity's offload to disk, tick the box below instead.")
+if offload:  # one offload at a time: the disk box is unticked while it is disabled
+    pm.reset("mem.disk", False)
+disk = c4.checkbox("Optimizer states to disk (ZeRO-Infinity)", key=pm.kept("mem.disk", False),
+                   disabled=offload,
+                   help="--offload-disk: every stage's fp32 master copy and Adam's moments (ZeRO-3: "
+                        "its parameter slices too) live in a file per rank, 12 bytes per parameter "
+                        "the rank owns (4 with SGD), read and written once per step. Drawn as a "
+                        "grey bar beside the GPU's; not with CPU offload.")
+disk = disk and not offload
 tp = c4.radio("Tensor parallel degree (TP)", DEGREES, horizontal=True, key=pm.kept("mem.tp", 1),
               help="Megatron TP: each layer's matrices split over TP GPUs (model states / TP, "
                    "activations mostly / TP).")
@@ -127,7 +141,7 @@ if model == CUSTOM and (custom_error := custom_model_error(shape)):
     st.stop()
 
 # exact_counts: our GPT counted per TP rank (gpt_unit_sizes), what a live run holds; with PP > 1
-# (or a big model) the split is approximated as Ψ/(TP·PP) by theory.memory_per_gpu
+# (or a big model) the split is approximated as Ψ/(TP·PP) by at_scale.memory_per_gpu
 exact_counts = toy and pp == 1
 if toy:
     n_params = theory.gpt_param_count(shape["vocab"], seq, shape["d_model"], shape["layers"])
@@ -135,8 +149,13 @@ if toy:
 else:
     n_params, units = shape["n_params"], None
 # parameters on one GPU before ZeRO: all of them at TP = PP = 1
-n_rank = sum(units) if exact_counts else theory.model_parallel_params(n_params, tp, pp)
+n_rank = sum(units) if exact_counts else at_scale.model_parallel_params(n_params, tp, pp)
 
+# --offload-disk's directory: one per page setting (identical requests join one run; two
+# settings never share the files' names), made before each run (four_stages)
+DISK_DIR = os.path.join(tempfile.gettempdir(), "parallel_mini_offload", hashlib.sha1(json.dumps(
+    [model, gpus, tp, sp, pp, precision, optimizer, checkpointing, micro_batch, seq]).encode()
+).hexdigest()[:12])
 # the live runs: one RunConfig per ZeRO stage, the same layout (N x TP x PP) for all four. With
 # PP, PP micro-batches per step (1F1B's stage 0 then holds PP of them, as the theory assumes),
 # each of the page's micro-batch size.
@@ -144,7 +163,8 @@ pipe = {"pp": pp, "microbatches": pp} if pp > 1 else {}
 configs = [{"dp": gpus, "tp": tp, "sp": sp, **pipe, "zero": k, "precision": precision,
             "optimizer": optimizer, "checkpointing": checkpointing,
             "batch": micro_batch * gpus * pp, "seq": seq, "steps": 2,
-            "offload": offload and k in (1, 2), "layers": shape["layers"],
+            "offload": offload and k in (1, 2), "offload_disk": DISK_DIR if disk else "",
+            "layers": shape["layers"],
             "d_model": shape["d_model"], "heads": shape["heads"], "vocab": shape["vocab"]}
            for k in STAGES] if toy else []
 
@@ -184,11 +204,21 @@ def size_text(b: float) -> str:
 
 
 def predicted(zero: int) -> dict:
-    """Bytes per GPU by category at one ZeRO stage (host = ZeRO-Offload's bytes in CPU RAM)."""
+    """Bytes per GPU by category at one ZeRO stage (host = ZeRO-Offload's bytes in CPU RAM, disk =
+    --offload-disk's in a file)."""
     off = offload and zero in (1, 2)
-    if not exact_counts:  # theory.memory_per_gpu: Ψ/(TP·PP), then ZeRO over N (as the lessons)
+    if disk:  # the states per GPU as below, the optimizer's on disk (theory.model_state_bytes)
+        states = theory.model_state_bytes(n_rank, optimizer, precision, zero, gpus,
+                                          units if exact_counts else None, disk=True)
+        acts = (at_scale.memory_per_gpu(n_params, gpus, zero, precision, optimizer, shape["layers"],
+                                      shape["d_model"], shape["heads"], seq, micro_batch,
+                                      checkpointing, tp=tp, pp=pp, sp=sp)["activations"]
+                if not exact_counts else shape["layers"] * theory.activation_bytes_per_layer(
+                    seq, micro_batch, shape["d_model"], shape["heads"], checkpointing, tp=tp, sp=sp))
+        return {**states, "activations": acts}
+    if not exact_counts:  # at_scale.memory_per_gpu: Ψ/(TP·PP), then ZeRO over N (as the lessons)
         host = theory.model_state_bytes(n_rank, optimizer, precision, zero, gpus, None, off)
-        return {**theory.memory_per_gpu(n_params, gpus, zero, precision, optimizer,
+        return {**at_scale.memory_per_gpu(n_params, gpus, zero, precision, optimizer,
                                         shape["layers"], shape["d_model"], shape["heads"], seq,
                                         micro_batch, checkpointing, off, tp=tp, pp=pp, sp=sp),
                 **({"host": host["host"]} if off else {})}
@@ -200,14 +230,15 @@ def predicted(zero: int) -> dict:
 
 
 pred = {k: predicted(k) for k in STAGES}
-stage_name = {k: f"ZeRO-{k}" + (" + offload" if offload and k in (1, 2) else "") for k in STAGES}
+stage_name = {k: f"ZeRO-{k}" + (" + offload" if offload and k in (1, 2) else "")
+              + (" + disk" if disk else "") for k in STAGES}
 
 split = ""
 if tp * pp > 1:
     how = ("exactly, per TP rank: LayerNorms, position embeddings and row-parallel biases stay "
            "whole on every rank (`theory.gpt_unit_sizes`)" if exact_counts else
            "approximately, Ψ/(TP·PP): which stage holds the embeddings and the parameters TP "
-           "replicates are ignored (`theory.model_parallel_params`)")
+           "replicates are ignored (`at_scale.model_parallel_params`)")
     split = f" TP × PP = {tp} × {pp} leaves **{n_rank:,}** parameters per GPU, {how}."
 if toy:
     where = (f"runs live here on {world} rank(s) (N × TP × PP = {gpus} × {tp} × {pp}): press "
@@ -216,15 +247,16 @@ if toy:
     st.info(f"**{model}**: Ψ = {n_params:,} parameters; {where}.{split}")
 else:
     st.info(f"**Theory only**: a {n_params / 1e9:g}B-parameter model cannot run on this machine. "
-            f"Every number below comes from `parallel_mini.theory` (`model_state_bytes`, "
-            f"`memory_per_gpu`, Korthikanti's activation count); nothing here was measured.{split}")
+            f"Every number below comes from `course.at_scale.memory_per_gpu` over "
+            f"`parallel_mini.theory` (`model_state_bytes`, Korthikanti's activation count); nothing "
+            f"here was measured.{split}")
 
 layout = (f"N = {gpus} data-parallel rank(s)" if tp * pp == 1 else
           f"N {gpus} × TP {tp}{' (SP)' if sp else ''} × PP {pp} = {world:,} GPUs")
 st.subheader(f"Predicted: all four ZeRO stages, {layout}")
 states_total = {k: sum(v for c, v in pred[k].items() if c in ("params", "grads", "optimizer"))
                 for k in STAGES}
-gpu_total = {k: sum(v for c, v in pred[k].items() if c != "host") for k in STAGES}
+gpu_total = {k: sum(v for c, v in pred[k].items() if c not in ("host", "disk")) for k in STAGES}
 fits = {k: gpu_total[k] <= capacity for k in STAGES}
 rows = [{"stage": stage_name[k], "category": c, "bytes": float(v)}
         for k in STAGES for c, v in pred[k].items()]
@@ -246,7 +278,8 @@ if not pm.on():  # presentation mode: the metrics below say it, and the chart ne
     st.markdown("Model states per GPU, ZeRO-0 → 1 → 2 → 3: **"
                 + " → ".join(size_text(states_total[k]) for k in STAGES) + "**"
                 + (" (on the GPU: ZeRO-1/2's offloaded optimizer lives in CPU RAM, the brown bars)"
-                   if offload else ""))
+                   if offload else "")
+                + (" (on the GPU: the optimizer's states are on disk, the grey bars)" if disk else ""))
 cols = st.columns(4)
 for k, col in zip(STAGES, cols):
     col.metric(f"ZeRO-{k} model states" + (" (highlighted)" if k == highlight else ""),
@@ -293,7 +326,7 @@ if not live_possible:
 
 key = {"model": model, "gpus": gpus, "tp": tp, "sp": sp, "pp": pp, "precision": precision,
        "optimizer": optimizer, "checkpointing": checkpointing, "micro_batch": micro_batch,
-       "seq": seq, "offload": offload}
+       "seq": seq, "offload": offload, "disk": disk}
 
 
 def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
@@ -305,9 +338,12 @@ def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
     for cfg in cfgs:
         ranks = cfg["dp"] * cfg["tp"] * cfg.get("pp", 1)
         bar.step(f"ZeRO-{cfg['zero']}: training on {ranks} rank(s)…")
+        if cfg.get("offload_disk"):  # (its files are removed after the run; the folder stays)
+            os.makedirs(cfg["offload_disk"], exist_ok=True)
         rep = training_run(json.dumps(cfg, sort_keys=True), attempt)
         out.append({"config": rep["config"], "theory": rep["theory"],
-                    "ranks": [{"rank": r["rank"], "coords": r["coords"], "memory": r["memory"]}
+                    "ranks": [{"rank": r["rank"], "coords": r["coords"], "memory": r["memory"],
+                               **({"disk": r["disk"]} if "disk" in r else {})}
                               for r in rep["ranks"]]})
     bar.done("all four stages measured")
     return out
@@ -335,7 +371,8 @@ live_rows, peaks, table = [], [], []
 for run in runs:
     c = run["config"]
     k = c["zero"]
-    name = f"ZeRO-{k}" + (" + offload" if c["offload"] else "")
+    name = f"ZeRO-{k}" + (" + offload" if c["offload"] else "") + (
+        " + disk" if c.get("offload_disk") else "")
     mine = run["ranks"][0]["memory"]  # rank 0; every rank is checked against its formula below
     # the run report's own theory (run_theory): model states exact per rank (its TP slices, padded
     # ZeRO shards), Korthikanti per layer with this run's tp and sp
@@ -391,6 +428,15 @@ else:
 columns = list(dict.fromkeys(col for row in table for col in row))  # host (offload) after optimizer
 columns.sort(key=lambda col: (col != "stage", "measured − predicted" not in col))
 st.dataframe(pd.DataFrame(table, columns=columns), hide_index=True)
+
+if "disk" in runs[highlight]["ranks"][0]:  # --offload-disk: the step's bytes to and from the file
+    io = [r for r in runs[highlight]["ranks"][0]["disk"]["io"] if isinstance(r["step"], int)][-1]
+    pm.chart(viz.disk_io_bars(viz.disk_io_rows(runs[highlight]), subtitle=[
+        f"{table[highlight]['stage']}, rank 0, last step: {io['reads']} reads and {io['writes']} "
+        f"writes of at most a 16,384-element window",
+        "theory: theory.disk_io_bytes_per_step; counted: by the transfers; measured: this "
+        "thread's /proc I/O counters (rchar/wchar: read/write calls; read_bytes/write_bytes: "
+        "the disk's pages, the page cache dropped between steps)"]))
 
 sel = table[highlight]
 a1, a2, a3 = st.columns(3)

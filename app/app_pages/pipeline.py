@@ -16,22 +16,25 @@ import presentation as pm
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                        training_run)
 from parallel_mini import theory, trace
-from parallel_mini.course import viz
+from parallel_mini.course import timelines, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel import schedules as S
 from parallel_mini.report import RunReport
 from parallel_mini.course.viz.style import scaled_font, spec_of
 
-SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv"]
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "dualpipe"]
 NAMES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe (all F, then all B)",
          "1f1b": "1F1B (one forward, one backward)", "interleaved": "interleaved 1F1B",
          "zb": "zero bubble (ZB-H1, B and W split)",
-         "zbv": "V-shaped zero bubble (2 chunks per rank in a V)"}
+         "zbv": "V-shaped zero bubble (2 chunks per rank in a V)",
+         "dualpipev": "DualPipeV (DualPipe's phases on zbv's V)",
+         "dualpipe": "DualPipe (both directions, every stage twice)"}
+DUAL = ("dualpipe", "dualpipev")  # planned with their F&B pairs as one unit, as the report counts
 MODEL = {"d_model": 64, "heads": 4, "seq": 32, "vocab": 128}  # the toy; one sequence per micro-batch
 STEPS = trace.PIPELINE_STEPS  # step 0 warms up, steps 1-4 are timed, the last is memory-metered
 PLAN_COSTS = {"F": 1.0, "B": 2.0}  # a backward costs about two forwards
 PLAN_COSTS_SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}  # B + W = the unsplit backward
-VIEWS = {"wall": trace.LABELS["wall"], "own": trace.LABELS["replayed"]}  # the measurement first
+VIEWS = {"wall": timelines.LABELS["wall"], "own": timelines.LABELS["replayed"]}  # the measurement first
 
 CHART_WIDTH = 440  # two timelines side by side in the wide layout
 WIDE_WIDTH = 960  # one timeline per row, when a rank runs too many ops to read them side by side
@@ -57,6 +60,11 @@ def formula_latex(schedule: str, pp: int, m: int, v: int) -> str:
         return rf"\frac{{p-1}}{{v\,m+p-1}} = \frac{{{pp - 1}}}{{{v * m + pp - 1}}}"
     if schedule == "zbv":
         return r"\text{greedy order: no closed form; its unit-cost replay}"
+    if schedule in DUAL:  # (PP/2 - 1)(F&B + B - 3W) with F = B = W = 1, F&B = F + B + W = 3
+        stages = pp if schedule == "dualpipe" else 2 * pp
+        idle, busy = stages - 2, (3 * m if schedule == "dualpipe" else 6 * m)
+        return (rf"\frac{{(PP/2-1)(F\&B+B-3W)}}{{\ldots + \text{{busy}}}} = "
+                rf"\frac{{{idle}}}{{{busy} + {idle}}}\quad (PP = {stages})")
     # (p-1)(F+B-W) / ((p-1)(F+B-W) + m(F+B+W)), with F = B = W
     return (rf"\frac{{p-1}}{{3m+p-1}} = \frac{{{pp - 1}}}{{{3 * m + pp - 1}}}"
             rf"\quad (F = B = W)")
@@ -70,8 +78,8 @@ def cores_in_short(shared: bool | None, pp: int) -> str:
 
 
 def ops_per_rank(schedule: str, m: int, v: int) -> int:
-    chunks = v if schedule == "interleaved" else 2 if schedule == "zbv" else 1
-    return m * chunks * (3 if schedule in ("zb", "zbv") else 2)
+    chunks = v if schedule == "interleaved" else 2 if schedule in ("zbv", "dualpipev") else 1
+    return m * chunks * (3 if schedule in ("zb", "zbv", *DUAL) else 2)
 
 
 def timeline_layout(schedules: list[str], m: int, v: int) -> tuple[list, int]:
@@ -133,7 +141,7 @@ def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
                          "CPU time, each rank a device of its own and links instant (a simulation "
                          "fed with measurements).")
     own = view == VIEWS["own"]
-    views = {lab: (trace.own_device_replay(rep, step) if own else trace.wall_view(rep, step))
+    views = {lab: (trace.own_device_replay(rep, step) if own else timelines.wall_view(rep, step))
              for lab, rep in reports.items()}
     x_max = 1e3 * max(max(t["end"] for t in timed) for timed in views.values()) if same_axis \
         else None  # each schedule its own time axis: the faster one is not squeezed
@@ -172,7 +180,7 @@ def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
                        f"chunk, mean over stages) {cpu}; idle share per rank "
                        + ", ".join(f"{x:.0%}" for x in replayed["per_rank"]) + ".")
 
-    rows = [{"schedule": lab, "source": trace.LABELS[src], "bubble": value}
+    rows = [{"schedule": lab, "source": timelines.LABELS[src], "bubble": value}
             for lab, b in bubbles.items()
             for src, value in (("wall", b["wall"]["overall"]), ("replayed", b["replayed"]["overall"]),
                                ("theory", b["theory"]))]
@@ -233,7 +241,9 @@ def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
     the same as GPipe's (same (p − 1)/(m + p − 1)): 1F1B saves **memory, not time**. The bytes do not
     scale exactly with the count: the batch, the messages received and the loss are held by every
     schedule. **Zero bubble** keeps 1F1B's count, but a backward whose W is postponed still holds the
-    inputs and output gradients W will need.
+    inputs and output gradients W will need. **DualPipe** holds p + 1 micro-batches of a stage on
+    every rank (the report's PP + 1; DualPipeV 2p + 1 half-size chunks), and each of its ranks
+    holds two stages' parameters: the memory it pays for the smaller bubble.
     """)
 
     # --- 4. p2p bytes ----------------------------------------------------------------------------
@@ -314,7 +324,22 @@ def show_schedules() -> None:
   gradient for the layer's input, which the previous stage waits for; **W** computes the gradient
   for the weights, which nobody downstream needs before the optimizer step. Postponed W's fill
   the cool-down where 1F1B idles: bubble (p − 1)(F + B − W) of time, with 1F1B's memory count.
+- **DualPipe** (DeepSeek-V3 report, 2024): every rank holds **two** stages, i and p − 1 − i, so
+  every stage lives on two ranks (parameters twice). Half the micro-batches enter at rank 0 and
+  run down, the other half enter at rank p − 1 and run up through the second copies: the two
+  streams fill each other's bubbles. In the steady state each rank pairs a forward of one
+  micro-batch with a backward of another (**F&B**); on a GPU cluster the pair's communication
+  (the experts' all-to-all, the pipeline's sends) runs while the other half of the pair computes.
+  Before the step, the two copies of each stage sum their gradients (one exchange between ranks
+  i and p − 1 − i), so they stay equal. Needs p even and m ≥ 2p.
+- **DualPipeV** (Sea AI Lab's "cut-in-half" of DualPipe): zbv's V (2p half-size chunks, rank r
+  holds r and 2p − 1 − r) run with DualPipe's eight phases: one copy of the parameters.
 """)
+    rows = theory.pipeline_table(8)
+    st.caption("The DeepSeek-V3 report's table for PP = 8 stages (theory, F = B = W = 1 time unit, "
+               "F&B = F + B + W: nothing overlapped; 'bubble' in units, parameters and activations "
+               "in one stage's worth; DualPipeV runs its 8 stages on 4 devices):")
+    st.dataframe(pd.DataFrame(rows), hide_index=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,10 +376,13 @@ v_choice = c3.radio("Virtual stages per rank (v, interleaved only)", [2, 3], hor
 v = v_choice if uses_v else 1
 # the CLI's choice: the same blocks in every chunk, enough that the embeddings and the head weigh
 # little beside a stage (zbv needs 2 chunks per rank: both schedules get lcm(v, 2))
-layers = S.pipeline_layers(pp, v * 2 // math.gcd(v, 2) if "zbv" in (first, second) else v)
+v_shaped = {"zbv", "dualpipev"} & {first, second}
+layers = S.pipeline_layers(pp, v * 2 // math.gcd(v, 2) if v_shaped else v)
+per_chunk = {s: layers // (pp * (v if s == "interleaved" else 2 if s in ("zbv", "dualpipev") else 1))
+             for s in dict.fromkeys([first, second])}  # (dualpipe: p stages, each held twice)
 c3.caption(f"Model: {layers} layers × d{MODEL['d_model']}, vocabulary {MODEL['vocab']}, "
-           f"{STEPS} steps (the same model for both schedules: {layers // (pp * v)} "
-           f"layer(s) per chunk).")
+           f"{STEPS} steps (the same model for both schedules: "
+           + ", ".join(f"{n} layer(s) per chunk ({s})" for s, n in per_chunk.items()) + ").")
 fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 
 chosen = list(dict.fromkeys([first, second]))
@@ -380,8 +408,12 @@ for s in chosen:
     if s in errors:
         continue
     schedule = S.build_schedule(s, pp, m, v if s == "interleaved" else 0)
-    plans[s] = (schedule, trace.replay_ops(schedule, PLAN_COSTS_SPLIT if schedule.split_backward
-                                           else PLAN_COSTS))
+    if s in DUAL:  # each F&B pair one unit: the report's count (schedules.simulate, fused)
+        plans[s] = (schedule, S.simulate(schedule, lambda r, op: PLAN_COSTS_SPLIT[op.kind],
+                                         fused=True))
+    else:
+        plans[s] = (schedule, timelines.replay_ops(schedule, PLAN_COSTS_SPLIT if schedule.split_backward
+                                                   else PLAN_COSTS))
 plan_max = max((max(t["end"] for t in timed) for _, timed in plans.values()),
                default=None) if same_axis else None
 places, width = timeline_layout(chosen, m, v)
@@ -395,7 +427,9 @@ for col, s in zip(places, chosen):
         pm.chart(timeline_chart(
             timed, f"Planned: {label_of(s, v)}, p = {pp}, m = {m}",
             subtitle=["unit costs " + ("F = B = W = 1" if schedule.split_backward
-                                       else "F = 1, B = 2") + ", each rank its own device",
+                                       else "F = 1, B = 2") + ", each rank its own device"
+                      + ("; each F&B pair (an F, then a B of the rank's other chunk) one unit"
+                         if s in DUAL else ""),
                       f"in flight at most (micro-batches × chunks): "
                       f"{', '.join(map(str, S.in_flight(schedule)))} on ranks 0…{pp - 1}"],
             seconds=False, width=width, x_max=plan_max), share=width / WIDE_WIDTH)

@@ -13,7 +13,7 @@ import presentation as pm
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                         show_equality, tp_mlp_shards, training_run)
 from parallel_mini import theory
-from parallel_mini.course import viz
+from parallel_mini.course import at_scale, viz
 from parallel_mini.course.viz.units import format_bytes
 
 MODELS = {"4 layers × d64 × 4 heads": {"layers": 4, "d_model": 64, "heads": 4, "vocab": 128},
@@ -23,7 +23,7 @@ MAX_WORLD = 4  # ranks this page starts at most (they share this machine's cores
 LINKS = sorted(theory.INTERCONNECTS, key=lambda k: -theory.INTERCONNECTS[k])
 # H100 SXM, dense bf16 matmuls: the compute time at scale is a lower bound (real runs reach
 # roughly half of the peak)
-H100_BF16_FLOPS, NVLINK_GPUS_PER_NODE = theory.H100_BF16_FLOPS, theory.NVLINK_GPUS_PER_NODE
+H100_BF16_FLOPS, NVLINK_GPUS_PER_NODE = at_scale.H100_BF16_FLOPS, at_scale.NVLINK_GPUS_PER_NODE
 
 
 def _compact(report: dict) -> dict:
@@ -362,17 +362,17 @@ def show_at_scale() -> None:
         "Theory only: a real model cannot run here. The bytes come from the formula the live run "
         "above matched (`theory.tp_wire_bytes_per_step`), the times from `theory.transfer_time`.")
     d1, d2, d3 = st.columns(3)
-    preset = d1.selectbox("Model (theory)", list(theory.PRESETS),
-                          key=pm.kept("tp.big_model", list(theory.PRESETS)[2]))
+    preset = d1.selectbox("Model (theory)", list(at_scale.PRESETS),
+                          key=pm.kept("tp.big_model", list(at_scale.PRESETS)[2]))
     t_big = d2.select_slider("tp (theory)", [2, 4, 8, 16], key=pm.kept("tp.big_tp", 8))
     seq_big = d3.select_slider("Sequence length (theory)", [1024, 2048, 4096, 8192],
                                key=pm.kept("tp.big_seq", 4096))
-    p = theory.PRESETS[preset]
+    p = at_scale.PRESETS[preset]
     cfg = SimpleNamespace(batch=1, dp=1, grad_accum=1, seq=seq_big, d_model=p["d_model"],
                           precision="bf16-mixed", tp=t_big, layers=p["layers"],
                           checkpointing="none", sp=False)
     nbytes = theory.tp_wire_bytes_per_step(cfg)
-    compute = theory.matmul_time(p["n_params"], seq_big, t_big)
+    compute = at_scale.matmul_time(p["n_params"], seq_big, t_big)
     rows = [{"link": f"{link} ({theory.INTERCONNECTS[link] / 1e9:g} GB/s)",
              "seconds": theory.transfer_time(nbytes, link), "source": "predicted"}
             for link in LINKS]

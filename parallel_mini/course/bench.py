@@ -12,7 +12,15 @@
     python -m parallel_mini.bench wire    # (i) bytes gloo really writes vs the ring model
     python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
     python -m parallel_mini.bench app     # (k) the classroom app in a real browser: click -> chart
+    python -m parallel_mini.bench async   # (l) a 3x straggler: synchronous DP vs asynchronous SGD
+    python -m parallel_mini.bench all --json now.json     # dp ring zero tp pp cp ep bubble, ~10 min
+    python -m parallel_mini.bench all --compare then.json # ... and each row's ratios against then's
+    python -m parallel_mini.bench --compare then.json now.json  # two saved runs, nothing run
     ... --json -                          # the numbers as one JSON object (or --json PATH)
+
+Every benchmark prints the load average before and after it, and repeats its timed steps until
+each median has settled (moved < 2 % over the last 3 repeats; at most 3x the asked-for count,
+then the row is marked not stable): `median_settled`, `Repeats`.
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
     GPT on the same data with the same optimizer (ours, torch.optim.Adam's arithmetic) and the same
@@ -64,6 +72,13 @@
     (the server's shared result read), as p50 and p90. Each time runs from the click to the page's
     first chart drawn in the browser (the page's first `stVegaLiteChart` with an SVG or canvas).
     The status line of the cold press says how long the ranks' run itself took.
+(l) A straggler (the last of 4 ranks, 3x slower: it sleeps twice its forward and backward's wall
+    time after them) against synchronous data parallel (`run --dp 4 --straggler 3:3`: every
+    all-reduce waits for it) and asynchronous SGD (`run --dp 4 --async --straggler 3:3`: rank 0
+    serves, 3 workers push; with --max-staleness 0 a barrier per step, unbounded without), and
+    both without the straggler, one run each: updates and samples per second (measured), time
+    and samples to a target loss (smoothed over one global batch), and the loss at equal samples
+    against the same updates replayed in one process without staleness (what staleness costs).
 (a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
@@ -108,6 +123,55 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
 
 
+# ---------------------------------------------------------------------------------------------
+# repeats until the median is stable
+# ---------------------------------------------------------------------------------------------
+# On a shared machine one step can take twice another; a median over a fixed count may still be
+# drifting. Every timed loop below therefore keeps measuring after its `least` repeats until each
+# series' median has settled: it moved by less than STABLE_TOL over the last STABLE_LAST repeats,
+# or `most` repeats were made (then the row says "not stable"). The series are the slowest
+# rank's times (one all-reduce MAX), identical on every rank, so every rank takes the same
+# decision and no extra message is needed.
+STABLE_TOL, STABLE_LAST = 0.02, 3
+
+
+def median_settled(xs: list[float], last: int = STABLE_LAST, tol: float = STABLE_TOL) -> bool:
+    """Whether the median of xs moved by less than `tol` (relative) over its last `last` values:
+    the medians of xs[:-1], ..., xs[:-last] are all within tol of the median of xs."""
+    if len(xs) <= last:
+        return False
+    now = statistics.median(xs)
+    return all(abs(statistics.median(xs[:len(xs) - j]) - now) < tol * abs(now)
+               for j in range(1, last + 1))
+
+
+class Repeats:
+    """How many measured repeats a loop makes: at least `least`, then more until every series'
+    median has settled (median_settled), at most `most` (default 3 x least)."""
+
+    def __init__(self, least: int, most: int | None = None):
+        self.least = max(1, least)
+        self.most = max(self.least, most if most is not None else 3 * self.least)
+
+    def more(self, series) -> bool:
+        """True while another repeat is wanted; `series`: the lists of measured values so far."""
+        series = list(series)
+        n = min(len(xs) for xs in series)
+        return n < self.least or (n < self.most and not all(median_settled(xs) for xs in series))
+
+    @staticmethod
+    def verdict(series) -> dict:
+        series = list(series)
+        return {"repeats": min(len(xs) for xs in series),
+                "stable": all(median_settled(xs) for xs in series)}
+
+
+def _verdict(*series) -> dict:
+    """A row's "repeats" (measured per runner) and "stable" (every runner's median settled)."""
+    v = Repeats.verdict(series)
+    return {"steps_measured": v["repeats"], "repeats": v["repeats"], "stable": v["stable"]}
+
+
 def _slowest_rank(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -125,19 +189,28 @@ def _dp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
     mesh = build_mesh(cfg)
     runners = {}
     model = build_model(cfg)
-    runners["ddp"] = (DDP(model, bucket_cap_mb=cfg.bucket_mb), lambda: None,
-                      Adam(model.parameters(), lr=cfg.lr))
+    last_grad = {}  # runner -> when its last gradient was accumulated: backward's compute ends
+    ddp = DDP(model, bucket_cap_mb=cfg.bucket_mb)
+    ddp_records: list[dict] = []
+    ddp.register_comm_hook(None, _timed_allreduce_hook(ddp_records))
+    _mark_last_grad(model, last_grad, "ddp")
+    runners["ddp"] = (ddp, lambda: None, Adam(model.parameters(), lr=cfg.lr))
     comms = {}
     for mode in ("bucketed", "naive"):
         model = build_model(cfg)
         comms[mode] = Comm(mesh)
         dp = DataParallel(model, comms[mode], mode=mode, bucket_mb=cfg.bucket_mb)
+        _mark_last_grad(model, last_grad, mode)
         runners[mode] = (model, dp.finish_gradient_sync, Adam(model.parameters(), lr=cfg.lr))
     names = list(runners)
-    batches = [shard(global_batch(cfg, i), r, n) for i in range(warmup + steps)]
     times = {k: [] for k in names}
-    overlap = []  # per measured step: share of bucketed all-reduce time inside backward
-    for i, (x, y) in enumerate(batches):
+    # per measured step: the share of the all-reduce time (launch to completion) that ran before
+    # backward's last gradient, ours from Comm's records, DDP's from a comm hook that times
+    # torch's own allreduce_hook: the same measurement for both
+    overlap, ddp_overlap = [], []
+    repeats, i = Repeats(steps), 0
+    while i < warmup or repeats.more(times.values()):
+        x, y = shard(global_batch(cfg, i), r, n)
         order = names[i % len(names):] + names[:i % len(names)]  # no mode always goes first
         for name in order:
             forward, sync, opt = runners[name]
@@ -151,18 +224,51 @@ def _dp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
             bw1 = time.perf_counter()
             sync()
             if name == "bucketed" and i >= warmup:
-                overlap.append(_overlap_with(comms[name].records, i, bw0, bw1))
+                overlap.append(_overlap_with(comms[name].records, i, bw0, last_grad[name]))
+            if name == "ddp":
+                for rec in ddp_records:
+                    rec.setdefault("step", i)
+                if i >= warmup:
+                    ddp_overlap.append(_overlap_with(ddp_records, i, bw0, last_grad[name]))
+                ddp_records.clear()
             opt.step()
             opt.zero_grad()
             dt = _slowest_rank(time.perf_counter() - t0)
             if i >= warmup:
                 times[name].append(dt)
+        i += 1
     # the three replicas trained on the same data from the same init: a cheap sanity check
     params = {k: torch.cat([p.detach().reshape(-1) for p in
                             (runners[k][0].module if k == "ddp" else runners[k][0]).parameters()])
               for k in names}
     agree = max((params[k] - params["ddp"]).abs().max().item() for k in names)
-    return {"times": times, "max_param_diff_vs_ddp": agree, "overlap": overlap}
+    return {"times": times, "max_param_diff_vs_ddp": agree, "overlap": overlap,
+            "ddp_overlap": ddp_overlap,
+            **Repeats.verdict(times.values())}
+
+
+def _timed_allreduce_hook(records: list[dict]):
+    """A DDP comm hook that runs torch's default one (allreduce_hook: divide, all-reduce) and notes
+    each bucket's launch and completion (the future's callback), as Comm records ours."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(state, bucket):
+        rec = {"op": "all_reduce", "start": time.perf_counter()}
+        records.append(rec)
+
+        def done(fut):
+            rec["end"] = time.perf_counter()
+            return fut.value()
+        return default_hooks.allreduce_hook(state, bucket).then(done)
+    return hook
+
+
+def _mark_last_grad(model, marks: dict, name: str) -> None:
+    """marks[name] = when the latest gradient of `model` was accumulated (the end of backward's
+    compute, whether or not backward then waits for communication, as DDP's does)."""
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda _, name=name: marks.__setitem__(name, time.perf_counter()))
 
 
 def _overlap_with(records: list[dict], step: int, start: float, end: float) -> float:
@@ -184,7 +290,7 @@ def bench_dp(dps=(2, 4), warmup: int = 5, steps: int = 20, bucket_mb: float = 0.
                         backend="gloo")[0].value
         med = {k: statistics.median(v) for k, v in out["times"].items()}
         rows.append({
-            "dp": n, "batch": batch, "bucket_mb": bucket_mb, "steps_measured": steps,
+            "dp": n, "batch": batch, "bucket_mb": bucket_mb, "steps_measured": out["repeats"],
             "n_params": theory.gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers),
             "ddp_ms": 1e3 * med["ddp"], "bucketed_ms": 1e3 * med["bucketed"],
             "naive_ms": 1e3 * med["naive"],
@@ -193,6 +299,8 @@ def bench_dp(dps=(2, 4), warmup: int = 5, steps: int = 20, bucket_mb: float = 0.
             "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()},
             "max_param_diff_vs_ddp": out["max_param_diff_vs_ddp"],
             "allreduce_overlapped": statistics.median(out["overlap"]),
+            "ddp_allreduce_overlapped": statistics.median(out["ddp_overlap"]),
+            "repeats": out["repeats"], "stable": out["stable"],
         })
     return rows
 
@@ -226,9 +334,10 @@ def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
 
         runners[f"ours ZeRO-{stage}"], runners[peer] = our_step, peer_step
     names = list(runners)
-    batches = [shard(global_batch(base, i), r, n) for i in range(warmup + steps)]
     times = {k: [] for k in names}
-    for i, (x, y) in enumerate(batches):
+    repeats, i = Repeats(steps), 0
+    while i < warmup or repeats.more(times.values()):
+        x, y = shard(global_batch(base, i), r, n)
         for name in names[i % len(names):] + names[:i % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
@@ -236,6 +345,7 @@ def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
             dt = _slowest_rank(time.perf_counter() - t0)
             if i >= warmup:
                 times[name].append(dt)
+        i += 1
     return times
 
 
@@ -250,7 +360,7 @@ def bench_zero(dps=(2, 4), warmup: int = 3, steps: int = 10, batch: int = 16) ->
             ours = med[f"ours ZeRO-{stage}"]
             rows.append({"dp": n, "stage": stage, "peer": peer, "ours_ms": 1e3 * ours,
                          "peer_ms": 1e3 * med[peer], "ours_over_peer": ours / med[peer],
-                         "steps_measured": steps})
+                         **_verdict(times[f"ours ZeRO-{stage}"], times[peer])})
     return rows
 
 
@@ -270,9 +380,11 @@ def _tp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
         runners[("DTensor", sp)] = (peer, peer_adam(peer.parameters(), c))
     names = list(runners)
     times = {k: [] for k in names}
-    for i in range(warmup + steps):
+    repeats, i = Repeats(steps), 0
+    while i < warmup or repeats.more(times.values()):
         x, y = global_batch(cfg, i)
-        for name in names[i % len(names):] + names[:i % len(names)]:  # no runner always first
+        i += 1
+        for name in names[(i - 1) % len(names):] + names[:(i - 1) % len(names)]:  # none always first
             model, opt = runners[name]
             dist.barrier()
             t0 = time.perf_counter()
@@ -280,7 +392,7 @@ def _tp_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
             opt.step()
             opt.zero_grad()
             dt = _slowest_rank(time.perf_counter() - t0)
-            if i >= warmup:
+            if i > warmup:
                 times[name].append(dt)
     return {f"{who} sp={sp}": t for (who, sp), t in times.items()}
 
@@ -301,7 +413,8 @@ def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
         for sp in (False, True):
             ours, peer = med[f"ours sp={sp}"], med[f"DTensor sp={sp}"]
             rows.append({"tp": n, "sp": sp, "ours_ms": 1e3 * ours, "dtensor_ms": 1e3 * peer,
-                         "ours_over_dtensor": ours / peer, "steps_measured": steps,
+                         "ours_over_dtensor": ours / peer,
+                         **_verdict(times[f"ours sp={sp}"], times[f"DTensor sp={sp}"]),
                          "note": TP_NOTES[sp]})
     return rows
 
@@ -318,14 +431,16 @@ def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
     names = list(runners)
     times = {k: [] for k in names}
     final_loss = {}
-    for i in range(warmup + steps):
+    repeats, i = Repeats(steps), 0
+    while i < warmup or repeats.more(times.values()):
         x, y = global_batch(cfg, i)
-        for key in names[i % len(names):] + names[:i % len(names)]:  # no runner always first
+        i += 1
+        for key in names[(i - 1) % len(names):] + names[:(i - 1) % len(names)]:  # none always first
             dist.barrier()
             t0 = time.perf_counter()
             loss = runners[key].step(x, y)
             dt = _slowest_rank(time.perf_counter() - t0)
-            if i >= warmup:
+            if i > warmup:
                 times[key].append(dt)
             if loss is not None:
                 final_loss[key] = loss
@@ -338,7 +453,7 @@ def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
                           for name in schedules}}
 
 
-def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv"), warmup: int = 3,
+def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), warmup: int = 3,
              steps: int = 10, layers: int = 8, microbatches: int = 8, batch: int = 16) -> list[dict]:
     rows = []
     for n in pps:
@@ -352,7 +467,8 @@ def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv"), warm
             rows.append({"pp": n, "schedule": name, "torch_schedule": TORCH_PP_SCHEDULES[name],
                          "layers": layers, "microbatches": microbatches, "batch": batch,
                          "ours_ms": 1e3 * ours, "torch_ms": 1e3 * peer,
-                         "ours_over_torch": ours / peer, "steps_measured": steps,
+                         "ours_over_torch": ours / peer,
+                         **_verdict(out["times"][f"ours {name}"], out["times"][f"torch {name}"]),
                          "last_loss_diff": out["loss_diff"][name],
                          "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()
                                     if k.endswith(f" {name}")}})
@@ -370,7 +486,8 @@ def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
         numel = int(mb * MB / 4)
         base = torch.randn(numel, generator=torch.Generator().manual_seed(r))
         t_ring, t_gloo = [], []
-        for i in range(repeats + 1):  # the first round warms the connections
+        until, i = Repeats(repeats), 0
+        while i == 0 or until.more((t_ring, t_gloo)):  # the first round warms the connections
             for impl in (("ring", "gloo") if i % 2 == 0 else ("gloo", "ring")):
                 x = base.clone()
                 dist.barrier()
@@ -385,17 +502,51 @@ def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
                 if i:
                     (t_ring if impl == "ring" else t_gloo).append(dt)
             comm.records.clear(); comm.p2p_log.clear()
+            i += 1
         rows.append({"mb": mb, "ring_s": statistics.median(t_ring),
-                     "gloo_s": statistics.median(t_gloo),
+                     "gloo_s": statistics.median(t_gloo), **_verdict(t_ring, t_gloo),
                      "max_abs_err": (ours - ref).abs().max().item()})
-    return rows
+    latency = _step_latency(comm, max(5, repeats))
+    return [dict(row, step_latency_s=latency) for row in rows]
+
+
+def _step_latency(comm: Comm, repeats: int) -> dict:
+    """What bounds a small all-reduce: the time of one ring step with (almost) no bytes, ours
+    (Comm.sendrecv: metered and recorded) and bare (torch.distributed's batch_isend_irecv alone),
+    against gloo's whole all-reduce of one element (its ring runs in C++ on gloo's threads).
+    Medians of the slowest rank. Our ring makes 2(N-1) such steps one after the other."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    one, buf = torch.ones(1), torch.empty(1)
+
+    def bare():
+        ops = [dist.P2POp(dist.isend, one, right), dist.P2POp(dist.irecv, buf, left)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    calls = {"ours_step": lambda: comm.sendrecv(one, right, buf, left, "dp"),
+             "bare_step": bare, "gloo_all_reduce_4B": lambda: dist.all_reduce(buf)}
+    out = {}
+    for name, fn in calls.items():
+        times = []
+        for i in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i:  # the first warms up
+                times.append(_slowest_rank(time.perf_counter() - t0))
+            else:
+                _slowest_rank(0.0)
+        out[name] = statistics.median(times)
+    comm.records.clear(); comm.p2p_log.clear()
+    return out
 
 
 def bench_ring(n: int = 4, sizes_mb=(1, 16, 64), repeats: int = 5) -> list[dict]:
     rows = run_ranks(_ring_rank, n, list(sizes_mb), repeats, timeout=600, backend="gloo")[0].value
     for row in rows:
         wire = theory.wire_bytes("all_reduce", int(row["mb"] * MB), n)
-        row.update(world_size=n, repeats=repeats,
+        row.update(world_size=n,
                    ring_busbw_GBps=wire / row["ring_s"] / 1e9,
                    gloo_busbw_GBps=wire / row["gloo_s"] / 1e9,
                    ring_over_gloo_bw=row["gloo_s"] / row["ring_s"])
@@ -458,6 +609,7 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
     for pp, m in setups:
         for name in schedules:
             cfg = RunConfig(pp=pp, microbatches=m, schedule=name, reference=True,
+                            batch=max(RunConfig.batch, m),  # one sequence per micro-batch at least
                             layers=pipeline_layers(pp, virtual_stages(name)),
                             steps=PIPELINE_STEPS).validate()
             runs = []
@@ -490,8 +642,166 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
                 "op_cpu_over_wall_min": min(r["op_cpu_over_wall_min"] for r in runs),
                 "replayed_median_points": statistics.median(r["replayed_points"] for r in runs),
                 "replayed_within_3_points": sum(abs(r["replayed_points"]) <= 3 for r in runs),
-                "max_abs_diff": max(r["max_abs_diff"] for r in runs)})
+                "max_abs_diff": max(r["max_abs_diff"] for r in runs),
+                "stable": median_settled([r["wall"] for r in runs])})  # fixed runs, not repeated
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# (f2) DualPipe beside 1F1B, ZB-H1 and ZBV: the DeepSeek-V3 report's table and the same run
+# ---------------------------------------------------------------------------------------------
+DUAL_COMPARED = ("1f1b", "zb", "zbv", "dualpipev", "dualpipe")
+TABLE_ROW = {"1f1b": "1F1B", "zb": "ZB1P", "zbv": None, "dualpipev": "DualPipeV", "dualpipe": "DualPipe"}
+
+
+def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> list[dict]:
+    """The same model, batch and pp ranks under each schedule of DUAL_COMPARED: its bubble (the
+    formula, theory; replayed from measured op costs; the wall clock, measured), parameters per
+    rank (measured bytes; the table says copies), activations (micro-batches in flight, counted
+    from the op list, in units of one pp-way stage; the peak measured in bytes), and the report's
+    formula with this run's measured op costs (no F&B overlap on one CPU: F&B = F + B + W)."""
+    from ..engine import run
+    from ..parallel.schedules import build_schedule, in_flight
+    from ..trace import op_costs
+
+    rows = []
+    for name in DUAL_COMPARED:
+        cfg = RunConfig(pp=pp, microbatches=m, layers=layers, batch=2 * m, schedule=name,
+                        steps=steps, reference=True).validate()
+        report = run(cfg)
+        s = build_schedule(name, pp, m)
+        b, costs = report.extra["bubble"], op_costs(report)
+        chunk = pp / s.stages  # one chunk's size in pp-way stages (1, or 1/2 in a V)
+        stages = pp if name in ("1f1b", "zb", "dualpipe") else 2 * pp
+        split = "W" in costs
+        table = {r["method"]: r for r in theory.pipeline_table(
+            stages, costs if split else {"F": costs["F"], "B": costs["B"], "W": 0.0})}
+        rows.append({
+            "schedule": name, "pp": pp, "microbatches": m, "layers": layers,
+            "table_method": TABLE_ROW[name],
+            "table_bubble_s": table[TABLE_ROW[name]]["bubble"] if TABLE_ROW[name] else None,
+            "bubble_theory": b["theory"], "bubble_replayed": b["replayed"]["overall"],
+            "bubble_wall": b["wall"]["overall"], "ranks_shared_cores": b["wall"]["ranks_shared_cores"],
+            "params_bytes_max": max(r["memory"]["params"] for r in report.ranks),
+            "activations_peak_bytes_max": max(r["memory"]["activations_peak"] for r in report.ranks),
+            "in_flight_stage_units": max(in_flight(s)) * chunk,
+            "table_activations": table[TABLE_ROW[name]]["activations"] * chunk if TABLE_ROW[name] else None,
+            "max_abs_diff": report.max_abs_diff})
+    one = next(r for r in rows if r["schedule"] == "1f1b")
+    for r in rows:
+        r["params_over_1f1b"] = r["params_bytes_max"] / one["params_bytes_max"]
+    return rows
+
+
+def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
+    """One rank of the F&B overlap measurement (see bench_fb_overlap)."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    comm = Comm(build_mesh(cfg))
+    n, me = comm.size("dp"), comm.rank("dp")
+    model = build_model(cfg)
+    x, y = shard(global_batch(cfg, 0), me, n)  # micro-batch B: this rank's sequences [b/n, s]
+
+    def compute():  # micro-batch B's forward and backward through the whole toy chunk
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+
+    def seconds(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return _slowest_rank(time.perf_counter() - t0)
+
+    # micro-batch A's expert dispatch: each token's top-k copies of its hidden vector, rows
+    # [tokens * k, h]; scaled (below) until the all-to-all alone lasts about as long as the compute,
+    # as DeepSeek-V3's does (its report: computation and all-to-all about 1:1)
+    rows = x.numel() * cfg.top_k
+    base = torch.randn(rows * n, cfg.d_model, generator=torch.Generator().manual_seed(me))
+    send = base
+    recv = torch.empty_like(send)
+    a2a = lambda: comm.all_to_all(recv, send, "dp")
+    for _ in range(2):  # warm both
+        compute(), a2a()
+    t_comp = statistics.median(seconds(compute) for _ in range(3))
+    for scale in (2 ** i for i in range(10)):  # (seconds() lines the ranks up: all agree)
+        send = base.repeat(scale, 1)
+        recv = torch.empty_like(send)
+        if statistics.median(seconds(a2a) for _ in range(3)) >= t_comp / 2:
+            break
+
+    def serial():
+        comm.all_to_all(recv, send, "dp")
+        compute()
+
+    def overlapped():  # A's all-to-all in flight (gloo's worker thread) while B computes
+        handle = comm.all_to_all(recv, send, "dp", async_op=True)
+        compute()
+        handle.wait()
+
+    times: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "serial", "overlapped")}
+    fns = {"comm": lambda: comm.all_to_all(recv, send, "dp"), "compute": compute,
+           "serial": serial, "overlapped": overlapped}
+    for i in range(repeats + 1):  # the first round warms up; the order rotates each round
+        names = list(fns)[i % 4:] + list(fns)[:i % 4]
+        for name in names:
+            dt = seconds(fns[name])
+            if i:
+                times[name].append(dt)
+    overlapped()
+    got = recv.clone()
+    comm.all_to_all(recv, send, "dp")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"median_s": med, "times_s": times, "payload_bytes": send.numel() * send.element_size(),
+            "overlapped_equals_blocking": bool(torch.equal(got, recv)),
+            "hidden_fraction": (med["serial"] - med["overlapped"]) / min(med["comm"], med["compute"])}
+
+
+def bench_fb_overlap(ranks: int = 2, repeats: int = 7) -> dict:
+    """DualPipe's F&B overlap, on the toy, measured on the wall clock: on each of `ranks` ranks,
+    micro-batch A's expert all-to-all (gloo, async: it runs in gloo's worker thread) in flight
+    while micro-batch B's forward and backward compute, against the two one after the other.
+    hidden_fraction = (serial - overlapped) / min(comm, compute): 1 when the shorter one hides
+    entirely behind the other, 0 when nothing overlaps (medians over `repeats`, slowest rank)."""
+    cfg = RunConfig(dp=ranks, batch=4 * ranks, layers=4, experts=4, top_k=2, steps=1).validate()
+    out = run_ranks(_fb_overlap_rank, ranks, cfg.to_dict(), repeats, timeout=600, backend="gloo")
+    result = out[0].value
+    result.update(ranks=ranks, repeats=repeats, cpus=len(os.sched_getaffinity(0))
+                  if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                  load_average=os.getloadavg()[0])
+    return result
+
+
+def _print_fb_overlap(r):
+    med = r["median_s"]
+    print(f"(f3) F&B overlap on the toy ({r['ranks']} ranks, {r['cpus']} CPUs, load {r['load_average']:.1f}): "
+          f"an all-to-all of {r['payload_bytes'] / 1024:.0f} KiB per rank in flight during another "
+          f"micro-batch's forward and backward, measured on the wall clock (median of {r['repeats']})")
+    print(_table(["all-to-all ms", "compute ms", "one after the other ms", "overlapped ms",
+                  "hidden (measured)", "same result"],
+                 [[f"{1e3 * med['comm']:.1f}", f"{1e3 * med['compute']:.1f}",
+                   f"{1e3 * med['serial']:.1f}", f"{1e3 * med['overlapped']:.1f}",
+                   f"{r['hidden_fraction']:.0%}", r["overlapped_equals_blocking"]]]))
+    print("    hidden = (one after the other - overlapped) / the shorter of the two; on cores shared "
+          "with other ranks the all-to-all's copies compete with the compute for the same cores")
+
+
+def _print_dualpipe(rows):
+    r0 = rows[0]
+    print(f"(f2) DualPipe beside 1F1B, ZB-H1 and ZBV on the same run: pp {r0['pp']}, "
+          f"{r0['microbatches']} micro-batches, {r0['layers']} layers. Table: the DeepSeek-V3 "
+          f"report's formulas with this run's measured op costs (theory; F&B = F+B+W: one CPU "
+          f"overlaps nothing)")
+    print(_table(["schedule", "table row", "table bubble ms", "bubble theory", "replayed", "wall clock",
+                  "params/rank (measured) / 1F1B", "act. in flight (stages)", "table act.",
+                  "act. peak KB (measured)", "max |ours - ref|"],
+                 [[r["schedule"], r["table_method"] or "-",
+                   "-" if r["table_bubble_s"] is None else f"{1e3 * r['table_bubble_s']:.1f}",
+                   f"{r['bubble_theory']:.1%}", f"{r['bubble_replayed']:.1%}", f"{r['bubble_wall']:.1%}",
+                   f"{r['params_over_1f1b']:.2f}x", f"{r['in_flight_stage_units']:g}",
+                   "-" if r["table_activations"] is None else f"{r['table_activations']:g}",
+                   f"{r['activations_peak_bytes_max'] / 1024:.0f}", f"{r['max_abs_diff']:.1e}"]
+                  for r in rows]))
+    print("    the table counts parameters and activations in one stage of its PP stages: DualPipe "
+          "holds 2 of the pp stages (2x); DualPipeV's 2 chunks are half-stages (2 x 1/2 = 1x)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,38 +816,45 @@ def _table(headers, rows) -> str:
 
 
 def _print_dp(rows):
-    print(f"(a) data parallel step time, median of {rows[0]['steps_measured']} steps "
-          f"(slowest rank), {rows[0]['n_params']:,} params, global batch {rows[0]['batch']}, "
+    print(f"(a) data parallel step time, median over its steps "
+          f"(slowest rank; repeats per row in the JSON), {rows[0]['n_params']:,} params, global batch {rows[0]['batch']}, "
           f"buckets {rows[0]['bucket_mb']} MB")
     print(_table(["dp", "DDP ms", "ours bucketed ms", "ours naive ms", "bucketed/DDP",
-                  "naive/DDP", "all-reduce overlapped", "max |param diff|"],
+                  "naive/DDP", "all-reduce overlapped ours (DDP)", "max |param diff|"],
                  [[r["dp"], f"{r['ddp_ms']:.1f}", f"{r['bucketed_ms']:.1f}",
                    f"{r['naive_ms']:.1f}", f"{r['bucketed_over_ddp']:.2f}",
-                   f"{r['naive_over_ddp']:.2f}", f"{r['allreduce_overlapped']:.0%}",
+                   f"{r['naive_over_ddp']:.2f}",
+                   f"{r['allreduce_overlapped']:.0%} ({r['ddp_allreduce_overlapped']:.0%})",
                    f"{r['max_param_diff_vs_ddp']:.1e}"]
                   for r in rows]))
 
 
 def _print_ring(rows):
-    print(f"(b) all-reduce on {rows[0]['world_size']} ranks, median of {rows[0]['repeats']} "
+    print(f"(b) all-reduce on {rows[0]['world_size']} ranks, median over the repeats "
           f"(slowest rank); bus bandwidth = 2(N-1)/N * S / time")
     print(_table(["size MB", "ring ms", "gloo ms", "ring GB/s", "gloo GB/s", "ring/gloo bw",
                   "max |ring - gloo|"],
                  [[r["mb"], f"{1e3 * r['ring_s']:.1f}", f"{1e3 * r['gloo_s']:.1f}",
                    f"{r['ring_busbw_GBps']:.2f}", f"{r['gloo_busbw_GBps']:.2f}",
                    f"{r['ring_over_gloo_bw']:.2f}", f"{r['max_abs_err']:.1e}"] for r in rows]))
+    lat, n = rows[0]["step_latency_s"], rows[0]["world_size"]
+    print(f"    latency (measured, medians): one ring step of 4 B ours {1e3 * lat['ours_step']:.2f} ms "
+          f"(bare batch_isend_irecv {1e3 * lat['bare_step']:.2f} ms), gloo's whole all-reduce of 4 B "
+          f"{1e3 * lat['gloo_all_reduce_4B']:.2f} ms; our ring's floor 2(N-1) x step = "
+          f"{2 * (n - 1) * 1e3 * lat['ours_step']:.2f} ms. Gloo runs the same ring (reduce-scatter + "
+          f"all-gather, >= 2N segments, two in flight) inside C++ threads: its steps cost no Python")
 
 
 def _print_zero(rows):
-    print(f"(c) ZeRO step time, median of {rows[0]['steps_measured']} steps (slowest rank)")
+    print("(c) ZeRO step time, median over the steps (slowest rank)")
     print(_table(["dp", "ours", "ms", "peer", "ms", "ours/peer"],
                  [[r["dp"], f"ZeRO-{r['stage']}", f"{r['ours_ms']:.1f}", r["peer"],
                    f"{r['peer_ms']:.1f}", f"{r['ours_over_peer']:.2f}"] for r in rows]))
 
 
 def _print_tp(rows):
-    print(f"(d) tensor parallel (sp: with sequence parallel) step time, median of "
-          f"{rows[0]['steps_measured']} steps (slowest rank)")
+    print(f"(d) tensor parallel (sp: with sequence parallel) step time, median over the "
+          "steps (slowest rank)")
     for sp, note in TP_NOTES.items():
         print(f"    sp={'yes' if sp else 'no'}: {note}")
     print(_table(["tp", "sp", "ours ms", "DTensor ms", "ours/DTensor"],
@@ -547,7 +864,7 @@ def _print_tp(rows):
 
 def _print_pp(rows):
     r0 = rows[0]
-    print(f"(e) pipeline parallel step time, median of {r0['steps_measured']} steps (slowest rank), "
+    print(f"(e) pipeline parallel step time, median over the steps (slowest rank), "
           f"{r0['layers']} layers, global batch {r0['batch']}, {r0['microbatches']} micro-batches; "
           f"torch = torch.distributed.pipelining on the same chunks")
     print(_table(["pp", "schedule", "ours ms", "torch", "torch ms", "ours/torch", "|loss diff|"],
@@ -617,17 +934,84 @@ def _cp_rank(impl: str, shape: tuple, warmup: int, steps: int) -> dict:
         torch_ring_attention(q, k, v, grad, dist.group.WORLD, load_balance=impl == "zigzag")
 
     times, hidden = {"ours": [], "torch": []}, []
-    for i in range(warmup + steps):
-        for name, fn in (("ours", ours), ("torch", peer)):
+    repeats, i = Repeats(steps), 0
+    while i < warmup or repeats.more(times.values()):
+        i += 1
+        for name, fn in ((("ours", ours), ("torch", peer)) if i % 2 else
+                         (("torch", peer), ("ours", ours))):  # neither always first
             dist.barrier()
             t0 = time.perf_counter()
             fn()
             elapsed = _slowest_rank(time.perf_counter() - t0)
-            if i >= warmup:
+            if i > warmup:
                 times[name].append(elapsed)
-        if i >= warmup:
+        if i > warmup:
             hidden.append(hidden_fraction(core.hops))
-    return {"times": times, "hidden": hidden}
+    return {"times": times, "hidden": hidden, "split_ms": _tile_split(core, q, k, v, grad)}
+
+
+def _fastest_ms(fn, repeats: int = 7) -> float:
+    """The fastest of `repeats` calls, in ms: on a loaded machine the least disturbed one."""
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * min(times)
+
+
+def _tile_split(core, q, k, v, grad) -> dict:
+    """Where one tile's time goes (ms, the fastest of 7 calls, on this rank; the ranks run this at the same time,
+    as they run the ring): the written-out tile's steps (score matmul, the causal mask built and
+    applied, log-sum-exp + exp, the P @ V matmul; backward's recomputed P and its four matmuls),
+    the fused tile (torch's flash kernel, forward and backward), the online-softmax merge, the copy
+    of K and V into one message, and posting one hop's send and receive (the calls returning, not
+    the transfer) against the whole hop (post to arrival)."""
+    import math
+
+    from ..parallel import context
+    size = q.shape[2] // len(context.chunks_of(core.layout, core.c, core.rank))
+    qt, kt, vt, dot = (t[:, :, :size] for t in (q, k, v, grad))  # one chunk: [b, a, size, d]
+    scores = qt @ kt.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores, -1)
+    out = (scores - lse.unsqueeze(-1)).exp() @ vt
+    fused_fw, fused_bw = context._FUSED["cpu"]
+    split = {
+        "score matmul": _fastest_ms(lambda: qt @ kt.transpose(-2, -1) / math.sqrt(q.shape[-1])),
+        "causal mask": _fastest_ms(lambda: scores.masked_fill(
+            ~torch.ones(size, size, dtype=torch.bool).tril(), float("-inf"))),
+        "lse + exp": _fastest_ms(lambda: (scores - torch.logsumexp(scores, -1).unsqueeze(-1)).exp()),
+        "P @ V": _fastest_ms(lambda: scores @ vt),
+        "written-out backward": _fastest_ms(lambda: _written_backward(context, dot, qt, kt, vt,
+                                                                     out, lse)),
+        "fused forward": _fastest_ms(lambda: fused_fw(qt, kt, vt, is_causal=False)),
+        "fused backward": _fastest_ms(lambda: fused_bw(dot, qt, kt, vt, out, lse, 0.0, False)),
+        "merge": _fastest_ms(lambda: context._merge(out, lse, out, lse)),
+        "K/V copy": _fastest_ms(lambda: torch.stack([k, v])),
+    }
+    kv = torch.stack([k, v])
+    post, hop_ms = [], []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, hop = core._pass(kv, 0, "kv")
+        post.append(time.perf_counter() - t0)
+        hop.wait()
+        hop_ms.append(time.perf_counter() - t0)
+    core.comm.records.clear()
+    split["post send+recv"] = 1e3 * statistics.median(post)
+    split["whole hop"] = 1e3 * statistics.median(hop_ms)
+    return split
+
+
+def _written_backward(context, grad_out, q, k, v, out, lse):
+    """The written-out tile backward (context._tile_grads without the fused kernel)."""
+    fused, context._FUSED = context._FUSED, {}
+    try:
+        return context._tile_grads(grad_out, q, k, v, out, lse, False)
+    finally:
+        context._FUSED = fused
 
 
 def bench_cp(cps=(2, 4), impls=("ring", "zigzag"), shape=(4, 8, 512, 32), warmup: int = 2,
@@ -641,7 +1025,8 @@ def bench_cp(cps=(2, 4), impls=("ring", "zigzag"), shape=(4, 8, 512, 32), warmup
             rows.append({"cp": c, "impl": impl, "ours_ms": 1e3 * ours, "torch_ms": 1e3 * peer,
                          "ours_over_torch": ours / peer,
                          "kv_hidden": statistics.median(res["hidden"]), "shape": list(shape),
-                         "steps_measured": steps})
+                         "split_ms": res["split_ms"],  # rank 0's
+                         **_verdict(res["times"]["ours"], res["times"]["torch"])})
     return rows
 
 
@@ -652,6 +1037,12 @@ def _print_cp(rows):
     print(_table(["cp", "impl", "ours ms", "torch ms", "ours/torch", "kv hidden"],
                  [[r["cp"], r["impl"], f"{r['ours_ms']:.1f}", f"{r['torch_ms']:.1f}",
                    f"{r['ours_over_torch']:.2f}", f"{r['kv_hidden']:.0%}"] for r in rows]))
+    parts = list(rows[0]["split_ms"])
+    print(f"  where a tile's time goes (ms, fastest of 7 calls on rank 0 of each run; one query chunk against "
+          f"one key chunk, [b, a, n, d] = {rows[0]['shape'][:2] + ['s/C or s/2C', rows[0]['shape'][3]]}): "
+          "the written-out tile's steps, the fused tile (the ring's), the merge, copies, one hop")
+    print(_table(["cp", "impl", *parts],
+                 [[r["cp"], r["impl"], *(f"{r['split_ms'][k]:.2f}" for k in parts)] for r in rows]))
 
 
 def _ep_split(report, rank: int, step: int) -> dict:
@@ -689,6 +1080,8 @@ def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch
             slowest = [max(x["step"] for x in per_rank) for per_rank in splits]
             key = "sharded" if ep > 1 else "replicated"
             row[f"{key}_ms"] = 1e3 * statistics.median(slowest)
+            row[f"{key}_steps_measured"] = len(slowest)  # fixed: the engine's steps, not repeated
+            row[f"{key}_stable"] = median_settled(slowest)
             row[f"{key}_split_ms"] = {k: 1e3 * statistics.median(x[k] for per in splits for x in per)
                                       for k in ("counts", "dispatch", "experts", "combine")}
             row[f"{key}_state_bytes"] = sum(report.ranks[0]["memory"][k]
@@ -697,6 +1090,8 @@ def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch
                 row["a2a_bytes_per_step"] = report.moe_wire_bytes_per_step(0)
                 row["a2a_uniform_formula"] = report.theory["ep_all_to_all_uniform"]
         row["sharded_over_replicated"] = row["sharded_ms"] / row["replicated_ms"]
+        row["stable"] = row["sharded_stable"] and row["replicated_stable"]
+        row["repeats"] = row["sharded_steps_measured"]
         rows.append(row)
     return rows
 
@@ -920,11 +1315,240 @@ def _print_app(rows):
                    f"{r['warm_p90_s']:.2f}", r["cold_status"]] for r in rows]))
 
 
+# ---------------------------------------------------------------------------------------------
+# (l) a straggler: synchronous data parallel waits for it, asynchronous SGD does not
+# ---------------------------------------------------------------------------------------------
+def _smoothed(losses: list[float], window: int) -> list[float]:
+    """Mean of the last `window` losses at each point: the same number of samples (one global
+    batch) behind a point of every run."""
+    return [sum(losses[max(0, i + 1 - window):i + 1]) / min(window, i + 1)
+            for i in range(len(losses))]
+
+
+def _sync_curve(report) -> list[dict]:
+    """Per step of a synchronous run: when rank 0's optimizer finished it (wall clock from the
+    run's first op), samples so far, the global loss."""
+    ends = {e["step"]: e["end"] for e in report.ranks[0]["events"] if e["kind"] == "optimizer"}
+    batch = report.config["batch"]
+    return [{"time": ends[s], "samples": (s + 1) * batch, "loss": loss}
+            for s, loss in enumerate(report.losses)]
+
+
+def _async_curve(report) -> list[dict]:
+    a = report.extra["async"]
+    smooth = _smoothed(report.losses, len(a["workers"]))
+    return [{"time": u["time"], "samples": (i + 1) * a["samples_per_update"], "loss": loss}
+            for i, (u, loss) in enumerate(zip(a["updates"], smooth))]
+
+
+def _first_below(curve: list[dict], target: float) -> dict | None:
+    return next((p for p in curve if p["loss"] <= target), None)
+
+
+def _at_samples(curve: list[dict], samples: int) -> float | None:
+    """The curve's loss at the last point with at most `samples` samples."""
+    before = [p["loss"] for p in curve if p["samples"] <= samples]
+    return before[-1] if before else None
+
+
+def async_runs(ranks: int, factor: float, steps: int, batch: int, seed: int, model: dict) -> dict:
+    """The configurations `bench async` compares, by name: the straggler is the last rank."""
+    slow = f"{ranks - 1}:{factor:g}"
+    common = dict(dp=ranks, steps=steps, batch=batch, seed=seed, backend="gloo", timeout_s=600,
+                  **model)
+    return {
+        "sync DP, straggler": RunConfig(**common, straggler=slow),
+        "async K=0, straggler": RunConfig(**common, straggler=slow, asynchronous=True,
+                                          max_staleness=0),
+        "async, straggler": RunConfig(**common, straggler=slow, asynchronous=True),
+        "sync DP": RunConfig(**common),
+        "async": RunConfig(**common, asynchronous=True),
+    }
+
+
+def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 12, batch: int = 48,
+                seed: int = 0, target: float | None = None, model: dict | None = None) -> dict:
+    """Each configuration of `async_runs` once, through the engine; per run: steps (updates) and
+    samples per second on the wall clock (measured), the loss against samples and against time,
+    the staleness counted from the server's records beside theory's; for the asynchronous runs the
+    same updates replayed in one process without staleness (each gradient on the current
+    version: what staleness cost, at equal samples). The target loss, unless given, is the
+    highest final smoothed loss of the runs, so that every run reaches it."""
+    from ..engine import run
+    from ..parallel.async_ps import worker_batch
+    from ..reference import replay_updates
+    # 16 sequences of 64 tokens per worker step: compute, not the 0.9 MB messages, sets the pace
+    model = model if model is not None else dict(layers=2, d_model=64, heads=4, seq=64, vocab=128)
+    rows = []
+    for name, cfg in async_runs(ranks, factor, steps, batch, seed, model).items():
+        report = run(cfg.validate())
+        row = {"run": name, "config": {k: v for k, v in cfg.to_dict().items()
+                                       if k in ("dp", "steps", "batch", "straggler",
+                                                "asynchronous", "max_staleness")}}
+        if cfg.asynchronous:
+            a = report.extra["async"]
+            curve = _async_curve(report)
+            fresh, _ = replay_updates(cfg, a["updates"], worker_batch, fresh=True)
+            window = len(a["workers"])
+            row["no_staleness_curve"] = [  # computed: one process, same batches, same order
+                {"samples": p["samples"], "loss": x}
+                for p, x in zip(curve, _smoothed(fresh, window))]
+            row.update(workers=len(a["workers"]), staleness_mean=a["staleness_mean"],
+                       staleness_theory=a["theory"]["mean"],
+                       staleness_mean_by_worker=a["staleness_mean_by_worker"],
+                       staleness_histogram=a["staleness_histogram"],
+                       updates_per_worker=a["updates_per_worker"], max_abs_diff=None)
+            wall = a["updates"][-1]["time"]
+        else:
+            curve = _sync_curve(report)
+            row["workers"] = cfg.dp
+            first = min(e["start"] for e in report.ranks[0]["events"])
+            wall = curve[-1]["time"] - first
+            for p in curve:
+                p["time"] -= first
+        row.update(curve=curve, wall_s=wall, updates=len(curve),
+                   updates_per_s=len(curve) / wall, samples_per_s=curve[-1]["samples"] / wall)
+        rows.append(row)
+    target = target if target is not None else max(r["curve"][-1]["loss"] for r in rows)
+    for r in rows:
+        hit = _first_below(r["curve"], target)
+        r["time_to_target_s"] = hit and hit["time"]
+        r["samples_to_target"] = hit and hit["samples"]
+        total = r["curve"][-1]["samples"]
+        r["loss_at_samples"] = {str(n): _at_samples(r["curve"], n)
+                                for n in (total // 4, total // 2, total)}
+        if "no_staleness_curve" in r:
+            r["no_staleness_at_samples"] = {str(n): _at_samples(r["no_staleness_curve"], n)
+                                            for n in (total // 4, total // 2, total)}
+    workers = ranks - 1
+    return {"ranks": ranks, "straggler_factor": factor, "target_loss": target, "runs": rows,
+            "theory": {  # compute proportional to batch, no overheads
+                "async_over_sync_samples_per_s": (factor * (workers - 1) + 1) / ranks,
+                "staleness": theory.async_staleness(workers, factor)}}
+
+
+def _print_async(res: dict):
+    print(f"(l) a {res['straggler_factor']:g}x straggler on {res['ranks']} ranks (the last): "
+          f"synchronous DP ({res['ranks']} ranks compute, one update per step) against "
+          f"asynchronous SGD (rank 0 serves, {res['ranks'] - 1} workers push). Measured wall "
+          f"clock; loss smoothed over one global batch; target loss {res['target_loss']:.3f}")
+    total = str(res["runs"][0]["curve"][-1]["samples"])
+    print(_table(["run", "updates/s", "samples/s", "s to target", "samples to target",
+                  f"loss at {total} samples", "no staleness (same updates)", "staleness mean "
+                  "(theory)", "updates per worker"],
+                 [[r["run"], f"{r['updates_per_s']:.1f}", f"{r['samples_per_s']:.1f}",
+                   "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}",
+                   r["samples_to_target"] or "-", f"{r['loss_at_samples'][total]:.3f}",
+                   f"{r['no_staleness_at_samples'][total]:.3f}" if "no_staleness_at_samples" in r
+                   else "", f"{r['staleness_mean']:.2f} ({r['staleness_theory']})"
+                   if "staleness_mean" in r else "",
+                   " ".join(f"{k}:{v}" for k, v in r.get("updates_per_worker", {}).items())]
+                  for r in res["runs"]]))
+    print(f"theory: async/sync samples per second with the straggler = (F(W-1)+1)/N = "
+          f"{res['theory']['async_over_sync_samples_per_s']:.2f} (compute proportional to batch, "
+          f"no overheads); expected staleness without a bound: W-1 = {res['ranks'] - 2} on "
+          f"average, the straggler's F(W-1) = {res['theory']['staleness']['straggler']:g}")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench all, and a later run compared with an earlier one
+# ---------------------------------------------------------------------------------------------
+# Per section: a row's name, and the ratios to follow with the direction that is better. A ratio
+# within one run (ours / peer, both measured in the same launch) survives a change of load far
+# better than a time does, so that is what a comparison reads.
+COMPARED = {
+    "dp": (lambda r: f"dp {r['dp']}", [("bucketed/DDP", "bucketed_over_ddp", "lower"),
+                                       ("naive/DDP", "naive_over_ddp", "lower"),
+                                       ("all-reduce overlapped", "allreduce_overlapped", "higher")]),
+    "ring": (lambda r: f"{r['world_size']} ranks {r['mb']:g} MB",
+             [("ring/gloo bus bw", "ring_over_gloo_bw", "higher")]),
+    "zero": (lambda r: f"dp {r['dp']} ZeRO-{r['stage']}", [("ours/peer", "ours_over_peer", "lower")]),
+    "tp": (lambda r: f"tp {r['tp']} sp {'yes' if r['sp'] else 'no'}",
+           [("ours/DTensor", "ours_over_dtensor", "lower")]),
+    "pp": (lambda r: f"pp {r['pp']} {r['schedule']}", [("ours/torch", "ours_over_torch", "lower")]),
+    "cp": (lambda r: f"cp {r['cp']} {r['impl']}", [("ours/torch", "ours_over_torch", "lower")]),
+    "ep": (lambda r: f"{r['ranks']} ranks", [("ep N/ep 1", "sharded_over_replicated", "lower")]),
+    "bubble": (lambda r: f"pp {r['pp']} m {r['microbatches']} {r['schedule']}",
+               [("wall - formula (points)", "wall_median_points", "abs"),
+                ("replayed - formula (points)", "replayed_median_points", "abs")]),
+}
+ALL_SECTIONS = tuple(COMPARED)  # `bench all`: these (not app, warm, wire, plan, async, dualpipe)
+WORSE_BY = 0.10  # a ratio 10 % worse (points: 3 points further from the formula) is flagged
+
+
+def compare(old: dict, new: dict) -> list[dict]:
+    """Each row and ratio of COMPARED in the sections both results ran: then, now, now / then
+    (points: now - then) and "worse" / "better" past WORSE_BY. A row in only one of them is
+    listed as "new" or "gone"."""
+    rows = []
+    for section, (name_of, metrics) in COMPARED.items():
+        if section not in old or section not in new:
+            continue
+        then = {name_of(r): r for r in old.get(section) or []}
+        now = {name_of(r): r for r in new.get(section) or []}
+        for name in list(then) + [n for n in now if n not in then]:
+            for label, key, better in metrics:
+                a = then.get(name, {}).get(key)
+                b = now.get(name, {}).get(key)
+                row = {"section": section, "row": name, "ratio": label, "then": a, "now": b,
+                       "change": None, "verdict": "" if a is not None and b is not None
+                       else ("new" if a is None else "gone")}
+                if a is not None and b is not None:
+                    if better == "abs":  # points off a formula: further from 0 is worse
+                        row["change"] = b - a
+                        worse, gain = abs(b) - abs(a) > 100 * WORSE_BY / 3, abs(a) - abs(b) > 100 * WORSE_BY / 3
+                    else:
+                        row["change"] = b / a if a else float("inf")
+                        up = row["change"] > 1 + WORSE_BY
+                        down = row["change"] < 1 - WORSE_BY
+                        worse, gain = (up, down) if better == "lower" else (down, up)
+                    row["verdict"] = "WORSE" if worse else "better" if gain else ""
+                rows.append(row)
+    return rows
+
+
+def _print_compare(rows: list[dict], old_path: str, old: dict, new: dict):
+    def num(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    print(f"compared with {old_path} (ratios within each run; WORSE / better: past "
+          f"{WORSE_BY:.0%}, or 3 points for the bubble)")
+    for label, a, b in (("only then", old, new), ("only now", new, old)):
+        alone = [s for s in COMPARED if s in a and s not in b]
+        if alone:
+            print(f"    sections {label} (not compared): {', '.join(alone)}")
+    print(_table(["section", "row", "ratio", "then", "now", "now/then (points: now-then)", ""],
+                 [[r["section"], r["row"], r["ratio"], num(r["then"]), num(r["now"]),
+                   "-" if r["change"] is None else (f"{r['change']:+.1f}" if "points" in r["ratio"]
+                                                    else f"{r['change']:.2f}x"), r["verdict"]]
+                  for r in rows]))
+    worse = [f"{r['section']} {r['row']} {r['ratio']}" for r in rows if r["verdict"] == "WORSE"]
+    print(f"{len(worse)} worse: " + "; ".join(worse) if worse else "none worse")
+
+
+def _stability_line(section: str, rows) -> str | None:
+    """Which rows' medians settled, for the sections that repeat (COMPARED's row names)."""
+    if section not in COMPARED or not isinstance(rows, list) or not rows or "stable" not in rows[0]:
+        return None
+    name_of = COMPARED[section][0]
+    bad = [f"{name_of(r)} ({r.get('repeats', r.get('steps_measured', '?'))} repeats)"
+           for r in rows if not r["stable"]]
+    rule = (f"median moved < {STABLE_TOL:.0%} over the last {STABLE_LAST} repeats")
+    return (f"    stable ({rule}): every row" if not bad else
+            f"    NOT stable ({rule} not reached at the cap): " + ", ".join(bad))
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m parallel_mini.bench",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble", "cp",
-                                     "ep", "wire", "plan", "app", "all"])
+    ap.add_argument("what", nargs="?", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble",
+                                                "cp", "ep", "wire", "plan", "app", "async",
+                                                "dualpipe", "all"],
+                    help="all = " + ", ".join(ALL_SECTIONS) + " with fewer repeats (~10 min)")
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps first, for (a)")
@@ -943,55 +1567,94 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--app-repeats", type=int, default=5, help="warm presses per page for (k)")
     ap.add_argument("--app-pages", nargs="+", default=APP_PAGES, choices=APP_PAGES,
                     help="pages for (k)")
+    ap.add_argument("--async-steps", type=int, default=12, help="steps (x batch samples) for (l)")
+    ap.add_argument("--async-batch", type=int, default=48, help="global batch for (l): a "
+                    "multiple of 12 (4 ranks, 3 workers)")
+    ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
+    ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
+                    "highest final loss of its runs")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="OLD.json: after the run, each "
+                    "row's ratios now against OLD's; OLD.json NEW.json without a benchmark: "
+                    "compare two saved runs")
     return ap
+
+
+def _sections(args) -> dict:
+    """verb -> [(section name, how to run it, how to print it)]; `bench all` runs ALL_SECTIONS
+    with the `quick` counts (its whole run in ~10 minutes on 2 idle cores)."""
+    quick = args.what == "all"
+    least = (lambda full, short: short if quick else full)
+    setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in
+                   (["2x4"] if quick and args.bubble_setups == ["2x4", "4x8"] else args.bubble_setups))
+    return {
+        "dp": [("dp", lambda: bench_dp(tuple(args.dp), least(args.warmup, 2),
+                                       least(args.steps, 8), args.bucket_mb, args.batch), _print_dp)],
+        "ring": [("ring", lambda: bench_ring(args.ring_ranks, tuple(args.sizes_mb),
+                                             least(args.repeats, 3)), _print_ring)],
+        "zero": [("zero", lambda: bench_zero(tuple(args.dp), least(3, 2), least(10, 4)), _print_zero)],
+        "tp": [("tp", lambda: bench_tp(warmup=least(3, 2), steps=least(10, 4)), _print_tp)],
+        "pp": [("pp", lambda: bench_pp(tuple(args.pp), warmup=least(3, 2), steps=least(10, 4)),
+                _print_pp)],
+        "dualpipe": [("dualpipe", bench_dualpipe, _print_dualpipe),
+                     ("fb_overlap", bench_fb_overlap, _print_fb_overlap)],
+        "bubble": [("bubble", lambda: bench_bubble(tuple(args.bubble_schedules), setups,
+                                                   least(args.bubble_repeats, 2)), _print_bubble)],
+        "cp": [("cp", lambda: bench_cp(warmup=least(2, 1), steps=least(6, 4)), _print_cp)],
+        "ep": [("ep", lambda: bench_ep(steps=least(8, 6)), _print_ep)],
+        "wire": [("wire", bench_wire, _print_wire)],
+        "plan": [("plan", bench_plan, _print_plan)],
+        "app": [("app", lambda: bench_app(tuple(args.app_pages), args.app_repeats), _print_app)],
+        "async": [("async", lambda: bench_async(4, args.async_factor, args.async_steps,
+                                                args.async_batch, target=args.async_target),
+                   _print_async)],
+        "warm": [("warm", lambda: bench_warm(args.warm_repeats), _print_warm)],
+    }
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    out = {"load_average_before": list(os.getloadavg()), "cpus": os.cpu_count(),
-           "torch": torch.__version__}
+    if args.what is None:
+        if len(args.compare or []) != 2:
+            print("bench: name a benchmark (dp, cp, ..., all), or give --compare OLD.json NEW.json "
+                  "to compare two saved runs", file=sys.stderr)
+            return 2
+        old, new = (json.loads(Path(f).read_text()) for f in args.compare)
+        _print_compare(compare(old, new), args.compare[0], old, new)
+        return 0
+    if args.compare and len(args.compare) != 1:
+        print("bench: --compare takes OLD.json when a benchmark runs (OLD.json NEW.json without "
+              "one)", file=sys.stderr)
+        return 2
+    if args.compare and not Path(args.compare[0]).is_file():  # before minutes of benchmarks
+        print(f"bench: --compare {args.compare[0]}: no such file", file=sys.stderr)
+        return 2
+    out = {"load_average_before": _load(), "cpus": os.cpu_count(), "torch": torch.__version__,
+           "what": args.what, "load_average": {}, "seconds": {}}
     to_stdout = args.json == "-"
-    show = (lambda *a: None) if to_stdout else (lambda f, x: (f(x), print()))
+    say = (lambda *a, **k: None) if to_stdout else print
+    table = _sections(args)
+    verbs = ALL_SECTIONS if args.what == "all" else (args.what,)
+    if args.what == "dp":
+        verbs = ("dp", "ring")  # (a) and (b)
     t0 = time.perf_counter()
-    if args.what in ("dp", "all"):
-        out["dp"] = bench_dp(tuple(args.dp), args.warmup, args.steps, args.bucket_mb, args.batch)
-        show(_print_dp, out["dp"])
-    if args.what in ("dp", "ring", "all"):
-        out["ring"] = bench_ring(args.ring_ranks, tuple(args.sizes_mb), args.repeats)
-        show(_print_ring, out["ring"])
-    if args.what in ("zero", "all"):
-        out["zero"] = bench_zero(tuple(args.dp))
-        show(_print_zero, out["zero"])
-    if args.what in ("tp", "all"):
-        out["tp"] = bench_tp()
-        show(_print_tp, out["tp"])
-    if args.what in ("pp", "all"):
-        out["pp"] = bench_pp(tuple(args.pp))
-        show(_print_pp, out["pp"])
-    if args.what in ("bubble", "all"):
-        setups = tuple(tuple(int(x) for x in setup.lower().split("x")) for setup in args.bubble_setups)
-        out["bubble"] = bench_bubble(tuple(args.bubble_schedules), setups, args.bubble_repeats)
-        show(_print_bubble, out["bubble"])
-    if args.what in ("cp", "all"):
-        out["cp"] = bench_cp()
-        show(_print_cp, out["cp"])
-    if args.what in ("ep", "all"):
-        out["ep"] = bench_ep()
-        show(_print_ep, out["ep"])
-    if args.what in ("wire", "all"):
-        out["wire"] = bench_wire()
-        show(_print_wire, out["wire"])
-    if args.what in ("plan", "all"):
-        out["plan"] = bench_plan()
-        show(_print_plan, out["plan"])
-    if args.what == "app":  # not in "all": it needs chromium and a server of its own
-        out["app"] = bench_app(tuple(args.app_pages), args.app_repeats)
-        show(_print_app, out["app"])
-    if args.what in ("warm", "all"):
-        out["warm"] = bench_warm(args.warm_repeats)
-        show(_print_warm, out["warm"])
-    out["load_average_after"] = list(os.getloadavg())
+    for verb in verbs:
+        for name, run_it, show in table[verb]:
+            before, t1 = _load(), time.perf_counter()
+            say(f"[{name}] load average before {before[0]:.2f} {before[1]:.2f} {before[2]:.2f} "
+                f"on {out['cpus']} CPUs", flush=True)
+            out[name] = run_it()
+            after = _load()
+            out["load_average"][name] = {"before": before, "after": after}
+            out["seconds"][name] = time.perf_counter() - t1
+            if not to_stdout:
+                show(out[name])
+                line = _stability_line(name, out[name])
+                if line:
+                    print(line)
+                print(f"[{name}] load average after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}; "
+                      f"{out['seconds'][name]:.0f} s\n", flush=True)
+    out["load_average_after"] = _load()
     out["wall_s"] = time.perf_counter() - t0
     if to_stdout:
         print(json.dumps(out, indent=1))
@@ -1001,6 +1664,9 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(out, fh, indent=1)
+    if args.compare:
+        old = json.loads(Path(args.compare[0]).read_text())
+        _print_compare(compare(old, out), args.compare[0], old, out)
     return 0
 
 

@@ -285,3 +285,96 @@ def dp_overlap_experiment(dp: int = 4, batch: int = 8, bucket_mb: float = 0.25, 
                        "bucket_mb": bucket_mb, "gradient_tensors": n_params,
                        "gradient_mb": grad_mb, "timed_steps": timed_steps(
                            {"config": {"steps": steps}, "ranks": [{"metered_step": steps - 1}]})}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a barrier (lesson 10): local SGD's bytes, federated averaging's rounds to a target loss
+# ---------------------------------------------------------------------------------------------
+SMALL = dict(layers=1, d_model=32, heads=2, seq=16, vocab=64)  # a model that trains in seconds
+
+
+def _per_sample(report, batch: int) -> dict:
+    """Bytes rank 0 sent over dp per step, per sample (one sequence of the step's batch): counted
+    from the comm records, theory, written to the sockets (measured; None where unreadable)."""
+    measured = report.wire_bytes_per_step(kind="measured").get("dp", 0)
+    return {"counted": report.wire_bytes_per_step().get("dp", 0) / batch,
+            "theory": report.theory["wire_bytes_per_step"].get("dp", 0) / batch,
+            "measured": None if measured is None else measured / batch}
+
+
+def local_sgd_bytes(dp: int = 4, every=(1, 2, 4), steps: int = 8, batch: int = 8,
+                    **model) -> list[dict]:
+    """Data parallel (gradients averaged every step) and local SGD at each H in `every`, one live
+    run each on the same data: per row `mode`, `sync_every` (0: DDP), `bytes_per_sample`
+    ({counted, theory, measured}), `ratio_to_ddp` (counted), and the run's `losses`."""
+    from ..engine import run  # only when a run is asked for
+
+    rows = []
+    for h in (0, *every):
+        cfg = RunConfig(dp=dp, steps=steps, batch=batch, sync_every=h, **{**SMALL, **model})
+        report = run(cfg)
+        rows.append({"mode": "DDP" if h == 0 else f"local SGD, H = {h}", "sync_every": h,
+                     "bytes_per_sample": _per_sample(report, batch), "losses": report.losses})
+    ddp = rows[0]["bytes_per_sample"]["counted"]
+    for row in rows:
+        row["ratio_to_ddp"] = row["bytes_per_sample"]["counted"] / ddp if ddp else None
+    return rows
+
+
+def rounds_to_target(losses: list[float], target: float) -> int | None:
+    """The first round (1-based) after which the loss is at most `target`; None if none is."""
+    return next((r + 1 for r, x in enumerate(losses) if x <= target), None)
+
+
+def fedavg_rounds_to_target(target: float = 3.0, non_iid=(0.0, 10.0), local_steps=(1, 4),
+                            rounds: int = 12, dp: int = 2, clients: int = 4,
+                            clients_per_round: int = 2, lr: float = 1e-2, **model) -> list[dict]:
+    """Federated averaging's rounds to `target` (the server's loss on the union of the clients'
+    data) as non-IID-ness and local steps grow: one live run per (A, E), the same clients, data
+    sizes and sampling. Per row `non_iid`, `local_steps`, `rounds_to_target` (None: not within
+    `rounds`), the union loss per round, each round's mean client drift, and the weights' bytes
+    rank 0 sent per round ({counted, theory, measured})."""
+    from ..engine import run  # only when a run is asked for
+
+    rows = []
+    for a in non_iid:
+        for e in local_steps:
+            cfg = RunConfig(dp=dp, federated=True, clients=clients, lr=lr,
+                            clients_per_round=clients_per_round, local_steps=e, rounds=rounds,
+                            non_iid=float(a), batch=4, **{**SMALL, **model})
+            report = run(cfg)
+            fed = report.extra["federated"]
+            rows.append({"non_iid": a, "local_steps": e,
+                         "rounds_to_target": rounds_to_target(report.losses, target),
+                         "union_loss": report.losses,
+                         "mean_drift": [sum(r["drift"].values()) / max(1, len(r["drift"]))
+                                        for r in fed["rounds"]],
+                         "weights_bytes_per_round": fed["network"][0]["weights_bytes_per_round"]})
+    return rows
+
+
+def barrier_curve(report) -> list[dict]:
+    """A synchronous or asynchronous run's loss curve: per update {time (s on the wall clock,
+    measured), samples, loss} (bench's curves: sync DP's global loss per step; async's smoothed
+    over one update per worker)."""
+    from .bench import _async_curve, _sync_curve
+
+    return _async_curve(report) if report.config.get("asynchronous") else _sync_curve(report)
+
+
+def straggler_runs(ranks: int = 4, factor: float = 3.0, steps: int = 8, batch: int = 12,
+                   max_staleness: int = -1, straggler_rank: int | None = None, **model) -> dict:
+    """Synchronous DP and asynchronous SGD on `ranks` ranks, each without and with a straggler
+    (`straggler_rank`, default the last rank, `factor` times slower): {name: RunReport}, one live
+    run each on the same data and model (SMALL unless given)."""
+    from ..engine import run
+
+    slow = f"{ranks - 1 if straggler_rank is None else straggler_rank}:{factor:g}"
+    common = dict(dp=ranks, steps=steps, batch=batch, **{**SMALL, **model})
+    configs = {"sync DP": RunConfig(**common), f"sync DP, straggler ×{factor:g}":
+               RunConfig(**common, straggler=slow),
+               "async": RunConfig(**common, asynchronous=True, max_staleness=max_staleness),
+               f"async, straggler ×{factor:g}": RunConfig(**common, asynchronous=True,
+                                                          max_staleness=max_staleness,
+                                                          straggler=slow)}
+    return {name: run(cfg) for name, cfg in configs.items()}

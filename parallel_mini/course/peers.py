@@ -126,13 +126,15 @@ def dtensor_tp_model(cfg, sp: bool = False):
 # our schedule -> torch's class on the same chunks. ZBV is not ZB-H1 (ours): it holds 2 chunks per
 # rank in a V (r and 2p-1-r) and splits every backward into input and weight gradients.
 TORCH_PP_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                      "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
+                      "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+                      "dualpipev": "ScheduleDualPipeV"}  # torch has no bidirectional DualPipe
+V_SHAPED = ("zbv", "dualpipev")
 
 
 def torch_stage_chunks(name: str, pp: int, rank: int) -> list[int]:
     """The chunks (model order) rank `rank` holds under torch's schedule `name` (a key of
     TORCH_PP_SCHEDULES): one for gpipe/1f1b, r and r+p for interleaved (ours), r and 2p-1-r (V)."""
-    if name == "zbv":
+    if name in V_SHAPED:
         return [rank, 2 * pp - 1 - rank]
     return [rank, rank + pp] if name == "interleaved" else [rank]
 
@@ -178,7 +180,7 @@ class TorchPipeline:
         from torch.distributed import pipelining
 
         pp, rank = dist.get_world_size(), dist.get_rank()
-        self.name, self.n_chunks = name, 2 * pp if name in ("interleaved", "zbv") else pp
+        self.name, self.n_chunks = name, 2 * pp if name in ("interleaved", *V_SHAPED) else pp
         self.chunks = torch_stage_chunks(name, pp, rank)
         self.modules = [ChunkModule(cfg, c, self.n_chunks) for c in self.chunks]
         self.stages = [pipelining.PipelineStage(m, c, self.n_chunks, torch.device("cpu"))
@@ -195,6 +197,9 @@ class TorchPipeline:
         rank holding the last chunk, else None."""
         self.optimizer.zero_grad()
         losses = [] if self.last else None
+        # contiguous: torch >= 2.11's stages check input strides against the first micro-batch
+        # (x = tokens[:, :-1] is a view with stride s + 1)
+        x, y = x.contiguous(), y.contiguous()
         self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None,
                            losses=losses)
         self.optimizer.step()

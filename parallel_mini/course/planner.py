@@ -18,13 +18,14 @@ formulas, the same the lessons check against live runs:
   ep_wire_bytes_per_step, pipeline_p2p_bytes_per_step, dp_wire_bytes_per_step and
   zero_wire_bytes_per_step, turned into time on the axis's link: inside a node (tp, and any axis
   whose group fits in one) the GPU-to-GPU link, else the network (theory.INTERCONNECTS);
-- compute: 6 FLOPs per parameter and token as theory.matmul_time (plus attention's and
+- compute: 6 FLOPs per parameter and token as at_scale.matmul_time (plus attention's and
   recomputation's) at a stated fraction of the GPU's peak, the pipeline stretched by
   theory.bubble_fraction.
 
 What is approximated (all of it stated where it is computed): transfers run at the vendor's link
 bandwidth plus a fixed latency per ring hop; overlap is a rule (tp, ep and the pipeline's fill and
-drain are exposed; dp/ZeRO hides behind one micro-batch's compute, cp behind attention; on a
+drain are exposed, but DualPipe's F&B pairs hide their share of ep and pp behind the paired
+compute; dp/ZeRO hides behind one micro-batch's compute, cp behind attention; on a
 machine whose ranks share cores nothing overlaps and a bubble costs nothing: an idle rank frees its
 core); matmuls run at a fixed share of peak whatever their size; real
 models use FlashAttention (no [s, s] scores kept), sequence parallel whenever tp > 1, uniform
@@ -45,7 +46,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .. import theory
-from ..parallel.schedules import build_schedule, chunk_owner, in_flight
+from . import at_scale
+from ..parallel.schedules import build_schedule, chunk_owner, directions, in_flight
 
 GiB = 2 ** 30
 
@@ -160,7 +162,7 @@ class Hardware:
     flops: float  # dense peak in the compute precision, FLOP/s
     intra: str  # theory.INTERCONNECTS key: GPU to GPU inside a node
     inter: str  # theory.INTERCONNECTS key: per GPU between nodes
-    gpus_per_node: int = theory.NVLINK_GPUS_PER_NODE
+    gpus_per_node: int = at_scale.NVLINK_GPUS_PER_NODE
     intra_bw: float = 0.0  # overrides INTERCONNECTS[intra] (a link theory does not list)
     inter_bw: float = 0.0
     latency_intra_s: float = 5e-6
@@ -197,16 +199,16 @@ def _cpu_profile() -> Hardware:
                     source="this machine's cores (assumed rates)")
 
 
-# H100 SXM: 989 TFLOP/s dense bf16 (theory.H100_BF16_FLOPS), 80 GB HBM3, NVLink 4 inside an HGX
+# H100 SXM: 989 TFLOP/s dense bf16 (at_scale.H100_BF16_FLOPS), 80 GB HBM3, NVLink 4 inside an HGX
 # node of 8, one 400 Gb/s InfiniBand NDR port per GPU. H800: the H100 with NVLink cut; DeepSeek-V3's
 # report (3.2.2) quotes 160 GB/s NVLink and 50 GB/s IB per GPU. A100 SXM 80GB: 312 TFLOP/s bf16,
 # NVLink 3 (600 GB/s both ways), Selene's 200 Gb/s HDR per GPU (Narayanan et al., 2021).
 HARDWARE = {
-    "h100-80gb": Hardware("h100-80gb", 80 * GiB, theory.H100_BF16_FLOPS, "NVLink 4 (H100)",
+    "h100-80gb": Hardware("h100-80gb", 80 * GiB, at_scale.H100_BF16_FLOPS, "NVLink 4 (H100)",
                           "InfiniBand NDR", source="NVIDIA H100 SXM5 datasheet"),
-    "h200-141gb": Hardware("h200-141gb", 141e9, theory.H100_BF16_FLOPS, "NVLink 4 (H100)",
+    "h200-141gb": Hardware("h200-141gb", 141e9, at_scale.H100_BF16_FLOPS, "NVLink 4 (H100)",
                            "InfiniBand NDR", source="NVIDIA H200 SXM datasheet"),
-    "h800-80gb": Hardware("h800-80gb", 80 * GiB, theory.H100_BF16_FLOPS, "NVLink (H800)",
+    "h800-80gb": Hardware("h800-80gb", 80 * GiB, at_scale.H100_BF16_FLOPS, "NVLink (H800)",
                           "InfiniBand NDR", intra_bw=160e9,
                           source="DeepSeek-V3 report 3.2.2 (NVLink 160 GB/s, IB 50 GB/s)"),
     "a100-80gb": Hardware("a100-80gb", 80 * GiB, 312e12, "NVLink 3 (A100)", "InfiniBand HDR",
@@ -264,7 +266,8 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: in
     a share to be worth splitting); pp: any divisor up to the layers; dp the rest; ep (MoE): powers
     of two dividing the experts and dp x cp (this library's mesh carves ep out of dp x cp); ZeRO 0-3
     (0 alone when dp x cp = 1: nothing to shard);
-    micro-batch 1, 2, 4 or 8 sequences; schedules 1f1b, interleaved (v = 2, 4), zb; checkpointing
+    micro-batch 1, 2, 4 or 8 sequences; schedules 1f1b, interleaved (v = 2, 4), zb, and on real
+    models dualpipe (even pp, m >= 2 pp; ZeRO 0-2, as the library runs it); checkpointing
     none/selective/full on the tiny GPT, selective/full on real models (their FlashAttention never
     keeps the [s, s] scores: that is selective recomputation). Sequence parallel is on with tp > 1
     (it changes no states or bytes on the wire, only activations), except on the tiny GPT with
@@ -295,7 +298,8 @@ def enumerate_layouts(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: in
                     for mbs in _powers_of_two_dividing(per_dp, 8):
                         m = per_dp // mbs
                         for schedule, v in _schedules(spec, pp, m):
-                            for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
+                            for zero in ((0, 1, 2, 3)[:3 if schedule == "dualpipe" else 4]
+                                         if dp * cp > 1 else (0,)):
                                 for ckpt in (("none", "selective", "full") if spec.toy
                                              else ("selective", "full")):
                                     sp = tp > 1 and not (spec.toy and spec.experts)
@@ -314,6 +318,8 @@ def _schedules(spec: ModelSpec, pp: int, m: int) -> list[tuple[str, int]]:
             out.append(("interleaved", v))
     if m >= pp:
         out.append(("zb", 1))
+    if not spec.toy and pp % 2 == 0 and m % 2 == 0 and m >= 2 * pp:  # (toy: lessons' matrix)
+        out.append(("dualpipe", 2))
     return out
 
 
@@ -431,10 +437,11 @@ def _stages(spec: ModelSpec, tp: int, pp: int, schedule: str, v: int, ep: int) -
     (tests/test_placement.py, check_planner)."""
     n_chunks = pp * v
     owner = chunk_owner(schedule if pp > 1 else "1f1b", pp, v)
+    n_chunks //= directions(schedule)  # DualPipe: pp stages, each held twice (chunk c: stage c % pp)
     chunks = chunk_blocks(spec, n_chunks)
     out = []
     for r in range(pp):
-        mine = [c for c in range(n_chunks) if owner[c] == r]
+        mine = sorted({c % n_chunks for c in range(len(owner)) if owner[c] == r})
         units, experts = [], []
         if 0 in mine:
             units.append(embedding_params(spec, tp))
@@ -563,7 +570,20 @@ def in_flight_per_rank(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
         return [min(v * m, 2 * (pp - r - 1) + (v - 1) * pp + 1) for r in range(pp)]
     if schedule == "1f1b":
         return [min(pp - r, m) for r in range(pp)]
+    if schedule == "dualpipe":  # the DeepSeek-V3 report's PP + 1 (checked for p <= 10, m >= 2p)
+        return [pp + 1] * pp
     return list(in_flight(build_schedule(schedule, pp, m, v)))
+
+
+def dual_paired_share(pp: int, m: int) -> float:
+    """DualPipe: the share of a rank's forwards and backwards that run in F&B pairs
+    (schedules.overlapped_pairs), whose communication (the experts' all-to-all, the pipeline's
+    sends) runs while the other half of the pair computes. In closed form (tests/test_dualpipe.py
+    counts the pairs of the built schedules): half rank h of R = p/2 with n = m/2 micro-batches per
+    direction pairs 2(n - 2R + h + 1) times in phase 4 and R - h - 1 times in phase 5, of its 2n
+    forwards; the ranks at the ends (h = 0) pair the fewest: (2n - 3R + 1) / 2n."""
+    half, n = pp // 2, m // 2
+    return (2 * n - 3 * half + 1) / (2 * n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -592,7 +612,7 @@ def block_flops_per_token(spec: ModelSpec, i: int) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=None)
 def model_flops_per_token(spec: ModelSpec) -> float:
-    """Training FLOPs per token, forward + backward = 3 x forward (theory.matmul_time's 6 per
+    """Training FLOPs per token, forward + backward = 3 x forward (at_scale.matmul_time's 6 per
     parameter): what MFU divides by (recomputation is not counted in it)."""
     fwd = sum(block_flops_per_token(spec, i)[0] for i in range(spec.layers))
     return 3 * (fwd + 2 * spec.d_model * spec.vocab)
@@ -651,8 +671,8 @@ def _ep_bytes(key: tuple, blocks: tuple) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _pp_bytes(owner: tuple, rank: int, m: int, boundary: int) -> int:
-    return theory.pipeline_p2p_bytes_per_step(list(owner), rank, m, boundary)
+def _pp_bytes(owner: tuple, rank: int, m: int, boundary: int, stages: int) -> int:
+    return theory.pipeline_p2p_bytes_per_step(list(owner), rank, m, boundary, stages)
 
 
 def _activation_layout(lay: Layout) -> Layout:
@@ -671,12 +691,15 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     node = node or hw.gpus_per_node
     elem = theory.BYTES_PER_PARAM[precision]
     stages = _stages(spec, lay.tp, lay.pp, lay.schedule, lay.virtual, lay.ep)
+    dual = lay.schedule == "dualpipe"
+    m_rank = lay.microbatches // (2 if dual else 1)  # DualPipe: each stage copy sees half of them
     flight = in_flight_per_rank(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
     ns = SimpleNamespace(dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, sp=lay.sp,
-                         batch=global_batch, seq=spec.seq, d_model=spec.d_model, heads=spec.heads,
+                         batch=global_batch // (2 if dual else 1),  # (the sequences a copy sees)
+                         seq=spec.seq, d_model=spec.d_model, heads=spec.heads,
                          layers=spec.layers, vocab=spec.vocab, precision=precision,
                          checkpointing=lay.checkpointing, cp_impl="ring",
-                         microbatches=lay.microbatches, grad_accum=lay.microbatches,
+                         microbatches=m_rank, grad_accum=m_rank,
                          experts=spec.experts, top_k=spec.top_k,
                          moe_every=spec.moe_every if spec.toy else 1)
     ep_ns = SimpleNamespace(**{**vars(ns), "seq": spec.seq // lay.cp, "moe_every": 1})
@@ -710,7 +733,9 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
         if lay.ep > 1 and moe_here:
             wire["ep"] = _ep_bytes(_key(ep_ns), tuple(moe_here))
         if lay.pp > 1:
-            wire["pp"] = _pp_bytes(owner, r, lay.microbatches, boundary)
+            wire["pp"] = _pp_bytes(owner, r, lay.microbatches, boundary, len(owner) // (1 + dual))
+        if dual:  # the two copies of a stage sum their gradients before the step
+            wire["pp_copies"] = sum(units) * elem
         wires.append(wire)
         fwd, core = _stage_flops(spec, blocks, has_head)
         recompute = {"full": fwd - has_head * 2 * spec.d_model * spec.vocab,
@@ -725,10 +750,10 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
         if lay.pp > 1 else 0.0
     shared_cores = bool(hw.cores) and lay.world > hw.cores
     if shared_cores:  # all ranks' work on the cores there are; an idle rank frees its core
-        total = sum(f["total"] for f in micro_flops) * lay.microbatches * lay.dp * lay.cp * lay.tp
+        total = sum(f["total"] for f in micro_flops) * m_rank * lay.dp * lay.cp * lay.tp
         compute = total / (hw.cores * peak)
     else:
-        compute = t_micro * lay.microbatches / (1 - bubble)
+        compute = t_micro * m_rank / (1 - bubble)
     most = {"blocks": max(len([i for c in s[2] for i in c]) for s in stages),
             "moe_blocks": max(len([i for c in s[2] for i in c if spec.is_moe(i)]) for s in stages),
             "units": max(len(s[0]) for s in stages)}
@@ -753,14 +778,21 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
     dp / ZeRO-1/2: what one micro-batch's compute cannot hide (the gradients' reduce during the
     last backward, ZeRO's parameter all-gather during the next forward); ZeRO-3: per micro-step
     what that micro-step's compute cannot hide. On cores shared by more ranks than cores,
-    nothing overlaps."""
+    nothing overlaps.
+    DualPipe (DeepSeek-V3): in its F&B pairs one micro-batch's all-to-all and pipeline sends run
+    while the other computes, so of the ep and pp seconds the paired share (dual_paired_share) is
+    hidden up to the paired compute, the rest exposed; the two copies of each stage exchange their
+    gradients once (pp_copies, ranks i and p-1-i, hidden like dp's behind the last backward)."""
+    dual = lay.schedule == "dualpipe"
     spans = {"tp": lay.tp, "cp": lay.tp * lay.cp, "dp": lay.world // lay.pp,
-             "edp": lay.world // lay.pp, "ep": lay.tp * lay.ep, "pp": lay.world}
+             "edp": lay.world // lay.pp, "ep": lay.tp * lay.ep, "pp": lay.world,
+             "pp_copies": lay.world}
     sizes = {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp * lay.cp, "ep": lay.ep,
-             "edp": lay.dp * lay.cp // lay.ep, "pp": lay.pp}
-    m, blocks = lay.microbatches, most["blocks"]  # the busiest rank's
+             "edp": lay.dp * lay.cp // lay.ep, "pp": lay.pp, "pp_copies": 2}
+    m, blocks = lay.microbatches // (2 if dual else 1), most["blocks"]  # the busiest rank's
+    share = dual_paired_share(lay.pp, lay.microbatches) if dual else 0.0
     out = {}
-    for axis in ("tp", "cp", "ep", "pp", "dp", "edp"):
+    for axis in ("tp", "cp", "ep", "pp", "dp", "edp", "pp_copies"):
         nbytes = max(w.get(axis, 0) for w in wires)
         if not nbytes:
             continue
@@ -775,6 +807,8 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
             hops = m * most["moe_blocks"] * 5 * (n - 1)
         elif axis == "pp":  # every message the busiest rank sends (each a boundary tensor)
             hops = round(nbytes / boundary)
+        elif axis == "pp_copies":  # one exchange with the mirror rank
+            hops = 1
         else:  # buckets of 25 MiB (0.25 MiB on the toy, RunConfig's), one ring each way
             bucket = (0.25 if spec.toy else 25) * 2 ** 20
             calls = most["units"] * m if lay.zero == 3 else math.ceil(nbytes / 2 / bucket)
@@ -782,12 +816,16 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
             if spec.toy and lay.zero in (1, 2):
                 hops = 2 * (n - 1)  # one flat reduce-scatter and all-gather (parallel/zero.py)
         seconds = nbytes / bw + hops * hop
-        if shared_cores or axis in ("tp", "ep"):
+        if dual and not shared_cores and axis in ("ep", "pp"):
+            exposed = seconds * (1 - share) + max(0.0, seconds * share - t_micro * m * share)
+        elif shared_cores or axis in ("tp", "ep"):
             exposed = seconds
         elif axis == "cp":
             exposed = max(0.0, seconds - t_attn * m)
         elif axis == "pp":
             exposed = 2 * (lay.pp * lay.virtual - 1) * (boundary / bw + hop)
+        elif axis == "pp_copies":
+            exposed = max(0.0, seconds - t_micro)
         elif lay.zero == 3:
             exposed = m * max(0.0, seconds / m - t_micro)
         else:
@@ -960,6 +998,8 @@ def format_plan(result: dict) -> str:
         exposed = {a: c["exposed_s"] for a, c in t["comm"].items()}
         if "edp" in exposed:  # the experts' data parallel beside the dense parameters'
             exposed["dp"] = exposed.get("dp", 0) + exposed.pop("edp")
+        if "pp_copies" in exposed:  # DualPipe's two copies of a stage summing their gradients
+            exposed["pp"] = exposed.get("pp", 0) + exposed.pop("pp_copies")
         comm = " ".join(f"{exposed[a]:7.3g}" if a in exposed else f"{'-':>7}"
                         for a in ("tp", "cp", "ep", "pp", "dp"))
         lines.append(f"{e['rank']:>3}  {e['describe']:<60} {_size(mem['total']):>9} = "
@@ -1014,12 +1054,13 @@ PUBLISHED = [
     {"name": "DeepSeek-V3, 2,048 H800 (DeepSeek-V3 report, 3.2)", "model": "deepseek-v3",
      "gpu": "h800-80gb", "gpus": 2048, "global_batch": 15360, "seq": 4096,
      "layout": {"tp": 1, "pp": 16, "cp": 1, "dp": 128, "ep": 64}, "published_tflops": None,
-     "note": "fits, ranked low: its all-to-all (uniform routing, 63/64 of every token's 8 "
-             "experts off-rank, over InfiniBand) is exposed in the planner; DualPipe hides it "
-             "behind computation ('both all-to-all and PP communication can be fully hidden') "
-             "and node-limited routing caps each token at 4 nodes: the planner models neither, "
-             "nor the small per-expert matmuls of the layouts it prefers (experts replicated, "
-             "ep 1: ~128 tokens per expert and micro-batch)"},
+     "note": "fits, ranked in the middle: the planner models DualPipe (its best schedule here: "
+             "two copies of each stage, the F&B pairs hiding their share of the all-to-all "
+             "behind the other micro-batch's compute), but with uniform routing (63/64 of every "
+             "token's 8 experts off-rank, over InfiniBand) the all-to-all outlasts the compute "
+             "that could hide it, and the excess stays exposed; DeepSeek's node-limited routing "
+             "(each token to at most 4 nodes, forwarded over NVLink) cuts that traffic, which the "
+             "planner does not model, nor the small per-expert matmuls of the layouts it prefers"},
     {"name": "Llama 3 70B, 64 H100, NVIDIA recipe (batch 128 assumed)", "model": "llama3-70b",
      "gpu": "h100-80gb", "gpus": 64, "global_batch": 128, "seq": 8192,
      "layout": {"tp": 4, "pp": 4, "cp": 2, "dp": 2, "ep": 1}, "published_tflops": None,

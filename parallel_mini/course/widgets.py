@@ -42,7 +42,7 @@ from .. import engine, theory, trace
 from ..config import RunConfig
 from ..parallel import schedules as S
 from ..parallel.context import chunks_of, n_chunks
-from . import collectives, viz
+from . import at_scale, collectives, timelines, viz
 from .viz.units import PAD
 
 MAX_LIVE_RANKS = 4  # the ranks of one live run share this machine's cores
@@ -251,13 +251,13 @@ TOYS = {"toy: 4 layers × d64": {"layers": 4, "d_model": 64, "heads": 4, "vocab"
 TOY_MICRO_BATCH, TOY_SEQ = 4, 32  # per rank; big models: 1 sequence of 2048 tokens
 BIG_MICRO_BATCH, BIG_SEQ = 1, 2048
 GPU_CAPACITY = 80e9  # bytes: an 80 GB GPU, for the big models' "fits"
-MODELS = [*TOYS, *theory.PRESETS]
+MODELS = [*TOYS, *at_scale.PRESETS]
 STAGES = [0, 1, 2, 3]
 
 
 def memory_theory(model: str, gpus: int, zero: int, precision: str = "bf16-mixed") -> dict:
     """Bytes per GPU by category at one ZeRO stage, by the formulas: a toy counted exactly
-    (theory.model_state_bytes over its units, padded shards), a preset by theory.memory_per_gpu;
+    (theory.model_state_bytes over its units, padded shards), a preset by at_scale.memory_per_gpu;
     activations: Korthikanti per layer × layers (micro-batch and sequence as above)."""
     if model in TOYS:
         t = TOYS[model]
@@ -266,8 +266,8 @@ def memory_theory(model: str, gpus: int, zero: int, precision: str = "bf16-mixed
         acts = t["layers"] * theory.activation_bytes_per_layer(TOY_SEQ, TOY_MICRO_BATCH,
                                                                 t["d_model"], t["heads"])
         return {**states, "activations": acts}
-    p = theory.PRESETS[model]
-    return theory.memory_per_gpu(p["n_params"], gpus, zero, precision, "adam", p["layers"],
+    p = at_scale.PRESETS[model]
+    return at_scale.memory_per_gpu(p["n_params"], gpus, zero, precision, "adam", p["layers"],
                                  p["d_model"], p["heads"], BIG_SEQ, BIG_MICRO_BATCH)
 
 
@@ -317,7 +317,7 @@ class MemoryExplorer(Explorer):
         self.rows = [{"stage": f"ZeRO-{k}", "category": c, "bytes": float(v)}
                      for k in STAGES for c, v in memory_theory(model, gpus, k, prec).items()]
         what = ("theory.model_state_bytes (exact per rank, padded shards)" if toy else
-                f"theory.memory_per_gpu (Adam, micro-batch {BIG_MICRO_BATCH} × {BIG_SEQ} tokens, "
+                f"at_scale.memory_per_gpu (Adam, micro-batch {BIG_MICRO_BATCH} × {BIG_SEQ} tokens, "
                 "no activation checkpointing)")
         self.chart = viz.memory_stages(
             self.rows, None if toy else GPU_CAPACITY, selected=f"ZeRO-{zero}", decimal=not toy,
@@ -380,7 +380,7 @@ def memory_explorer(model: str = MODELS[0], gpus: int = 2, zero: int = 0,
     -> widget.
 
     Memory per GPU at ZeRO 0-3 by the formulas, redrawn at every move of the sliders for model
-    size (toys and theory.PRESETS), ZeRO stage (highlighted) and ranks N. "Run live" trains a toy
+    size (toys and at_scale.PRESETS), ZeRO stage (highlighted) and ranks N. "Run live" trains a toy
     one step at the chosen stage on N ≤ 4 real ranks (engine.run) and draws rank 0's measured
     bytes beside the run's predicted ones; runs at other stages add their bars."""
     return MemoryExplorer(model, gpus, zero, precision)
@@ -401,7 +401,7 @@ def plan(schedule: str, pp: int, m: int) -> tuple[S.Schedule, list[dict], float]
     and the formula's bubble. Raises ValueError (ConfigError) for a setting the library refuses."""
     RunConfig.from_dict(pipeline_config(schedule, pp, m))  # the library's checks first, its words
     s = S.build_schedule(schedule, pp, m, INTERLEAVED_V if schedule == "interleaved" else 0)
-    timed = trace.replay_ops(s, PLAN_COSTS_SPLIT if s.split_backward else PLAN_COSTS)
+    timed = timelines.replay_ops(s, PLAN_COSTS_SPLIT if s.split_backward else PLAN_COSTS)
     return s, timed, theory.bubble_fraction(schedule, pp, m, s.virtual)
 
 
@@ -476,16 +476,16 @@ class BubbleExplorer(Explorer):
             group = f"planned: {name}, p {pp}, m {m}"
             rows += [{"schedule": group, "source": "planned (unit costs, theory)",
                       "bubble": self.planned["planned"]},
-                     {"schedule": group, "source": trace.LABELS["theory"],
+                     {"schedule": group, "source": timelines.LABELS["theory"],
                       "bubble": self.planned["formula"]}]
         if self.live:
             lname, lpp, lm = self.live["key"]
             group, b = f"run: {lname}, p {lpp}, m {lm}", self.live["bubble"]
-            rows += [{"schedule": group, "source": trace.LABELS["wall"],
+            rows += [{"schedule": group, "source": timelines.LABELS["wall"],
                       "bubble": b["wall"]["overall"]},
-                     {"schedule": group, "source": trace.LABELS["replayed"],
+                     {"schedule": group, "source": timelines.LABELS["replayed"],
                       "bubble": b["replayed"]["overall"]},
-                     {"schedule": group, "source": trace.LABELS["theory"], "bubble": b["theory"]}]
+                     {"schedule": group, "source": timelines.LABELS["theory"], "bubble": b["theory"]}]
         self.bars = viz.bubble_bars(
             rows, title="Pipeline bubble: planned and formula"
                         + ("; the last run's, measured (wall clock) and replayed" if self.live
@@ -504,7 +504,7 @@ class BubbleExplorer(Explorer):
         step = b["steps"][0]
         self.live = {"key": self.key(), "bubble": b}
         self.show_live(viz.pipeline_timeline(
-            trace.wall_view(rep, step), f"{name}, p = {pp}, m = {m}: step {step} on the wall "
+            timelines.wall_view(rep, step), f"{name}, p = {pp}, m = {m}: step {step} on the wall "
                                         "clock (measured)",
             subtitle=[f"bubble {b['wall']['per_step'][0]:.1%} this step; {b['wall']['placement']}",
                       "waits: a rank blocked on a neighbour's message"], width=560))

@@ -38,6 +38,7 @@ import torch
 from ..comm import Comm
 from ..interfaces import GradientStrategy, Held, Piece
 from ..optim import MasterWeights, make_optimizer
+from .offload_disk import DiskOptimizer
 from ..placement import regions
 
 
@@ -249,13 +250,19 @@ class DataParallel:
 class PlainDataParallel(GradientStrategy):
     """GradientStrategy: DataParallel (gradient averaging) plus a whole optimizer on every rank."""
 
-    def __init__(self, model, comm, cfg, axis: str = "dp", average_fn=None):
+    def __init__(self, model, comm, cfg, axis: str = "dp", average_fn=None, offload_disk: str = ""):
+        """`offload_disk`: a file for the optimizer's fp32 masters and moments (offload_disk.py)."""
         self.model = model
         if cfg.fp32_grad_accum:
             accumulate_grads_in_fp32(model.parameters())
         self.dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
                                average_fn=average_fn, axis=axis)
-        self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
+        if offload_disk:
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.optimizer = DiskOptimizer(offload_disk, cfg.optimizer, cfg.lr, initial=params,
+                                           params=params, step_of=lambda: comm.step)
+        else:
+            self.optimizer = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr, cfg.precision)
         self.sync = self.dp.sync
         self.finish_gradient_sync = self.dp.finish_gradient_sync
         self.zero_grad = self.optimizer.zero_grad
@@ -269,25 +276,50 @@ class PlainDataParallel(GradientStrategy):
                 "optimizer": self.optimizer.state_tensors()}
 
     def buffers(self) -> list[torch.Tensor]:
-        """The gradient buckets: allocated once, held across steps."""
-        return [b.flat for b in self.dp.buckets]
+        """The gradient buckets (and --offload-disk's window): allocated once, held across steps."""
+        window = [self.optimizer.buffer] if isinstance(self.optimizer, DiskOptimizer) else []
+        return [b.flat for b in self.dp.buckets] + window
 
     def transient_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def disk_report(self) -> dict:
+        return self.optimizer.report() if isinstance(self.optimizer, DiskOptimizer) else {}
+
+    def close(self) -> None:
+        if isinstance(self.optimizer, DiskOptimizer):
+            self.optimizer.close()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def owned(self, held: Held) -> list[Piece]:
-        """Every parameter whole, as the optimizer steps it (bf16-mixed: its fp32 master)."""
         opt = self.optimizer
-        inner, values = (opt.inner, opt.masters) if isinstance(opt, MasterWeights) else (opt, opt.params)
-        return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
-                for j, (p, v) in enumerate(zip(opt.params, values))]
+        if isinstance(opt, DiskOptimizer):  # the states in RAM while a checkpoint reads them
+            opt = self.snapshot = opt.snapshot()
+        return whole_pieces(opt, held, self.optimizer.params)
 
-    @torch.no_grad()
     def loaded(self) -> None:
-        """bf16-mixed: the compute copies from the fp32 masters just loaded (the step's rounding)."""
-        if isinstance(self.optimizer, MasterWeights):
-            for p, m in zip(self.optimizer.params, self.optimizer.masters):
-                p.copy_(m)
+        """--offload-disk: the masters and moments back to the file; then the weights from them."""
+        if getattr(self, "snapshot", None) is not None:
+            self.optimizer.restore(self.snapshot)
+            self.snapshot = None
+        copy_masters(self.optimizer)
+
+
+def whole_pieces(optimizer, held: Held, params=None) -> list[Piece]:
+    """What a whole optimizer on every rank owns: every parameter whole, as `optimizer` steps it
+    (bf16-mixed: its fp32 master). PlainDataParallel's, local SGD's (local_sgd.py). `params`: the
+    model's parameters, when `optimizer` is a snapshot of states kept elsewhere (on disk)."""
+    inner, values = ((optimizer.inner, optimizer.masters) if isinstance(optimizer, MasterWeights)
+                     else (optimizer, optimizer.params))
+    return [Piece(regions(*held[p], 0, p.numel()), v.view(-1), inner, j)
+            for j, (p, v) in enumerate(zip(params if params is not None else optimizer.params, values))]
+
+
+@torch.no_grad()
+def copy_masters(optimizer) -> None:
+    """bf16-mixed: the compute copies from the fp32 masters just loaded (the step's rounding)."""
+    if isinstance(optimizer, MasterWeights):
+        for p, m in zip(optimizer.params, optimizer.masters):
+            p.copy_(m)

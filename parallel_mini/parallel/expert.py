@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from ..meters import RoutingLog
 from ..interfaces import GradientStrategy, Held, Piece
 from ..moe import MoE, Experts
 from ..placement import Block, split
@@ -215,7 +216,7 @@ def apply_expert_parallel(model: nn.Module, comm: Comm, axis: str | None,
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     P = comm.size(axis) if axis is not None else 1
     for moe in layers:
-        moe.log, moe.clock, moe.loss_scale = [], (lambda: comm.step), loss_scale
+        moe.log, moe.clock, moe.loss_scale = RoutingLog(), (lambda: comm.step), loss_scale
         if P > 1:
             moe.experts = ShardedExperts(moe.experts, comm, axis, moe.layer)
             for p in moe.experts.parameters():  # see the module's docstring: 1/P, then the edp mean

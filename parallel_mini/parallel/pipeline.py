@@ -52,16 +52,18 @@ def chunk_layers(chunk: int, n_chunks: int, layers: int) -> range:
 
 
 def partition(model, schedule: Schedule, rank: int) -> list[int]:
-    """Drop every module this rank's chunks do not use (in place); returns the chunks it holds."""
+    """Drop every module this rank's chunks do not use (in place); returns the chunks it holds.
+    A chunk runs the layers of its stage (schedule.stage_of: itself, but for DualPipe's copies)."""
     mine = schedule.chunks_of(rank)
-    n, layers = schedule.n_chunks, len(model.blocks)
-    kept = {i for c in mine for i in chunk_layers(c, n, layers)}
+    n, layers = schedule.stages, len(model.blocks)
+    stages = {schedule.stage_of(c) for c in mine}
+    kept = {i for st in stages for i in chunk_layers(st, n, layers)}
     for i in range(layers):
         if i not in kept:
             model.blocks[i] = nn.Identity()  # keeps the indices, hence the parameter names
-    if 0 not in mine:
+    if 0 not in stages:
         model.embed = None
-    if n - 1 not in mine:
+    if n - 1 not in stages:
         model.head = None
     return mine
 
@@ -178,12 +180,12 @@ class Mailbox:
 
     def _sent_by(self, schedule: Schedule, src: int):
         """The messages `src` sends to this rank, in its order."""
-        last = schedule.n_chunks - 1
+        last = schedule.stages - 1
         for op in schedule.ops[src]:
             c = op.chunk
-            if op.kind == "F" and c < last and self.owner[c + 1] == self.rank:
+            if op.kind == "F" and schedule.stage_of(c) < last and self.owner[c + 1] == self.rank:
                 yield ("act", op.microbatch, c + 1)
-            elif op.kind == "B" and c > 0 and self.owner[c - 1] == self.rank:
+            elif op.kind == "B" and schedule.stage_of(c) > 0 and self.owner[c - 1] == self.rank:
                 yield ("grad", op.microbatch, c - 1)
 
     def send(self, key: tuple, tensor: torch.Tensor) -> None:
@@ -253,22 +255,43 @@ class PipelineRunner:
         with self.strategy.sync(False):  # gradients accumulate over the micro-batches ...
             loss = self.run(step, [x.to(device) for x, _ in micro], [y.to(device) for _, y in micro])
         with self.timeline.op("grad_sync", step):  # ... and are averaged over dp after the flush
+            if self.schedule.directions == 2:
+                self._sum_copies(step)
             self.strategy.finish_gradient_sync()
         self._update(step)
         return self._from_last_stage(loss)
+
+    def _sum_copies(self, step: int) -> None:
+        """DualPipe: every stage lives on two ranks (i and p-1-i hold the same stages i and p-1-i),
+        and each copy saw only its direction's half of the micro-batches. Why sum before the step:
+        the whole batch's gradient is the sum of the two halves (each loss is already divided by
+        m), and only if both copies step with that same gradient do they stay equal, step after
+        step, to each other and to the reference's one model. An all-reduce of two ranks is one
+        exchange: both send their gradients and add what they get (a + b == b + a, bit for bit)."""
+        mirror = self.schedule.pp - 1 - self.rank
+        params = [p for _, p in sorted(self.model.named_parameters())]  # the same names on both
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        mine = torch.cat([g.reshape(-1) for g in grads])
+        theirs = torch.empty_like(mine)
+        self.comm.sendrecv(mine, mirror, theirs, mirror, self.axis, message="stage_copy_grads")
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = g.add_(theirs[offset:offset + n].view_as(g))  # in place: ZeRO's views stay
+            offset += n
 
     def _update(self, step: int) -> None:
         with self.timeline.op("optimizer", step):
             self.strategy.step()
 
     def _from_last_stage(self, value: float) -> float:
-        """The loss is known where the last chunk runs; a metric, so not a recorded collective."""
+        """The loss is known where a last stage runs (two ranks under DualPipe, each its direction's
+        share; the others hold 0): summed over the pipeline. A metric, not a recorded collective."""
         mesh = self.comm.mesh
         if mesh.size(self.axis) == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=rank_device())
-        src = mesh.global_rank(self.axis, self.schedule.owner[-1])
-        dist.broadcast(t, src, group=mesh.groups[self.axis])
+        dist.all_reduce(t, group=mesh.groups[self.axis])
         return t.item()
 
     def activation_peak(self) -> int:
@@ -307,7 +330,7 @@ class PipelineRunner:
             self.mailbox.send(key, tensor)
 
     def _input(self, op: Op) -> torch.Tensor:
-        if op.chunk == 0:
+        if self.schedule.stage_of(op.chunk) == 0:
             return self.inputs[op.microbatch]
         with self.timeline.op("wait", self.step, op.microbatch, op.chunk, waiting_for=f"F{op.microbatch}.{op.chunk - 1}"):
             x = self.mailbox.receive(("act", op.microbatch, op.chunk))
@@ -315,9 +338,10 @@ class PipelineRunner:
 
     def _forward(self, op: Op) -> None:
         x = self._input(op)
-        last = op.chunk == self.schedule.n_chunks - 1
+        s = self.schedule
+        last = s.stage_of(op.chunk) == s.stages - 1
         with self._sampling(), self._event(op):
-            out = forward_chunk(self.model, op.chunk, self.schedule.n_chunks, x,
+            out = forward_chunk(self.model, s.stage_of(op.chunk), s.stages, x,
                                 self.targets[op.microbatch] if last else None)
             if last:
                 out = out / self.schedule.microbatches  # the whole batch's loss is the mean
@@ -328,7 +352,7 @@ class PipelineRunner:
 
     def _output_grad(self, op: Op):
         """The gradient of this chunk's output, from the next chunk (None on the last: the loss)."""
-        if op.chunk == self.schedule.n_chunks - 1:
+        if self.schedule.stage_of(op.chunk) == self.schedule.stages - 1:
             return None
         with self.timeline.op("wait", self.step, op.microbatch, op.chunk,
                               waiting_for=f"B{op.microbatch}.{op.chunk + 1}"):
@@ -341,7 +365,7 @@ class PipelineRunner:
             x, out = self.saved.pop(key)
             with self.store.collecting(key) if self.store else nullcontext():
                 torch.autograd.backward(out, grad)
-        if op.chunk > 0:
+        if self.schedule.stage_of(op.chunk) > 0:
             self._send(("grad", op.microbatch, op.chunk - 1), x.grad)
 
     def _weights(self, op: Op) -> None:

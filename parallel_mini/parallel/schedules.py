@@ -26,6 +26,14 @@ The schedules, in the order the lesson meets them:
   (p-1)(F+B-W) of time with 1F1B's memory.
 - zbv: the model cut into 2p chunks laid out in a V over the ranks, B/W split, ops ordered by a
   greedy scheduler; the bubble shrinks further at the same memory.
+- dualpipev (DualPipeV, "cut-in-half" of DualPipe; Sea AI Lab, 2025): zbv's V layout with
+  DualPipe's eight phases: in the steady state each rank pairs a forward of one chunk with a
+  backward of its other chunk (F&B), which DeepSeek-V3 overlaps so that one's all-to-all hides
+  behind the other's compute.
+- dualpipe (DeepSeek-V3 technical report, 2024): bidirectional. The model has p stages and every
+  rank holds two of them, i and p-1-i, so every stage lives on two ranks (parameters twice);
+  half the micro-batches enter at rank 0 and run down, the other half enter at rank p-1 and run
+  up through the second copies. Same eight phases as dualpipev, on p/2 "half ranks".
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 
 from ..config import virtual_stages  # what --virtual-stages 0 means: configuration
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv")  # synchronous; PipeDream: pipedream.py
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "dualpipe")  # synchronous; PipeDream: pipedream.py
 
 
 @dataclass(frozen=True)
@@ -54,10 +62,27 @@ class Schedule:
     virtual: int  # chunks per rank (v)
     owner: list[int]  # chunk -> rank
     ops: list[list[Op]]  # rank -> its ops, in order
+    # 2 for DualPipe: chunks d*S .. d*S + S-1 are direction d's copies of the model's S stages, and
+    # micro-batch i goes through direction i // (m/2)'s. 1: one path, chunk c is stage c.
+    directions: int = 1
 
     @property
     def n_chunks(self) -> int:
         return self.pp * self.virtual
+
+    @property
+    def stages(self) -> int:
+        """Chunks on one micro-batch's path: the model's stages (n_chunks, or half with DualPipe)."""
+        return self.n_chunks // self.directions
+
+    def stage_of(self, chunk: int) -> int:
+        """Which slice of the model a chunk runs: its layers, embeddings on 0, loss on the last."""
+        return chunk % self.stages
+
+    def microbatches_through(self, chunk: int) -> range:
+        per = self.microbatches // self.directions
+        d = chunk // self.stages
+        return range(d * per, (d + 1) * per)
 
     @property
     def split_backward(self) -> bool:
@@ -179,15 +204,116 @@ def zero_bubble_v(pp: int, m: int) -> list[list[Op]]:
     return out
 
 
+def dual_phases(ranks: int, r: int, n: int) -> list[tuple[str, int]]:
+    """DualPipe's eight phases for rank r of `ranks` (DualPipeV: the p ranks; DualPipe: the p/2
+    half ranks, r = min(i, p-1-i)), n micro-batches per phase, as (kind, phase) pairs. Phase 0 is
+    the chunk whose micro-batches this rank meets first. "Bz" is a backward whose weight gradient
+    is queued (zero bubble) and run by a later "W" (oldest first); a plain "B" is the full backward,
+    its W right behind it. Rank r's first forward on phase 1 waits for the micro-batch to come
+    back, so rank r warms up with 2(ranks-1-r) forwards of phase 0 first."""
+    out: list[tuple[str, int]] = []
+    late = ranks - 1 - r  # ranks behind this one
+    out += [("F", 0)] * (2 * late)  # 1: fill the pipe
+    out += [("F", 0), ("F", 1)] * (r + 1)  # 2: the first micro-batches turn
+    out += [("Bz", 1), ("W", None), ("F", 1)] * late  # 3: first backwards, W's fill the gaps
+    out += [("F", 0), ("B", 1), ("F", 1), ("B", 0)] * (n - 2 * ranks + r + 1)  # 4: F&B pairs
+    out += [("B", 1), ("F", 1), ("B", 0)] * late  # 5: forwards run out
+    mid = (r + 1) // 2
+    for i in range(r + 1):  # 6: the backwards drain; from the middle on they queue their W's
+        out += [("Bz" if i > mid or (i == mid and r % 2) else "B", 1), ("Bz" if i >= mid else "B", 0)]
+    out += [("W", None), ("Bz", 0)] * late  # 7
+    out += [("W", None)] * (r + 1)  # 8: the queued W's close the step
+    return out
+
+
+def _ops_from_phases(phases, chunk_of: dict[int, int], micro_of: dict[int, int]) -> list[Op]:
+    """(kind, phase) -> Ops: the k-th forward (backward) of a phase is its k-th micro-batch
+    (micro_of[phase] + k); W's come from a queue of the weight gradients Bz left behind."""
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    queue: list[Op] = []
+    ops: list[Op] = []
+    for kind, phase in phases:
+        if kind == "W":
+            ops.append(queue.pop(0))
+            continue
+        k = "F" if kind == "F" else "B"
+        i = micro_of[phase] + count[(k, phase)]
+        count[(k, phase)] += 1
+        ops.append(Op(k, i, chunk_of[phase]))
+        if kind == "B":
+            ops.append(Op("W", i, chunk_of[phase]))
+        elif kind == "Bz":
+            queue.append(Op("W", i, chunk_of[phase]))
+    assert not queue, "every queued weight gradient is run by a W"
+    return ops
+
+
+def dualpipe_v(pp: int, m: int) -> list[list[Op]]:
+    """DualPipeV: zbv's V (rank r: chunk r on the way down, phase 0; chunk 2p-1-r on the way up,
+    phase 1), DualPipe's phases with all p ranks. Needs m >= 2p."""
+    return [_ops_from_phases(dual_phases(pp, r, m), {0: r, 1: 2 * pp - 1 - r}, {0: 0, 1: 0})
+            for r in range(pp)]
+
+
+def dualpipe(pp: int, m: int) -> list[list[Op]]:
+    """DualPipe: stage s of the downward copy (chunk s) on rank s, stage s of the upward copy
+    (chunk p + s) on rank p-1-s. Micro-batches 0 .. m/2-1 go down, m/2 .. m-1 up. Rank i plays
+    half rank min(i, p-1-i) of dualpipe_v's phases on m/2 micro-batches; its phase 0 is the
+    direction that enters nearest to it (down on the first half of the ranks, up on the second).
+    Needs p even, m even and m/2 >= p."""
+    half = m // 2
+    out = []
+    for i in range(pp):
+        down, up = i, pp + (pp - 1 - i)  # the chunks rank i holds: stage i down, stage p-1-i up
+        first, second = ((down, 0), (up, half)) if i < pp // 2 else ((up, half), (down, 0))
+        out.append(_ops_from_phases(dual_phases(pp // 2, min(i, pp - 1 - i), half),
+                                    {0: first[0], 1: second[0]}, {0: first[1], 1: second[1]}))
+    return out
+
+
+def overlapped_pairs(s: Schedule) -> dict[tuple[int, int], int]:
+    """DualPipe's F&B pairs: {(rank, index of the F): ops in the unit}. A forward followed by a
+    backward of the rank's other chunk (and that backward's W when it is a full one, right behind):
+    two micro-batches in different phases, whose compute and communication DeepSeek-V3 overlaps
+    (one's all-to-all runs while the other computes). Empty for the other schedules."""
+    if s.name not in ("dualpipe", "dualpipev"):
+        return {}
+    out = {}
+    for r, ops in enumerate(s.ops):
+        i = 0
+        while i + 1 < len(ops):
+            f, b = ops[i], ops[i + 1]
+            if f.kind == "F" and b.kind == "B" and b.chunk != f.chunk:
+                w = i + 2 < len(ops) and ops[i + 2] == Op("W", b.microbatch, b.chunk)
+                out[(r, i)] = 3 if w else 2
+                i += out[(r, i)]
+            else:
+                i += 1
+    return out
+
+
 def v_shape_owner(pp: int) -> list[int]:
     return [c if c < pp else 2 * pp - 1 - c for c in range(2 * pp)]
 
 
+def dual_owner(pp: int) -> list[int]:
+    """DualPipe: chunk s (stage s, downward copy) on rank s, chunk p+s (its upward copy) on p-1-s."""
+    return list(range(pp)) + [pp - 1 - s for s in range(pp)]
+
+
 def chunk_owner(name: str, pp: int, v: int) -> list[int]:
-    """Which rank holds each chunk: round-robin (chunk c on rank c % p), or a V for zbv."""
-    if name == "zbv":
+    """Which rank holds each chunk: round-robin (chunk c on rank c % p), a V for zbv and dualpipev,
+    both directions' copies for dualpipe."""
+    if name in ("zbv", "dualpipev"):
         return v_shape_owner(pp)
+    if name == "dualpipe":
+        return dual_owner(pp)
     return [c % pp for c in range(pp * v)]
+
+
+def directions(name: str) -> int:
+    """2 for DualPipe (micro-batches enter from both ends), else 1."""
+    return 2 if name == "dualpipe" else 1
 
 
 # The first stage also holds the embeddings and the last the final LayerNorm, LM head and loss.
@@ -207,17 +333,20 @@ def build_schedule(name: str, pp: int, m: int, v: int = 0) -> Schedule:
     v = virtual_stages(name, v)
     if name == "interleaved":
         ops = interleaved(pp, m, v)
-    elif name == "zbv":
+    elif name in ("zbv", "dualpipev", "dualpipe"):
         if v != 2:
-            raise ValueError("zbv places exactly 2 chunks per rank (a V); leave --virtual-stages at 0 or 2")
-        ops = zero_bubble_v(pp, m)
+            raise ValueError(f"{name} places exactly 2 chunks per rank; leave --virtual-stages at 0 or 2")
+        if name != "zbv" and (m < 2 * pp or (name == "dualpipe" and (pp % 2 or m % 2))):
+            raise ValueError(f"{name} needs at least 2 x pp micro-batches"
+                             + (", an even pp and an even m" if name == "dualpipe" else ""))
+        ops = {"zbv": zero_bubble_v, "dualpipev": dualpipe_v, "dualpipe": dualpipe}[name](pp, m)
     elif v != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per rank; virtual stages are for "
                          f"'interleaved'")
     else:  # PipeDream runs 1F1B's order, updating after every backward (parallel/pipedream.py)
         ops = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb": zero_bubble_h1,
                "pipedream": one_f_one_b, "pipedream-nostash": one_f_one_b}[name](pp, m)
-    schedule = Schedule(name, pp, m, v, chunk_owner(name, pp, v), ops)
+    schedule = Schedule(name, pp, m, v, chunk_owner(name, pp, v), ops, directions(name))
     check(schedule)
     return schedule
 
@@ -244,12 +373,13 @@ def from_ops(ops: list[list[Op]], m: int, name: str = "custom") -> Schedule:
 # ---------------------------------------------------------------------------------------------
 # checking and simulating
 # ---------------------------------------------------------------------------------------------
-def dependencies(op: Op, n_chunks: int) -> list[Op]:
+def dependencies(op: Op, stages: int) -> list[Op]:
+    """`stages`: chunks on a micro-batch's path (Schedule.stages; n_chunks but for DualPipe)."""
     m, c = op.microbatch, op.chunk
     if op.kind == "F":
-        return [Op("F", m, c - 1)] if c > 0 else []
+        return [Op("F", m, c - 1)] if c % stages > 0 else []
     if op.kind == "B":
-        return [Op("F", m, c)] + ([Op("B", m, c + 1)] if c < n_chunks - 1 else [])
+        return [Op("F", m, c)] + ([Op("B", m, c + 1)] if c % stages < stages - 1 else [])
     return [Op("B", m, c)]
 
 
@@ -257,7 +387,8 @@ def check(s: Schedule) -> None:
     """Every rank runs each of its ops exactly once, and the order can complete (no deadlock)."""
     kinds = "FBW" if s.split_backward else "FB"
     for r, ops in enumerate(s.ops):
-        want = sorted((k, i, c) for c in s.chunks_of(r) for i in range(s.microbatches) for k in kinds)
+        want = sorted((k, i, c) for c in s.chunks_of(r) for i in s.microbatches_through(c)
+                      for k in kinds)
         have = sorted((op.kind, op.microbatch, op.chunk) for op in ops)
         if have != want:
             missing = sorted(set(want) - set(have))[:3]
@@ -268,10 +399,14 @@ def check(s: Schedule) -> None:
     simulate(s, lambda rank, op: 1.0)
 
 
-def simulate(s: Schedule, duration) -> list[dict]:
+def simulate(s: Schedule, duration, fused: bool = False) -> list[dict]:
     """Every rank a device of its own: each op starts when its rank is free and its inputs exist
     (transfers taken as instantaneous). `duration(rank, op)` gives seconds. Returns one record per
-    op: {rank, kind, microbatch, chunk, start, end}. Raises ValueError on a deadlock."""
+    op: {rank, kind, microbatch, chunk, start, end}. Raises ValueError on a deadlock.
+    `fused`: DualPipe's F&B pairs (overlapped_pairs) run as one unit, started when the inputs of
+    both are there, its ops back to back, their results out when the unit ends: as the
+    DeepSeek-V3 report draws and counts them (its bubble formula is this replay's, equal costs)."""
+    pairs = overlapped_pairs(s) if fused else {}
     end: dict[Op, float] = {}
     clock = [0.0] * s.pp
     position = [0] * s.pp
@@ -281,16 +416,20 @@ def simulate(s: Schedule, duration) -> list[dict]:
         progressed = False
         for r, ops in enumerate(s.ops):
             while position[r] < len(ops):
-                op = ops[position[r]]
-                deps = dependencies(op, s.n_chunks)
+                unit = ops[position[r]:position[r] + pairs.get((r, position[r]), 1)]
+                deps = [d for op in unit for d in dependencies(op, s.stages) if d not in unit]
                 if any(d not in end for d in deps):
                     break
                 start = max([clock[r]] + [end[d] for d in deps])
-                end[op] = clock[r] = start + duration(r, op)
-                timed.append({"rank": r, "kind": op.kind, "microbatch": op.microbatch,
-                              "chunk": op.chunk, "start": start, "end": end[op]})
-                position[r] += 1
-                remaining -= 1
+                for op in unit:
+                    clock[r] = start + duration(r, op)
+                    timed.append({"rank": r, "kind": op.kind, "microbatch": op.microbatch,
+                                  "chunk": op.chunk, "start": start, "end": clock[r]})
+                    start = clock[r]
+                for op in unit:  # a pair's results leave together, when the unit ends
+                    end[op] = clock[r]
+                position[r] += len(unit)
+                remaining -= len(unit)
                 progressed = True
         if not progressed:
             stuck = {r: str(ops[position[r]]) for r, ops in enumerate(s.ops) if position[r] < len(ops)}

@@ -35,6 +35,7 @@ from ..interfaces import GradientStrategy, Held, Piece
 from ..optim import make_optimizer
 from ..placement import flat_layout, flat_owned, flat_pieces, regions
 from .data import broadcast_parameters
+from .offload_disk import DiskOptimizer
 
 
 def refuse_unsupported(model: torch.nn.Module, who: str) -> None:
@@ -138,7 +139,7 @@ class ZeroDataParallel(GradientStrategy):
     def __init__(self, model: torch.nn.Module, comm: Comm, stage: int, optimizer: str = "adam",
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
                  shard_axis: str = "dp", replicate_axis: str | None = None, offload: bool = False,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, offload_disk: str = ""):
         """`axis`: the data-parallel axis (the batch is split over it, gradients are averaged over
         it). `shard_axis`/`replicate_axis`: HYBRID_SHARD shards over dp_shard and all-reduces the
         reduced slices over dp_rep; the default shards over the whole dp axis.
@@ -148,7 +149,9 @@ class ZeroDataParallel(GradientStrategy):
         in host memory and the optimizer steps there; per step the gradient slice crosses to the
         host and the updated parameter slice comes back (PCIe). On a CPU-only machine host and
         device are the same memory: the copies still happen and are counted, the split of bytes
-        into device and host is by category."""
+        into device and host is by category.
+        `offload_disk` (ZeRO-Infinity: offload_disk.py): a file that holds the fp32 master slice
+        and Adam's moments instead of RAM; the step streams them through a small buffer."""
         if stage not in (1, 2):
             raise ValueError(f"stage {stage}: ZeroDataParallel does stages 1 and 2")
         refuse_unsupported(model, f"ZeRO-{stage}")  # before any collective
@@ -177,7 +180,14 @@ class ZeroDataParallel(GradientStrategy):
         else:  # fp32: step the slice in place; bf16: step an fp32 master copy
             self.master = self.param_shard.float().clone() if self.mixed else self.param_shard
         self.pieces = self.layout.pieces(self.r)  # my slice, cut at parameter boundaries
-        self.optimizer = make_optimizer(optimizer, piece_views(self.master, self.pieces), lr)
+        if offload_disk:  # the master and moments in a file; the step refreshes the slice
+            views = piece_views(self.param_shard, self.pieces)
+            self.optimizer = DiskOptimizer(offload_disk, optimizer, lr, initial=views,
+                                           params=views, step_of=lambda: comm.step)
+            self.master = None
+        else:
+            self.optimizer = make_optimizer(optimizer, piece_views(self.master, self.pieces), lr)
+        self.disk = offload_disk
         self.used = UsedParameters(self.params) if find_unused_parameters else None
         self.unused: set = set()  # parameters no rank used this step: not stepped
         self.flat_grads: torch.Tensor | None = None  # [padded], during backward (stage 2) / always (1)
@@ -222,10 +232,14 @@ class ZeroDataParallel(GradientStrategy):
             grad = host_grad.float()
         else:
             grad = self.grad_shard.float() if self.mixed else self.grad_shard
-        step_with(self.optimizer, piece_grads(self.pieces, self.params, grad, self.unused))
+        grads = piece_grads(self.pieces, self.params, grad, self.unused)
+        if self.disk:  # streamed from the file, window by window; the slice refreshed from it
+            self.optimizer.step_grads(grads)
+        else:
+            step_with(self.optimizer, grads)
         if self.offload:  # updated slice back to the device, in compute precision
             self.comm.transfer(self.param_shard, self.master.to(self.param_shard.dtype), "h2d")
-        elif self.mixed:
+        elif self.mixed and not self.disk:  # (disk: the step refreshed the slice)
             self.param_shard.copy_(self.master)  # fp32 master -> bf16 compute copy
         if self.stage == 1:
             self.grad_shard = None  # stage 1 keeps full gradients, not a reduced slice
@@ -240,17 +254,25 @@ class ZeroDataParallel(GradientStrategy):
         if self.grad_shard is not None:
             grads.append(self.grad_shard)
         opt = [t for st in self.optimizer.state.values() for t in st.values()]
-        if self.mixed or self.offload:
+        if (self.mixed or self.offload) and not self.disk:
             opt.append(self.master)
         if self.offload:
             return {"params": [self.flat_params], "grads": grads, "optimizer": [], "host": opt}
         return {"params": [self.flat_params], "grads": grads, "optimizer": opt}
 
     def buffers(self) -> list[torch.Tensor]:
-        return []  # the flat buffers are model states, counted by state_tensors
+        """The flat buffers are model states, counted by state_tensors; --offload-disk's window."""
+        return [self.optimizer.buffer] if self.disk else []
 
     def transient_bytes(self) -> int:
-        return 0
+        return self.optimizer.buffer.nbytes if self.disk else 0
+
+    def disk_report(self) -> dict:
+        return self.optimizer.report() if self.disk else {}
+
+    def close(self) -> None:
+        if self.disk:
+            self.optimizer.close()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
@@ -260,4 +282,13 @@ class ZeroDataParallel(GradientStrategy):
         of what the other ranks own (filled on resume, saved by its owner)."""
         replicas = [Piece(regions(*held[p], 0, p.numel()), p.data.view(-1), saved=False)
                     for p in self.params]
-        return self.layout.owned(held, self.r, self.optimizer) + replicas
+        opt = self.optimizer
+        if self.disk:  # the states in RAM while a checkpoint reads or fills them (loaded: back)
+            opt = self.snapshot = self.optimizer.snapshot()
+        return self.layout.owned(held, self.r, opt) + replicas
+
+    def loaded(self) -> None:
+        """--offload-disk: what a checkpoint filled goes back to the file (and the slice)."""
+        if self.disk and getattr(self, "snapshot", None) is not None:
+            self.optimizer.restore(self.snapshot)
+            self.snapshot = None

@@ -28,12 +28,12 @@ from torch.utils._pytree import tree_leaves
 from ..comm import Comm
 from ..optim import make_optimizer
 from . import zero3_guards as guards
+from .offload_disk import DiskMethods, UnitsOnDisk
 from .zero import (FlatLayout, UsedParameters, piece_grads, piece_views, refuse_unsupported,
                    step_with)
 
 
-def plan_units(model: torch.nn.Module, apart=()) -> list[tuple[torch.nn.Module,
-                                                             list[torch.nn.Parameter]]]:
+def plan_units(model: torch.nn.Module, apart=()) -> list[tuple[torch.nn.Module, list]]:
     """[(module, its trainable parameters)]: the root unit if any, each top-level child (of a
     ModuleList: each member), then each module of `apart`; frozen parameters are in none."""
     modules = [m for child in model.children()
@@ -60,19 +60,17 @@ class Unit:
     def __init__(self, module, params, comm: Comm, axes: dict, param_dtype, mixed, names):
         self.axis, self.shard_axis = axes["axis"], axes["shard_axis"]
         self.replicate_axis = axes.get("replicate_axis")
-        n, r = comm.size(self.shard_axis), comm.rank(self.shard_axis)
-        self.module, self.params, self.n, self.r = module, params, n, r
-        self.dp = comm.size(self.axis)  # what its gradient is averaged over
-        self.layout = FlatLayout(self.params, n)
-        self.full = torch.zeros(self.layout.padded, dtype=param_dtype,
-                                device=params[0].device)  # [padded]
+        self.module, self.params, self.dp = module, params, comm.size(self.axis)  # dp: grad / dp
+        self.n, self.r = comm.size(self.shard_axis), comm.rank(self.shard_axis)
+        self.layout = FlatLayout(self.params, self.n)
+        self.full = params[0].new_zeros(self.layout.padded, dtype=param_dtype)  # [padded]
         for p, view in zip(self.params, self.layout.views(self.full)):
             view.copy_(p.data)  # (each parameter is in one unit only: never from a freed buffer)
             p.data = view
         self.storage = self.full.untyped_storage()  # held: one Python object, a stable identity
-        self.shard = self.layout.shard(self.full, r).clone()  # [k], persistent
+        self.shard = self.layout.shard(self.full, self.r).clone()  # [k], persistent
         self.master = self.shard.float() if mixed else self.shard  # fp32 copy when mixed
-        self.pieces = self.layout.pieces(r)  # my slice, cut at parameter boundaries
+        self.pieces = self.layout.pieces(self.r)  # my slice, cut at parameter boundaries
         self.grad_shard: torch.Tensor | None = None  # [k], accumulated over micro-steps
         self.ready: set = set()  # parameters whose gradient arrived in this backward
         self.active = False  # inside the module's own forward
@@ -84,33 +82,32 @@ class Unit:
         self.guard.wear(freed=True)  # 1: from now on an op that would read it is refused
         self.gathered = False
 
-    def gather(self, comm: Comm) -> None:
+    def gather(self, comm: Comm, shard: torch.Tensor) -> None:  # shard: my slice [k]
         self.storage.resize_(self.layout.padded * self.full.element_size())
-        comm.all_gather(self.full, self.shard, self.shard_axis)  # n x [k] -> [padded]
+        comm.all_gather(self.full, shard, self.shard_axis)  # n x [k] -> [padded]
         self.guard.wear(freed=False)  # readable again
         self.gathered = True
 
 
-class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accumulated there
+class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; disk: report, close
     """ZeRO-3 over the data-parallel axes it is given; owns the optimizer (GradientStrategy)."""
 
     def __init__(self, model: torch.nn.Module, comm: Comm, optimizer: str = "adam",
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
                  shard_axis: str = "dp", replicate_axis: str | None = None,
-                 find_unused_parameters: bool = False, apart: dict | None = None):
+                 find_unused_parameters: bool = False, apart: dict | None = None,
+                 offload_disk: str = ""):
         """`axis`: batch split, gradient average; HYBRID_SHARD: shard over `shard_axis`, all-reduce
         over `replicate_axis`. `apart` {module: {axis, shard_axis, replicate_axis}}: units over
-        other ranks (experts over edp). `find_unused_parameters`: DDP's (zero3_guards.py, 5)."""
+        other ranks (experts over edp). `find_unused_parameters`: DDP's (zero3_guards.py, 5).
+        `offload_disk`: ZeRO-Infinity's file for the masters and moments (offload_disk.py)."""
         refuse_unsupported(model, "ZeRO-3")
         apart = apart or {}
         if find_unused_parameters and apart:  # its 0/1 map would mix parameters of other ranks
-            raise ValueError("ZeRO-3: find_unused_parameters with units over other axes (apart) "
-                             "is not supported; use one of them")
-        self.model, self.comm, self.find_unused = model, comm, find_unused_parameters
-        self.axis, self.shard_axis, self.replicate_axis = axis, shard_axis, replicate_axis
-        self.n, self.r, self.dp = comm.size(shard_axis), comm.rank(shard_axis), comm.size(axis)
+            raise ValueError("ZeRO-3: find_unused_parameters with apart units: use one of them")
+        self.model, self.comm, self.axis = model, comm, axis
+        self.find_unused, self.mixed = find_unused_parameters, param_dtype != torch.float32
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full layers alive at once, and the max
-        self.mixed = param_dtype != torch.float32
         axes = dict(axis=axis, shard_axis=shard_axis, replicate_axis=replicate_axis)
         self._start_alike(model, axes, apart)
         plan = plan_units(model, list(apart))
@@ -124,7 +121,10 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
         self.ran: set = set()  # the units the root's current (or last) forward ran or read
         self._register_hooks(model)
         views = [v for u in self.units for v in piece_views(u.master, u.pieces)]
-        self.optimizer = make_optimizer(optimizer, views, lr)  # one, over every unit's pieces
+        self.disk = offload_disk  # the units' slices live in its file, not in RAM: gather reads it
+        self.optimizer = (UnitsOnDisk(offload_disk, optimizer, lr, self.units, views,
+                                      lambda: comm.step) if offload_disk
+                          else make_optimizer(optimizer, views, lr))  # over every unit's pieces
 
     def _start_alike(self, model, axes: dict, apart: dict) -> None:
         """Every rank starts from its data-parallel group's first rank's weights (per unit axis)."""
@@ -143,16 +143,15 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
                 u.module.register_forward_pre_hook(
                     lambda mod, args, kwargs, u=u: self._before_forward(u, args, kwargs),
                     with_kwargs=True)
-                u.module.register_forward_hook(
-                    lambda mod, args, out, u=u: self._after_forward(u, out))
+                u.module.register_forward_hook(lambda mod, a, out, u=u: self._after_forward(u, out))
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     # -- gathering and freeing ------------------------------------------------------------------
     def gather(self, *units: Unit) -> None:
         for unit in units:
-            if not unit.gathered:
-                unit.gather(self.comm)
+            if not unit.gathered:  # (--offload-disk: my slice read back from the file)
+                unit.gather(self.comm, self.optimizer.shard(unit) if self.disk else unit.shard)
                 self.gathered_bytes += unit.storage.nbytes()
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
@@ -192,9 +191,8 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
 
     # -- backward: reduce-scatter each unit's gradient once complete, free it ------------------
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        unit = self._unit_of[p]
-        unit.ready.add(p)
-        self._maybe_done(unit)
+        self._unit_of[p].ready.add(p)
+        self._maybe_done(self._unit_of[p])
 
     def _maybe_done(self, unit: Unit) -> None:
         """Its gradients and its inputs' gradient are complete: nothing reads it again."""
@@ -236,11 +234,10 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
         """find_unused_parameters: every unit reduces now, in unit order; a 0/1 map says unused."""
         if not self.find_unused:
             guards.check_units_complete(self.units, self.model)  # 5: DDP's rule
-        else:
-            for u in self.units:
+        for u in self.units:
+            if self.find_unused:
                 self._reduce(u)
                 u.ready.clear()
-        for u in self.units:
             u.guard.sticky = False  # 3: kept for a custom Function's backward until now
             self._free(u)
         if self.find_unused:
@@ -251,25 +248,25 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
         for u in self.units:
             grad = u.grad_shard.float() if self.mixed else u.grad_shard  # [k]
             grads += piece_grads(u.pieces, u.params, grad, self.unused)
-        step_with(self.optimizer, grads)
-        if self.mixed:
-            for u in self.units:
+        if self.disk:  # streamed from the file, window by window
+            self.optimizer.step_grads(grads)
+        else:
+            step_with(self.optimizer, grads)
+        for u in self.units:
+            if u.shard is not u.master:  # bf16-mixed: the compute slice from the fp32 master
                 u.shard.copy_(u.master)
 
     # -- measurement and comparison -------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         opt = [t for st in self.optimizer.state.values() for t in st.values()]
-        if self.mixed:
-            opt += [u.master for u in self.units]
-        return {"params": [u.shard for u in self.units],
+        opt += [u.master for u in self.units if u.master is not u.shard]  # bf16-mixed
+        return {"params": [u.shard for u in self.units if u.shard is not None],
                 "grads": [u.grad_shard for u in self.units if u.grad_shard is not None],
                 "optimizer": opt}
 
-    def buffers(self) -> list[torch.Tensor]:
-        return []
-
     def transient_bytes(self) -> int:
-        return self.peak_gathered_bytes  # the most gathered (full) units alive at once
+        """The most gathered (full) units alive at once; --offload-disk's window."""
+        return self.peak_gathered_bytes + sum(b.nbytes for b in self.buffers())
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -287,14 +284,17 @@ class Zero3DataParallel(guards.ZeroBubbleUnits):  # 6: grad_deferred, grad_accum
     # -- what this rank owns (interfaces.GradientStrategy.owned: checkpoints read it) -----------
     def owned(self, held) -> list:
         """My slice of every unit's flat buffer, as boxes of the full tensors, in unit order."""
-        out = []
+        out = []  # (--offload-disk: the states in RAM while a checkpoint reads or fills them)
+        opt = self.optimizer.checkpoint_states() if self.disk else self.optimizer
         for u in self.units:
-            out += u.layout.owned(held, u.r, self.optimizer, first=len(out))
+            out += u.layout.owned(held, u.r, opt, first=len(out))
         return out
 
     @torch.no_grad()
     def loaded(self) -> None:
-        """bf16-mixed: the compute slices from the fp32 masters a checkpoint filled."""
-        if self.mixed:
-            for u in self.units:
+        """After a checkpoint filled the masters: the file (--offload-disk) or the bf16 slices."""
+        if self.disk:
+            self.optimizer.checkpoint_loaded()
+        for u in self.units:
+            if u.shard is not u.master:  # (fp32: the same tensor; --offload-disk: neither in RAM)
                 u.shard.copy_(u.master)

@@ -2,46 +2,16 @@
 
 zero3.py frees a unit between uses with `storage.resize_(0)`: its parameters and autograd's saved
 references keep pointing at a storage with no bytes. The idea assumes every parameter is read
-only inside its own unit's forward and backward. Real modules break that assumption in the six
-ways below; each guard closes one, and zero3.py calls it with a one-line why. Without them a read
-of a freed unit reads memory that is gone and the rank dies of SIGSEGV (measured:
-`model.state_dict()`, or `w.norm()` between steps).
-
-1. the class swap (`UnitGuards.wear`): while its unit is freed a parameter wears `FreedParameter`,
-   whose __torch_function__ lets metadata through (shape, grad, hooks: `READS_NO_ELEMENT`) and
-   turns any read of its elements (between steps, `state_dict()`, a loss term added after the
-   forward) into an error naming the parameter and the fix. (FSDP2 refuses the same reads:
-   outside the forward its parameters are DTensor shards.)
-2. `GatherOnUse`, a TorchFunctionMode over the root's forward: a parameter used *outside* its
-   unit's forward (the root calling F.linear with the embedding's weight, a layer's weight read
-   after the layer ran) gathers its unit first, and the op's outputs gather it again when their
-   gradient arrives, before the op's backward reads it.
-3. sticky units: a unit read that way with autograd off (inside a custom autograd.Function's
-   forward, whose backward the mode cannot see) stays gathered until the step's gradients are
-   synchronised (`UnitGuards.sticky`, set by GatherOnUse, cleared by finish_gradient_sync).
-4. `InputsGradDone`, FSDP2's post-backward trigger: in backward a unit is freed when every
-   gradient of its parameters has arrived *and* the gradient of its inputs is complete: an op of
-   the unit that reads a weight but gives it no gradient (h * w.detach()) may run after the
-   weight's gradient arrived.
-5. DDP's rule (`check_every_parameter_reached`, `check_units_complete`): without
-   find_unused_parameters a parameter that will get no gradient is an error as soon as the forward
-   that left it out ends, before backward issues a collective (a rank whose unit waits for a
-   gradient that never comes would pair its collectives with the wrong ones of its peers).
-   With find_unused_parameters, which units are complete when depends on each rank's data, so
-   every reduce-scatter waits for finish_gradient_sync, where all units go in a fixed order, zeros
-   where a gradient did not arrive; a parameter no rank used is not stepped. The price: full
-   gradients live until then (ZeRO-2's gradient memory).
-6. zero-bubble deferral (`ZeroBubbleUnits`, `UnitGuards.later`, `whole_after_w`): a zero-bubble
-   pipeline's W computes weight gradients after B, outside autograd, so no hook sees them. B
-   computes only dX = dY W (it needs the gathered weights) and queues X and dY; W computes
-   dW = dY^T X into p.grad and reads no weight: the unit is freed when B is done, as after a full
-   backward, and W does not gather it again. Its reduce-scatter waits for W: then, per micro-batch
-   as under 1F1B, the same 3 Psi, and the full weight gradient lives only inside W. What B left in
-   p.grad (the LayerNorms') waits there, full size, and rides along; a B of the next micro-batch
-   may add to it first, which changes nothing: a reduce-scatter of a sum is the sum of two. (A
-   unit with no Linear, the embeddings, is reduced by B as before.)
-   torch.distributed.pipelining keeps an FSDP2 stage unsharded for W instead, and reduce-scatters
-   once after the last micro-batch: full gradients and weights for the whole step.
+only inside its own unit's forward and backward; a read of a freed unit reads memory that is gone,
+and the rank dies of SIGSEGV (measured: `model.state_dict()`, or `w.norm()` between steps). Real
+modules break the assumption in six ways. Each guard below closes one (its section says how and
+why), and zero3.py calls it by number with a one-line why:
+    1. a read while freed                 the class swap: FreedParameter refuses it, by name
+    2. a use outside the unit's forward   GatherOnUse gathers the unit first
+    3. ... with autograd off              sticky units: kept gathered until the sync
+    4. a weight read after its gradient   InputsGradDone: free once the inputs' gradient is done
+    5. a parameter that gets no gradient  DDP's rule, or find_unused_parameters
+    6. weight gradients after B (W)       zero-bubble deferral: W, not B, reduces the unit
 """
 from __future__ import annotations
 
@@ -54,7 +24,11 @@ from torch.utils._pytree import tree_leaves
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. the class swap: a freed parameter refuses to be read
+# 1. the class swap (UnitGuards.wear): while its unit is freed a parameter wears FreedParameter,
+# which lets metadata through (READS_NO_ELEMENT: shape, grad, hooks) and turns any read of its
+# elements (between steps, state_dict(), a loss term added after the forward) into an error naming
+# the parameter and the fix. (FSDP2 refuses the same reads: outside the forward its parameters are
+# DTensor shards.)
 # ---------------------------------------------------------------------------------------------
 # Tensor attributes and methods that read no element: a freed parameter still answers them.
 READS_NO_ELEMENT = frozenset({
@@ -75,9 +49,8 @@ def _attribute_name(func) -> str:
 
 
 class FreedParameter(torch.nn.Parameter):
-    """What a parameter is while its unit is freed: its storage has no bytes, so an op that read it
-    would read freed memory (SIGSEGV). Metadata still answers; anything else is refused, naming
-    the parameter. The unit gives the parameter its own class back when it gathers."""
+    """What a parameter is while its unit is freed (1): metadata answers, anything else is refused.
+    The unit gives the parameter its own class back when it gathers."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -135,7 +108,13 @@ class UnitGuards:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2, 3. gather on use, outside the unit's own forward; sticky units (and 5, around the root)
+# 2. gather on use: a parameter used outside its unit's forward (the root calling F.linear with the
+# embedding's weight, a layer's weight read after the layer ran) gathers its unit first, and the
+# op's outputs gather it again when their gradient arrives, before the op's backward reads it.
+# 3. sticky units: a unit read that way with autograd off (inside a custom autograd.Function's
+# forward, whose backward the mode cannot see) stays gathered until the step's gradients are
+# synchronised (UnitGuards.sticky, set by GatherOnUse, cleared by finish_gradient_sync).
+# (And 5, around the root's forward.)
 # ---------------------------------------------------------------------------------------------
 class RootForward:
     """Hooks around the root's forward. Before: every forward starts from the same state on every
@@ -173,8 +152,7 @@ class RootForward:
 
 
 class GatherOnUse(TorchFunctionMode):
-    """Active while the root's forward runs: an op reading a unit outside that unit's forward
-    gathers it first; the op's outputs gather it again before the op's backward."""
+    """Guards 2 and 3, active while the root's forward runs."""
 
     def __init__(self, zero3):
         super().__init__()
@@ -216,7 +194,9 @@ class GatherOnUse(TorchFunctionMode):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. post-backward trigger: free only when the inputs' gradient is complete
+# 4. FSDP2's post-backward trigger: in backward a unit is freed when every gradient of its
+# parameters has arrived *and* the gradient of its inputs is complete: an op of the unit that reads
+# a weight but gives it no gradient (h * w.detach()) may run after the weight's gradient arrived.
 # ---------------------------------------------------------------------------------------------
 class UnitCall:
     """One call of a unit's forward, seen from backward: it *starts* when the gradient reaches its
@@ -273,7 +253,13 @@ def through_inputs_grad_done(unit, on_end, args, kwargs):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. DDP's rule: every parameter gets a gradient, unless find_unused_parameters
+# 5. DDP's rule: without find_unused_parameters a parameter that will get no gradient is an error as
+# soon as the forward that left it out ends, before backward issues a collective (a rank whose unit
+# waits for a gradient that never comes would pair its collectives with the wrong ones of its
+# peers). With find_unused_parameters, which units are complete when depends on each rank's data,
+# so every reduce-scatter waits for finish_gradient_sync, where all units go in a fixed order, zeros
+# where a gradient did not arrive; a parameter no rank used is not stepped. The price: full
+# gradients live until then (ZeRO-2's gradient memory).
 # ---------------------------------------------------------------------------------------------
 def reachable_parameters(outputs) -> set:
     """The parameters autograd will give a gradient to from `outputs`: the AccumulateGrad nodes
@@ -316,10 +302,20 @@ def check_units_complete(units, model) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. zero-bubble deferral: the strategy's half (pipeline.py's W ops call it)
+# 6. zero-bubble deferral (ZeroBubbleUnits, UnitGuards.later, whole_after_w): a zero-bubble
+# pipeline's W computes weight gradients after B, outside autograd, so no hook sees them. B
+# computes only dX = dY W (it needs the gathered weights) and queues X and dY; W computes
+# dW = dY^T X into p.grad and reads no weight: the unit is freed when B is done, as after a full
+# backward, and W does not gather it again. Its reduce-scatter waits for W: then, per micro-batch
+# as under 1F1B, the same 3 Psi, and the full weight gradient lives only inside W. What B left in
+# p.grad (the LayerNorms') waits there, full size, and rides along; a B of the next micro-batch may
+# add to it first, which changes nothing: a reduce-scatter of a sum is the sum of two. (A unit with
+# no Linear, the embeddings, is reduced by B as before.) torch.distributed.pipelining keeps an FSDP2
+# stage unsharded for W instead, and reduce-scatters once after the last micro-batch: full
+# gradients and weights for the whole step.
 # ---------------------------------------------------------------------------------------------
 class ZeroBubbleUnits:
-    """Zero3DataParallel's GradientStrategy hooks for a zero-bubble pipeline's W ops."""
+    """Zero3DataParallel's GradientStrategy hooks for a zero-bubble pipeline's W ops (pipeline.py)."""
 
     def grad_deferred(self, p: torch.nn.Parameter) -> None:
         """B queued p's weight gradient for a W: for this backward it counts as arrived (the unit

@@ -40,6 +40,7 @@ tests write `from parallel_mini.course.grading import check_...`:
     lesson08_09_layouts       08_putting_it_together  check_states_per_rank
                               09_choosing_a_layout    check_layout_choice (and layout_candidates,
                                                       layout_config, planned_states)
+    lesson10_barrier          10_without_a_barrier    check_server_average
     predictions               01-05, 08, 09           compare_prediction
 """
 from __future__ import annotations
@@ -58,6 +59,8 @@ from .lesson08_09_layouts import (LAYOUT_BUDGETS, LAYOUT_LIVE_BUDGETS, LAYOUT_MO
                                   STATES_CASES, STATES_LIVE, check_layout_choice,
                                   check_states_per_rank, layout_candidates, layout_config,
                                   planned_states)
+from .lesson10_barrier import (SERVER_AVERAGE_CASES, SERVER_AVERAGE_COMMON,
+                               SERVER_AVERAGE_TOLERANCE, check_server_average)
 from .predictions import compare_prediction
 
 __all__ = [
@@ -68,5 +71,6 @@ __all__ = [
     "ROUTE_RUN_CASES", "ROUTE_RUN_COMMON", "ROUTE_TOLERANCE", "check_route", "LAYOUT_BUDGETS",
     "LAYOUT_LIVE_BUDGETS", "LAYOUT_MODEL", "LAYOUT_RANKS", "STATES_CASES", "STATES_LIVE",
     "check_layout_choice", "check_states_per_rank", "layout_candidates", "layout_config",
-    "planned_states", "compare_prediction",
+    "planned_states", "SERVER_AVERAGE_CASES", "SERVER_AVERAGE_COMMON", "SERVER_AVERAGE_TOLERANCE",
+    "check_server_average", "compare_prediction",
 ]

@@ -9,13 +9,15 @@ One module per topic, each listing its charts in its docstring:
 
     ring.py      the collectives and the ring all-reduce        (lesson 01, Ring all-reduce page)
     run.py       one training run: loss, bytes, memory, timeline (lesson 02, Data parallel page)
-    memory.py    memory per GPU by ZeRO stage, activations       (lesson 03, Memory page)
+    memory.py    memory per GPU by ZeRO stage, activations, disk I/O (lesson 03, Memory page)
     tensor.py    tensor and sequence parallel                    (lesson 04, Tensor parallel page)
     pipeline.py  pipeline schedules, the bubble, memory in flight (lesson 05, Pipeline page)
     context.py   context parallel: the K/V ring, tile maps, Ulysses, activations vs s
                                                                   (lesson 06, Long sequences page)
     experts.py   routing, the all-to-all matrix, expert load     (lesson 07, Experts page)
     plan.py      the planner's layouts and the toy's memory       (lessons 08-09, Plan a run page)
+    barrier.py   staleness, loss against the wall clock, local SGD's bytes, FedAvg rounds
+                                                                  (lesson 10, Without a barrier page)
     animate.py   frames drawn in the browser by the chart's own timer (Ring, Long sequences)
     style.py     fitting a chart to its container, presentation sizes
     units.py     what they share: units, autosize, grouped bars by source
@@ -27,7 +29,8 @@ from .context import (BLOCK_COLORS, CP_COMM_COLORS, CP_COMM_KINDS, SKIPPED_COLOR
                       cp_activation_curve, cp_bytes_chart, cp_comm_frame, cp_comm_timeline,
                       cp_ranks, cp_sent_bytes, cp_work_bars, cp_work_theory_bars, ring_kv_animation,
                       ring_kv_frames, tile_map, tile_map_frame, tile_maps, tiles_theory)
-from .memory import (HOST_COLOR, STAGE_CATEGORIES, STAGE_COLORS, activation_bars,
+from .memory import (DISK_COLOR, HOST_COLOR, STAGE_CATEGORIES, STAGE_COLORS, activation_bars,
+                     disk_io_bars, disk_io_rows,
                      memory_measured_vs_theory, memory_measured_vs_theory_frame, memory_stages,
                      memory_stages_frame)
 from .pipeline import (PIPE_COLORS, PIPE_KINDS, bubble_bars, in_flight_chart, in_flight_frame,

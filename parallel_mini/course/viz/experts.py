@@ -24,7 +24,9 @@ all_to_all_bytes(report, step, phase, direction), expert_memory_frame(report).
 
 What the report holds (parallel/expert.py, moe.py): per rank, `moe.log` one entry per MoE layer
 forward (routed and kept assignments per expert, dropped, capacity per sequence, aux and z losses;
-the first micro-batch of each step also every token's choices and whether each was kept), and the
+the first micro-batch of a step also its tokens' choices and whether each was kept: a sample of
+at most 512 tokens, of every step of a short run and of at most 17 steps of a long one,
+`routing_steps`), and the
 all-to-all records (layer "moe", phase counts / dispatch / combine, pass backward, in_splits).
 Tensor-parallel ranks route the same tokens: sums "over all ranks" count each token once (tp 0);
 with sequence parallel each tp rank routes its own shard of the sequences (all ranks count).
@@ -75,6 +77,17 @@ def moe_steps(report) -> list[int]:
     """The training steps the MoE logs cover, in order."""
     rep = _as_dict(report)
     return sorted({e["step"] for r in rep["ranks"] for e in _log(r) if e["step"] is not None})
+
+
+def routing_steps(report, rank: int = 0, layer: int | None = None) -> list[int]:
+    """The steps whose token-by-token routing `rank` kept for `layer` (the routing chart's
+    steps): every step of a short run; of a long one, a sample of at most
+    meters.ROUTING_SAMPLE_STEPS + 1, the last step always among them (the counts per expert are
+    logged for every step)."""
+    rep = _as_dict(report)
+    layer = _layer(rep, layer)
+    return sorted({e["step"] for e in _log(rep["ranks"][rank])
+                   if e["layer"] == layer and "choices" in e and e["step"] is not None})
 
 
 def _layer(report, layer: int | None) -> int:
@@ -140,6 +153,10 @@ def routing_frame(report, rank: int = 0, layer: int | None = None,
     rep = _as_dict(report)
     layer, step = _layer(rep, layer), _step(rep, step)
     first = [e for e in _entries(rep, [rep["ranks"][rank]], layer, step) if "choices" in e]
+    if not first and _entries(rep, [rep["ranks"][rank]], layer, step):
+        raise ValueError(f"rank {rank} kept the token-by-token routing of layer {layer} for "
+                         f"steps {routing_steps(rep, rank, layer)}, not step {step} (a long run's "
+                         f"log keeps a sample of steps; the counts per expert are in every step)")
     if not first:
         raise ValueError(f"rank {rank} did not run layer {layer} in step {step} (with pipeline "
                          "parallel a rank holds only its stage's layers)")
@@ -197,11 +214,13 @@ def routing_heatmap(report, rank: int = 0, layer: int | None = None, step: int |
     rules = alt.Chart(bounds).mark_rule(color="#888", strokeDash=[2, 2]).encode(x="token:Q")
     n_drop, n_all = int((~df["kept"]).sum()), len(df)
     cap = next(e for e in _entries(rep, [rep["ranks"][rank]], layer, step) if "choices" in e)
+    shown, routed = cap.get("tokens_sampled", [tokens, tokens])
+    sample = "" if shown == routed else f", the first {shown} of the {routed} it routed"
     return alt.layer(cells, rules, crosses).properties(
         autosize=PAD, width=width or max(360, min(900, 4 * tokens)), height=max(120, 26 * E),
         title=alt.TitleParams(
-            f"Routing of rank {rank}'s tokens, layer {layer}, step {step} (measured)",
-            subtitle=[f"{tokens} tokens ({tokens // seq} sequences) × top-{k}: {n_all} "
+            f"Routing of rank {rank}'s tokens{sample}, layer {layer}, step {step} (measured)",
+            subtitle=[f"{tokens} tokens ({max(1, tokens // seq)} sequences) × top-{k}: {n_all} "
                       f"assignments, {n_drop} dropped; capacity {cap['capacity']} per expert per "
                       "sequence (ceil(F · s · k / E))",
                       "faded cell with a red cross: the expert's queue for that sequence was "

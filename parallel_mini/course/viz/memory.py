@@ -15,6 +15,14 @@ from .units import PAD, bars_by_source, bytes_unit, decimal_bytes_unit
 STAGE_CATEGORIES = ["params", "grads", "optimizer", "transient", "activations"]
 STAGE_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756"]
 HOST_COLOR = "#9d755d"
+DISK_COLOR = "#6b6b6b"
+# off the GPU: category -> (where, colour, the words above its bar)
+OFF_GPU = {"host": ("host (CPU RAM)", HOST_COLOR, "in CPU RAM"),
+           "disk": ("disk", DISK_COLOR, "on disk")}
+
+
+def _color(category: str) -> str:
+    return dict(zip(STAGE_CATEGORIES, STAGE_COLORS)).get(category) or OFF_GPU[category][1]
 
 
 def _stage_unit(max_bytes: float, decimal: bool) -> tuple[float, str]:
@@ -22,10 +30,11 @@ def _stage_unit(max_bytes: float, decimal: bool) -> tuple[float, str]:
 
 
 def memory_stages_frame(rows: list[dict], capacity_bytes: float | None = None) -> pd.DataFrame:
-    """`rows`: {stage, category, bytes} per GPU (category `host` = offloaded to CPU RAM, not on the
-    GPU). Adds `where` (GPU / host) and, per stage, the GPU total and whether it fits."""
+    """`rows`: {stage, category, bytes} per GPU (category `host` = offloaded to CPU RAM, `disk` =
+    to a file on disk, not on the GPU). Adds `where` (GPU / host / disk) and, per stage, the GPU
+    total and whether it fits."""
     df = pd.DataFrame(rows, columns=["stage", "category", "bytes"])
-    df["where"] = df["category"].map(lambda c: "host (CPU RAM)" if c == "host" else "GPU")
+    df["where"] = df["category"].map(lambda c: OFF_GPU[c][0] if c in OFF_GPU else "GPU")
     gpu_total = df[df["where"] == "GPU"].groupby("stage")["bytes"].sum()
     df["gpu_total"] = df["stage"].map(gpu_total).fillna(0.0)
     if capacity_bytes:
@@ -38,7 +47,8 @@ def memory_stages(rows: list[dict], capacity_bytes: float | None = None,
                   title: str = "Memory per GPU by ZeRO stage",
                   subtitle: str | list[str] = "") -> alt.LayerChart:
     """Stacked bars per ZeRO stage of the bytes one GPU holds (params, grads, optimizer states,
-    activations), ZeRO-Offload's host bytes as a separate brown bar beside the GPU bar, and a red
+    activations), ZeRO-Offload's host bytes (brown) or --offload-disk's bytes on disk (grey) as a
+    separate bar beside the GPU bar, and a red
     rule at the GPU's capacity with "fits" / "does not fit" above each GPU bar. `decimal`: GB/MB
     (the capacity's units) or, for toy models, binary MiB/KiB. `selected` stage drawn opaque."""
     df = memory_stages_frame(rows, capacity_bytes)
@@ -46,13 +56,14 @@ def memory_stages(rows: list[dict], capacity_bytes: float | None = None,
     top_bytes = max(df.groupby(["stage", "where"])["bytes"].sum().max(), capacity_bytes or 0)
     div, unit = _stage_unit(top_bytes, decimal)
     df["value"] = df["bytes"] / div
-    has_host = bool((df["where"] != "GPU").any() and df.loc[df["where"] != "GPU", "bytes"].sum() > 0)
-    if not has_host:
-        df = df[df["where"] == "GPU"]
-    cats = [c for c in STAGE_CATEGORIES if c in set(df["category"])] + (["host"] if has_host else [])
-    colors = [dict(zip(STAGE_CATEGORIES, STAGE_COLORS)).get(c, HOST_COLOR) for c in cats]
+    off = [c for c in OFF_GPU if df.loc[df["category"] == c, "bytes"].sum() > 0]
+    has_host = bool(off)  # (host or disk: a second bar)
+    df = df[(df["where"] == "GPU") | df["category"].isin(off)]
+    cats = [c for c in STAGE_CATEGORIES if c in set(df["category"])] + off
+    colors = [_color(c) for c in cats]
     x = alt.X("stage:N", title=None, sort=stages, axis=alt.Axis(labelAngle=0, labelFontSize=12))
-    offset = {"xOffset": alt.XOffset("where:N", sort=["GPU", "host (CPU RAM)"])} if has_host else {}
+    offset = ({"xOffset": alt.XOffset("where:N", sort=["GPU"] + [OFF_GPU[c][0] for c in off])}
+              if has_host else {})
     opacity = (alt.condition(alt.datum.stage == selected, alt.value(1.0), alt.value(0.45))
                if selected else alt.value(1.0))
     bars = alt.Chart(df).mark_bar().encode(
@@ -78,11 +89,11 @@ def memory_stages(rows: list[dict], capacity_bytes: float | None = None,
         color=(alt.condition(alt.datum.fits, alt.value("#2e7d32"), alt.value("#c62828"))
                if capacity_bytes else alt.value("black")))
     layers = [bars, labels]
-    if has_host:  # the offloaded bytes live in CPU RAM: say so above their bar
-        host = df[df["where"] != "GPU"].groupby(["stage", "where"], as_index=False)["value"].sum()
-        host["label"] = host["value"].map(lambda v: f"{v:.4g} {unit} in CPU RAM")
+    for c in off:  # the offloaded bytes live in CPU RAM or on disk: say so above their bar
+        host = df[df["category"] == c].groupby(["stage", "where"], as_index=False)["value"].sum()
+        host["label"] = host["value"].map(lambda v: f"{v:.4g} {unit} {OFF_GPU[c][2]}")
         layers.append(alt.Chart(host[host["value"] > 0]).mark_text(dy=-8, fontSize=10).encode(
-            x=x, **offset, y="value:Q", text="label:N", color=alt.value(HOST_COLOR)))
+            x=x, **offset, y="value:Q", text="label:N", color=alt.value(OFF_GPU[c][1])))
     if capacity_bytes:
         cap = pd.DataFrame({"value": [capacity_bytes / div],
                             "label": [f"GPU capacity {capacity_bytes / div:.4g} {unit}"]})
@@ -113,7 +124,8 @@ def memory_measured_vs_theory(rows: list[dict], peaks: list[dict] | None = None,
                               title: str = "Memory per GPU: measured (live run) vs predicted",
                               subtitle: str | list[str] = "") -> alt.LayerChart:
     """Per ZeRO stage, two stacked bars: what rank 0's meters measured by category (params, grads,
-    optimizer, transient comm buffers, peak saved activations; host bytes under ZeRO-Offload) and
+    optimizer, transient comm buffers, peak saved activations; host bytes under ZeRO-Offload, disk
+    bytes under --offload-disk) and
     what theory predicts (model states: `theory.model_state_bytes`; activations: Korthikanti's
     estimate). `peaks`: {stage, bytes} of the measured peak of all live bytes, drawn as a tick on
     the measured bar. Units: binary (MiB/KiB), the toy's scale."""
@@ -125,8 +137,8 @@ def memory_measured_vs_theory(rows: list[dict], peaks: list[dict] | None = None,
     div, unit = bytes_unit(top)
     df["value"] = df["bytes"] / div
     cats = ([c for c in STAGE_CATEGORIES if c in set(df["category"])]
-            + (["host"] if "host" in set(df["category"]) else []))
-    colors = [dict(zip(STAGE_CATEGORIES, STAGE_COLORS)).get(c, HOST_COLOR) for c in cats]
+            + [c for c in OFF_GPU if c in set(df["category"])])
+    colors = [_color(c) for c in cats]
     # stage names sit below the "measured / predicted" captions drawn under each pair of bars
     x = alt.X("stage:N", title=None, sort=stages,
               axis=alt.Axis(labelAngle=0, labelFontSize=12, labelPadding=20, ticks=False))
@@ -171,3 +183,53 @@ def activation_bars(rows: list[dict], title: str = "Activation bytes per transfo
     df = pd.DataFrame(rows, columns=["mode", "source", "bytes"])
     return bars_by_source(df, "mode", "activation checkpointing", "bytes kept per layer", 130,
                           title, subtitle)
+
+
+DISK_SOURCES = ["theory", "counted", "measured: rchar/wchar", "measured: read_bytes/write_bytes"]
+DISK_SOURCE_COLORS = ["#bab0ac", "#4c78a8", "#f58518", "#e45756"]
+
+
+def disk_io_rows(report: dict, rank: int = 0, step: int | None = None) -> list[dict]:
+    """Rows for `disk_io_bars` from a run report (dict) made with --offload-disk: one rank's bytes
+    read and written in one step (default the last) by theory (`disk_io_per_step`), as counted by
+    the transfers, and as the thread's /proc I/O counters measured them."""
+    th = report["theory"]
+    io = th.get("disk_io_per_step") or th["stages"][0]["disk_io_per_step"]
+    recs = [r for r in report["ranks"][rank]["disk"]["io"] if isinstance(r["step"], int)]
+    rec = recs[-1] if step is None else next(r for r in recs if r["step"] == step)
+    rows = []
+    for direction, sys_key, dev_key in (("read", "rchar", "read_bytes"),
+                                        ("written", "wchar", "write_bytes")):
+        rows += [{"direction": direction, "source": "theory", "bytes": io[direction]},
+                 {"direction": direction, "source": "counted", "bytes": rec[direction]}]
+        if rec["measured"]:
+            rows += [{"direction": direction, "source": "measured: rchar/wchar",
+                      "bytes": rec["measured"][sys_key]},
+                     {"direction": direction, "source": "measured: read_bytes/write_bytes",
+                      "bytes": rec["measured"][dev_key]}]
+    return rows
+
+
+def disk_io_bars(rows: list[dict], title: str = "Bytes to and from disk in one step",
+                 subtitle: str | list[str] = "") -> alt.LayerChart:
+    """Grouped bars, read and written: theory's formula, the transfers' own count, and the
+    thread's I/O counters (rchar/wchar: bytes through read/write calls; read_bytes/write_bytes:
+    what the storage layer moved, in pages). `rows`: {direction, source, bytes}."""
+    df = pd.DataFrame(rows, columns=["direction", "source", "bytes"])
+    div, unit = bytes_unit(df["bytes"].max() if len(df) else 0)
+    df["value"] = df["bytes"] / div
+    sources = [s for s in DISK_SOURCES if s in set(df["source"])]
+    colors = [dict(zip(DISK_SOURCES, DISK_SOURCE_COLORS))[s] for s in sources]
+    base = alt.Chart(df).encode(
+        x=alt.X("direction:N", title=None, sort=["read", "written"],
+                axis=alt.Axis(labelAngle=0, labelFontSize=12)),
+        xOffset=alt.XOffset("source:N", sort=sources),
+        y=alt.Y("value:Q", title=f"bytes per step ({unit})"),
+        tooltip=["direction:N", "source:N", alt.Tooltip("bytes:Q", format=",.0f", title="bytes")])
+    return alt.layer(
+        base.mark_bar().encode(color=alt.Color("source:N", title=None, sort=sources,
+                                               scale=alt.Scale(domain=sources, range=colors),
+                                               legend=alt.Legend(orient="bottom", columns=2))),
+        base.mark_text(dy=-5, fontSize=10).encode(text=alt.Text("value:Q", format=".4g")),
+    ).properties(autosize=PAD, width=360, height=260,
+                 title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))

@@ -6,7 +6,7 @@
     bubble_bars(rows)                 the bubble measured (wall clock), replayed, and the formula
     in_flight_chart(report)           activation bytes each stage holds after every op
 
-`timed` records come from `schedules.simulate`, `trace.own_device_replay` or `trace.wall_view`.
+`timed` records come from `schedules.simulate`, `trace.own_device_replay` or `timelines.wall_view`.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def pipeline_timeline(timed: list[dict], title: str, subtitle: str | list[str] =
     largest font that fits every bar; when no font fits, colour shows the micro-batch instead (a
     legend), each op kind (and chunk) gets a row of its own in the lane, named on the right.
     `timed`: records {rank, kind, microbatch, chunk, start, end} from schedules.simulate,
-    trace.own_device_replay or trace.wall_view. `seconds=False` for unit-cost schedules (integer
+    trace.own_device_replay or timelines.wall_view. `seconds=False` for unit-cost schedules (integer
     ticks). `x_max`: a common time axis, to set two charts side by side on one scale.
     `drawn_font(f)`: the size a text of f px will be drawn at, when the spec is restyled after it is
     built (the app's presentation mode: style.scaled_font); labels are fitted at that size."""
@@ -224,7 +224,7 @@ def pipeline_stage_bars(rows: list[dict], value: str, title: str, subtitle, y_ti
                  height=240, title=alt.TitleParams(title, subtitle=subtitle, anchor="start"))
 
 
-BUBBLE_SOURCES = {  # trace.LABELS: the wall clock is measured; the replay is a simulation
+BUBBLE_SOURCES = {  # timelines.LABELS: the wall clock is measured; the replay is a simulation
     "measured (wall clock)": "#4c78a8",                               # fed with measured op times
     "replayed (measured op times, own-device schedule)": "#9ecae9",
     "formula": "#e45756"}
@@ -235,7 +235,7 @@ def bubble_bars(rows: list[dict],
                 subtitle: str | list[str] = "") -> alt.LayerChart:
     """Grouped bars per schedule: the bubble fraction measured on the wall clock, replayed (each
     rank's ops with their measured CPU times, as if each rank had its own device: a simulation,
-    not a measurement) and the formula's. `rows`: {schedule, source (trace.LABELS' values),
+    not a measurement) and the formula's. `rows`: {schedule, source (timelines.LABELS' values),
     bubble (0..1)}."""
     df = pd.DataFrame(rows, columns=["schedule", "source", "bubble"])
     df["percent"] = 100 * df["bubble"]

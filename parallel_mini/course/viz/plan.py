@@ -58,7 +58,8 @@ def layout_memory_frame(entries: list[dict]) -> pd.DataFrame:
 def layout_time_frame(entries: list[dict]) -> pd.DataFrame:
     """Rows {layout, describe, part, seconds}: the predicted step time split into compute, the
     pipeline's bubble (none when ranks share cores: an idle rank frees its core) and each axis's
-    exposed communication (the experts' data parallel counted with dp). The parts add up to the
+    exposed communication (the experts' data parallel counted with dp, DualPipe's exchange between
+    a stage's two copies with pp). The parts add up to the
     prediction's step_s."""
     rows = []
     for e in entries:
@@ -67,7 +68,8 @@ def layout_time_frame(entries: list[dict]) -> pd.DataFrame:
         parts = {"compute": t["compute_s"] - bubble, "bubble": bubble}
         for axis in AXES:
             parts[f"{axis} comm (exposed)"] = sum(c["exposed_s"] for a, c in t["comm"].items()
-                                                  if a == axis or (axis, a) == ("dp", "edp"))
+                                                  if a == axis or (axis, a) in (("dp", "edp"),
+                                                                                ("pp", "pp_copies")))
         for part, s in parts.items():
             rows.append({"layout": layout_label(e), "describe": e["describe"], "part": part,
                          "seconds": float(s)})

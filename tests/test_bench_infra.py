@@ -1,0 +1,62 @@
+"""The benchmarks' own machinery, without ranks: the stable-median rule and `--compare`."""
+import json
+
+import pytest
+
+from parallel_mini.course import bench
+
+
+def test_a_median_is_stable_once_it_stops_moving():
+    settled = [10.0, 30.0, 11.0, 10.0, 10.1, 10.0, 10.05, 9.99]
+    assert bench.median_settled(settled)
+    assert not bench.median_settled(settled[:3])            # too few values to tell
+    drifting = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]         # each value moves the median
+    assert not bench.median_settled(drifting)
+    assert bench.median_settled(drifting, tol=0.2)          # the rule's tolerance is used
+    reps = bench.Repeats(least=4, most=8)
+    assert reps.more([settled[:3]])                         # fewer than `least`
+    assert not reps.more([settled])                         # enough and settled
+    assert reps.more([settled, drifting])                   # one series still moving
+    assert not reps.more([settled, drifting + [16.0, 17.0]])  # at the cap: stop
+    assert bench.Repeats.verdict([settled, drifting]) == {"repeats": 6, "stable": False}
+
+
+def _run(cp2, dp2, pps=(4,)):
+    out = {"cp": [{"cp": 2, "impl": "ring", "ours_over_torch": cp2},
+                  {"cp": 4, "impl": "ring", "ours_over_torch": 1.0}],
+           "dp": [{"dp": 2, "bucketed_over_ddp": dp2, "naive_over_ddp": 1.5,
+                   "allreduce_overlapped": 0.5}]}
+    out["pp"] = [{"pp": pp, "schedule": "1f1b", "ours_over_torch": 1.0} for pp in pps]
+    return out
+
+
+def test_compare_flags_a_ratio_that_got_worse(tmp_path, capsys):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(_run(cp2=2.0, dp2=1.0)))
+    new.write_text(json.dumps(_run(cp2=1.0, dp2=1.25, pps=(2,))))
+    rows = {(r["row"], r["ratio"]): r for r in bench.compare(json.loads(old.read_text()),
+                                                              json.loads(new.read_text()))}
+    assert rows[("cp 2 ring", "ours/torch")]["change"] == 0.5
+    assert rows[("cp 2 ring", "ours/torch")]["verdict"] == "better"
+    assert rows[("cp 4 ring", "ours/torch")]["verdict"] == ""
+    assert rows[("dp 2", "bucketed/DDP")]["verdict"] == "WORSE"
+    assert rows[("pp 2 1f1b", "ours/torch")]["verdict"] == "new"
+    assert rows[("pp 4 1f1b", "ours/torch")]["verdict"] == "gone"
+    assert not any(r["section"] == "ep" for r in rows.values())  # in neither: not compared
+    # the command line: two saved runs, no benchmark run
+    assert bench.main(["--compare", str(old), str(new)]) == 0
+    printed = capsys.readouterr().out
+    assert "1 worse: dp dp 2 bucketed/DDP" in printed and "0.50x" in printed
+    assert bench.main(["--compare", str(old)]) == 2        # one file and no benchmark: refused
+
+
+@pytest.mark.slow  # two ranks and torch's ring: ~5 s of CPU
+def test_bench_cp_reports_the_tile_split_and_its_stability():
+    """A tiny `bench cp` on 2 ranks: the ratio, the stability verdict and where a tile's time
+    goes are in the row (the values are timings: only their presence is checked)."""
+    rows = bench.bench_cp(cps=(2,), impls=("zigzag",), shape=(1, 2, 16, 4), warmup=1, steps=2)
+    (row,) = rows
+    assert row["ours_over_torch"] > 0 and row["repeats"] >= 2 and isinstance(row["stable"], bool)
+    assert {"score matmul", "causal mask", "fused forward", "fused backward", "merge",
+            "K/V copy", "post send+recv", "whole hop"} <= set(row["split_ms"])
+    assert bench._stability_line("cp", rows).startswith("    ")
