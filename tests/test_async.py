@@ -122,6 +122,14 @@ def test_max_staleness_zero_is_a_barrier_every_step():
     assert sorted(u["computed_on"] for u in a["updates"]) == [0] * 3 + [3] * 3 + [6] * 3
 
 
+def test_async_without_a_straggler_equals_its_replay():
+    """4 ranks, no straggler, no bound, another seed than the tests above (seeds 0, 1, 2 in the
+    default suite; the matrix of seeds is -m slow): the run equals the replay of its own order."""
+    cfg, report = _run(dp=4, batch=12, seed=2)
+    a = _check(cfg, report)
+    assert a["straggler"] is None and sum(a["updates_per_worker"].values()) == 3 * cfg.steps
+
+
 def test_one_worker_is_plain_sgd():
     """--dp 2: one worker, never stale: the single-process reference itself, step by step."""
     cfg, report = _run(dp=2, batch=4)
