@@ -237,9 +237,12 @@ class Timeline:
         yield
         if marks:
             marks[1].record()
+        # CPU clock read before the wall clock here (after it at the start): the CPU window lies
+        # inside the wall window, so an op's CPU time never exceeds its wall time. Read the other
+        # way round, a busy op's CPU exceeded its wall by ~1 us (the clock reads themselves).
+        cpu = time.thread_time() - cpu0
         self.events.append({"kind": kind, "step": step, "microbatch": microbatch, "stage": stage,
-                            "start": start, "end": time.perf_counter(),
-                            "cpu": time.thread_time() - cpu0, **extra,
+                            "start": start, "end": time.perf_counter(), "cpu": cpu, **extra,
                             **({"_cuda": marks} if marks else {})})
 
     @staticmethod
