@@ -87,3 +87,20 @@ def test_measure_links_on_two_gloo_ranks():
         assert r["median_s"] == statistics.median(r["seconds"]) and r["min_s"] == min(r["seconds"])
     fit = links.fit_alpha_beta(res)
     assert fit["all"]["alpha_s"] >= 0 and fit["all"]["beta_s_per_byte"] >= 0
+
+
+def test_bench_links_prints_the_fit_beside_the_source_table(capsys):
+    """`bench links`' summary and table from predict()'s rows (no ranks): the fitted link is
+    the generating one, and the 1 GiB all-reduce on it is predict()'s."""
+    from parallel_mini.course import bench
+
+    res = dict(_synthetic(2), cores=2, load_before=[1.0] * 3, load_after=[1.0] * 3)
+    out = bench.links_summary(res)
+    assert out["fit"]["all"]["bandwidth_Bps"] == pytest.approx(BW)
+    mine = out["example"]["rows"][-1]
+    assert mine["link"] == "this machine (fitted)"
+    assert mine["seconds"] == pytest.approx(links.predict("all_reduce", 2 ** 30, 8, ALPHA, BW))
+    bench._print_links(out)
+    text = capsys.readouterr().out
+    assert "vendor figures, from the source material" in text and "RoCE 400G" in text
+    assert "this machine (fitted)" in text and "1.5" in text
