@@ -1163,12 +1163,20 @@ def bench_wire(world_sizes=(2, 4), sizes=(4 * 1024, 64 * 1024, MB, 16 * MB), rep
     return rows
 
 
-def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
+def bench_plan(ranks: int = 8, steps: int = 6, hardware_json: str | None = None,
+               sample: int = 0) -> dict:
     """(j) Every memory class of layout the planner ranks for `ranks` ranks of the tiny GPT on this
-    machine, run live (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes
-    against the planner's prediction, and the planner's step-time order against the measured one
-    (Spearman's rank correlation; the timings are this machine's, with its cores shared)."""
+    machine (or `sample` of them, evenly spaced along the ranking), run live
+    (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes against the planner's
+    prediction, and the planner's step time, predicted with the profile "this machine" measured
+    here first (planner.measure_hardware; read from / written to `hardware_json` when given),
+    against the measured one: predicted / measured per layout, Spearman's rank correlation (the
+    timings are this machine's, with its cores shared). The assumed "cpu" profile's prediction
+    is kept beside it."""
     from . import planner
+
+    say = (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    hw = planner.measure_hardware(hardware_json, progress=say)
 
     def progress(row):
         print(f"  {row['layout']}: " + (row.get("error") or (
@@ -1176,22 +1184,45 @@ def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
               f"{1e3 * row['predicted_step_s']:.1f} ms, measured {1e3 * row['measured_step_s']:.1f} ms")),
               file=sys.stderr, flush=True)
 
-    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress)
+    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress, hw=hw,
+                                        sample=sample)
+
+
+PLAN_GOAL = (0.7, 1.4)  # predicted / measured step time: issue 24's goal for most layouts
 
 
 def _print_plan(res: dict):
+    hw = res.get("hardware") or {}
     print(f"(j) the planner's {res['ranks']}-rank layouts of the tiny GPT, run here on "
           f"{res['cores']} cores: model states equal to the prediction on every rank in "
           f"{res['states_equal']} of {res['layouts'] - res['failed']} layouts"
           + (f" ({res['failed']} failed to run)" if res["failed"] else ""))
+    if hw:
+        print(f"    profile {hw['name']!r} ({hw['source']}): {hw['flops'] / 1e9:.1f} GFLOP/s per "
+              f"core, {1e3 * hw['block_overhead_s']:.2f} ms fixed per block and micro-batch, "
+              f"{1e6 * hw['latency_intra_s']:.0f} us per hop with a core per rank, "
+              f"{1e6 * hw['shared_hop_s']:.0f} us x ranks/cores when shared, "
+              f"{hw['intra_bw'] / 1e9:.2f} GB/s")
     ran = [r for r in res["rows"] if "error" not in r]
-    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms"],
+    assumed = any("predicted_assumed_step_s" in r for r in ran)
+    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms",
+                  "predicted/measured"] + (["assumed-rates predicted ms"] if assumed else []),
                  [[r["layout"], "yes" if r["states_equal"] else "NO",
-                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}"]
+                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}",
+                   f"{r['predicted_step_s'] / r['measured_step_s']:.2f}"]
+                  + ([f"{1e3 * r['predicted_assumed_step_s']:.1f}"] if assumed else [])
                   for r in ran]))
+    lo, hi = PLAN_GOAL
+    inside = sum(lo <= r["predicted_step_s"] / r["measured_step_s"] <= hi for r in ran)
+    print(f"predicted/measured within {lo}-{hi}: {inside} of {len(ran)} layouts")
     rho = res["spearman_step_time"]
     print("Spearman's rank correlation, predicted vs measured step time: "
           + ("n/a (fewer than 3 layouts ran)" if rho is None else f"{rho:+.2f}"))
+    if assumed and len(ran) > 2:
+        from .planner import spearman
+        rho0 = spearman([r["predicted_assumed_step_s"] for r in ran],
+                        [r["measured_step_s"] for r in ran])
+        print(f"    with the assumed rates (profile 'cpu'): {rho0:+.2f}")
 
 
 def _print_wire(rows):
@@ -1646,6 +1677,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
     ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
                     "highest final loss of its runs")
+    ap.add_argument("--hardware-json", metavar="PATH", help="(j) plan: read the measured "
+                    "'this machine' profile from PATH if it exists, else measure and write it")
+    ap.add_argument("--plan-sample", type=int, default=0, metavar="N", help="(j) plan: run N of "
+                    "the layout classes, evenly spaced along the ranking (default: all)")
     ap.add_argument("--world", type=int, default=2, help="local ranks for (m) links")
     ap.add_argument("--max-mib", type=float, default=64, help="largest message for (m) links, MiB")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
@@ -1678,7 +1713,8 @@ def _sections(args) -> dict:
         "cp": [("cp", lambda: bench_cp(warmup=least(2, 1), steps=least(6, 4)), _print_cp)],
         "ep": [("ep", lambda: bench_ep(steps=least(8, 6)), _print_ep)],
         "wire": [("wire", bench_wire, _print_wire)],
-        "plan": [("plan", bench_plan, _print_plan)],
+        "plan": [("plan", lambda: bench_plan(hardware_json=args.hardware_json,
+                                             sample=args.plan_sample), _print_plan)],
         "app": [("app", lambda: bench_app(tuple(args.app_pages), args.app_repeats), _print_app)],
         "async": [("async", lambda: bench_async(4, args.async_factor, args.async_steps,
                                                 args.async_batch, target=args.async_target),
