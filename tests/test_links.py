@@ -171,3 +171,19 @@ def test_measure_hardware_tiny_real_run_writes_its_json(tmp_path):
                                   repeats=1)
     assert hw.flops > 0 and hw.block_overhead_s >= 0 and hw.latency_intra_s >= 0
     assert planner.measure_hardware(str(path)) == hw
+
+
+def test_bench_plan_prints_predicted_over_measured(capsys):
+    from parallel_mini.course import bench, planner
+
+    hw = planner.hardware("cpu")
+    rows = [{"layout": f"L{i}", "states_equal": True, "predicted_step_s": p, "measured_step_s": m,
+             "predicted_compute_s": p / 2, "measured_cpu_s": p, "predicted_assumed_step_s": 2 * p}
+            for i, (p, m) in enumerate([(0.1, 0.1), (0.2, 0.5), (0.3, 0.35)])]
+    res = {"ranks": 8, "cores": 2, "states_equal": 3, "layouts": 3, "failed": 0, "rows": rows,
+           "spearman_step_time": planner.spearman([0.1, 0.2, 0.3], [0.1, 0.5, 0.35]),
+           "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine"}}
+    bench._print_plan(res)
+    text = capsys.readouterr().out
+    assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
+    assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text

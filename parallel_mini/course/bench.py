@@ -1283,13 +1283,23 @@ def _print_plan(res: dict):
               f"{hw['intra_bw'] / 1e9:.2f} GB/s")
     ran = [r for r in res["rows"] if "error" not in r]
     assumed = any("predicted_assumed_step_s" in r for r in ran)
+    cpu = all("measured_cpu_s" in r for r in ran)
     print(_table(["layout", "states = planner", "step predicted ms", "step measured ms",
-                  "predicted/measured"] + (["assumed-rates predicted ms"] if assumed else []),
+                  "predicted/measured"]
+                 + (["ops' CPU / cores ms", "predicted compute / that"] if cpu else [])
+                 + (["assumed-rates predicted ms"] if assumed else []),
                  [[r["layout"], "yes" if r["states_equal"] else "NO",
                    f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}",
                    f"{r['predicted_step_s'] / r['measured_step_s']:.2f}"]
+                  + ([f"{1e3 * r['measured_cpu_s'] / res['cores']:.1f}",
+                      f"{r['predicted_compute_s'] * res['cores'] / r['measured_cpu_s']:.2f}"]
+                     if cpu else [])
                   + ([f"{1e3 * r['predicted_assumed_step_s']:.1f}"] if assumed else [])
                   for r in ran]))
+    if cpu:
+        print("    ops' CPU / cores: every rank's CPU time in the step's ops (thread time, measured), "
+              "summed, over the cores: the step if our ranks had the cores to themselves and "
+              "never waited; other processes' load is not in it (the wall clock's step is)")
     lo, hi = PLAN_GOAL
     inside = sum(lo <= r["predicted_step_s"] / r["measured_step_s"] <= hi for r in ran)
     print(f"predicted/measured within {lo}-{hi}: {inside} of {len(ran)} layouts")
