@@ -121,12 +121,15 @@ def test_hardware_from_measurements_recovers_the_rates():
     spec = planner.toy_model(batch=1, **shape)
     per_seq = planner.model_flops_per_token(spec) * spec.seq
     block, rate = 3e-4, 50e9
-    compute = {"matmul_flops_per_s": 90e9, "fwd_bwd": [
-        {"batch": b, "seconds": spec.layers * block + b * per_seq / rate} for b in (1, 2, 4, 8, 16)]}
+    compute = {"matmul_flops_per_s": 90e9, "fwd_bwd": [  # the bare model's: not what is fitted
+        {"batch": b, "seconds": 1.0, "chunked_s": 1.0 + spec.layers * 1e-5} for b in (1, 2, 4)],
+        "engine_fwd_bwd": [{"batch": b, "seconds": spec.layers * block + b * per_seq / rate}
+                           for b in (1, 2, 4, 8, 16)]}
     fits = {2: {"alpha_s": 1e-4, "bandwidth_Bps": 2e9}, 8: {"alpha_s": 8e-4, "bandwidth_Bps": 1e9}}
     hw = planner.hardware_from_measurements(compute, fits, shape, cores=2)
     assert hw.name == "this machine" and hw.source.startswith("measured here")
     assert hw.block_overhead_s == pytest.approx(block) and hw.flops == pytest.approx(rate)
+    assert hw.chunk_overhead_s == pytest.approx(1e-5)
     assert hw.latency_intra_s == pytest.approx(1e-4)  # 2 ranks, a core each
     assert hw.shared_hop_s == pytest.approx(8e-4 * 2 / 8)  # charged x ranks / cores
     assert hw.intra_bw == pytest.approx(1e9) and hw.cores == 2

@@ -65,8 +65,13 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
     ones write more (per-message headers, and the algorithm gloo picks for small tensors).
 (j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny
-    GPT (planner.validate_on_toy_runs) is run; each rank's model states against the prediction,
-    to the byte, and Spearman's rank correlation of the predicted and measured step times.
+    GPT (planner.validate_on_toy_runs; --plan-sample N: N of them) is run; each rank's model states
+    against the prediction, to the byte, and the step time predicted with the profile "this
+    machine" measured first (planner.measure_hardware: the toy's compute through the engine on
+    one rank, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
+    wall-clock step: predicted / measured per layout, how many within 0.7-1.4, Spearman's rank
+    correlation (and the assumed "cpu" profile's, beside); and the ranks' summed op CPU time over
+    the cores, which other processes' load does not inflate.
 (k) The app as a class meets it: a Streamlit server of its own (`streamlit run app/streamlit_app.py`,
     its warm-up off, so that the first press of each page is measured, not read) and Debian's
     chromium at 1440 x 900 (playwright). For every page at its default controls: cold = the first

@@ -182,6 +182,9 @@ class Hardware:
     # fixed cost of each of a block's small torch ops (Python, dispatch, autograd). 0: not
     # modelled (GPUs: their kernels are large); measure_hardware measures it on this machine.
     block_overhead_s: float = 0.0
+    # Seconds per pipeline chunk per micro-batch (forward + backward) beyond its blocks': a chunk
+    # is its own autograd graph (detached input, backward entered with the received gradient).
+    chunk_overhead_s: float = 0.0
 
     def bandwidth(self, inside_node: bool) -> float:
         if inside_node:
@@ -243,7 +246,19 @@ def _compute_sweep_rank(shape: dict, batches: list[int], repeats: int) -> dict:
 
         def fwd_bwd():
             model(x, y).backward()
-        sweep.append({"batch": b, "seconds": fastest(fwd_bwd)})
+
+        def chunked():  # as a pipeline runs it: one chunk per block, each its own graph
+            ins, outs, h_in = [], [], x
+            for i in range(len(model.blocks)):
+                h_in = h_in if i == 0 else h_in.detach().requires_grad_()
+                ins.append(h_in)
+                outs.append(model(h_in, y, blocks=(i, i + 1)))
+                h_in = outs[-1]
+            grad = None
+            for i in reversed(range(len(outs))):
+                torch.autograd.backward(outs[i], grad)
+                grad = ins[i].grad if i else None
+        sweep.append({"batch": b, "seconds": fastest(fwd_bwd), "chunked_s": fastest(chunked)})
     return {"matmul_flops_per_s": mm_flops / mm_s, "fwd_bwd": sweep}
 
 
@@ -254,8 +269,9 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
 
     spec = toy_model(batch=1, **shape)
     per_seq = model_flops_per_token(spec) * spec.seq
+    sweep = compute.get("engine_fwd_bwd") or compute["fwd_bwd"]
     overhead, per_flop = links.fit_relative([(spec.layers, per_seq * r["batch"], r["seconds"])
-                                     for r in compute["fwd_bwd"]])
+                                             for r in sweep])
     own = [w for w in link_fits if w <= cores] or [min(link_fits)]
     shared = [w for w in link_fits if w > cores] or own
     near, far = link_fits[max(own)], link_fits[max(shared)]
@@ -265,7 +281,10 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                     latency_intra_s=near["alpha_s"], latency_inter_s=near["alpha_s"],
                     matmul_efficiency=1.0, reserve_fraction=0.0, cores=cores,
                     shared_hop_s=far["alpha_s"] * cores / max(shared),
-                    block_overhead_s=overhead,
+                    block_overhead_s=overhead, chunk_overhead_s=max(0.0, statistics.median(
+                        (r["chunked_s"] - r["seconds"]) / spec.layers for r in compute["fwd_bwd"]
+                        if "chunked_s" in r) if any("chunked_s" in r for r in compute["fwd_bwd"])
+                        else 0.0),
                     source="measured here: matmul sweep + link fit")
 
 
@@ -275,11 +294,16 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     """"this machine", measured here: a Hardware profile for the tiny GPT's local runs.
 
     Compute (one rank, one thread, CPU time): a matmul sweep at the toy's shapes (its FLOP/s is
-    recorded) and the toy's forward + backward at micro-batches of `batches` sequences, fitted
-    (links' least squares in relative error) to t = L x block_overhead_s + FLOPs / flops: the
+    recorded), the bare toy's forward + backward at micro-batches of `batches` sequences
+    (recorded), and the same through the engine (engine.run on one rank, 4 steps: the forward and
+    backward ops' CPU time of steps 1 and 2, median; the meters' hooks included, as every
+    layout's ranks run them), fitted (links' least squares in relative error) to
+    t = L x block_overhead_s + FLOPs / flops: the
     fitted rate covers what scales with tokens (matmuls and the elementwise ops between them),
     block_overhead_s the fixed cost of each block's small ops (embedding and head folded into the
-    blocks). Links (course/links.measure_links, every op, 4 B to max_bytes, medians): at each
+    blocks); the same forward + backward run as a pipeline runs it, one chunk (its own autograd
+    graph) per block, gives chunk_overhead_s (median over micro-batch sizes of the difference per
+    chunk), charged per chunk a pipeline rank runs. Links (course/links.measure_links, every op, 4 B to max_bytes, medians): at each
     world of `worlds`, fit_alpha_beta over all ops; latency_intra_s is alpha at the largest world
     with a core per rank, shared_hop_s alpha at the largest world beyond the cores x cores /
     world (the planner charges shared_hop_s x ranks / cores per hop), the bandwidth that world's.
@@ -290,6 +314,8 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     if path and os.path.exists(path):
         with open(path) as fh:
             return Hardware(**json.load(fh)["hardware"])
+    from ..config import RunConfig
+    from ..engine import run
     from ..launch import run_ranks
     from . import links
 
@@ -298,6 +324,14 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     say("compute: matmul sweep and the toy's forward + backward, one rank")
     comp = run_ranks(_compute_sweep_rank, 1, shape, list(batches), repeats, timeout=600,
                      backend="gloo")[0].value
+    comp["engine_fwd_bwd"] = []
+    for b in batches:  # the toy as the engine runs it (its meters and hooks on), one rank
+        say(f"compute: the engine's forward + backward, batch {b}")
+        rep = run(RunConfig(**shape, batch=b, steps=4))
+        comp["engine_fwd_bwd"].append({"batch": b, "seconds": statistics.median(
+            sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"]
+                if e.get("step") == s and e["kind"] in ("forward", "backward"))
+            for s in (1, 2))})
     fits = {}
     for w in worlds:
         say(f"links: {w} ranks")
@@ -856,18 +890,21 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
         recompute = {"full": fwd - has_head * 2 * spec.d_model * spec.vocab,
                      "selective": core}.get(lay.checkpointing, 0)
         micro_flops.append({"total": (3 * fwd + recompute) * tokens_micro / lay.tp,
-                            "attention": 3 * core * tokens_micro / lay.tp, "blocks": len(blocks)})
+                            "attention": 3 * core * tokens_micro / lay.tp,
+                            # seconds that do not scale with FLOPs (measured profiles only)
+                            "fixed": len(blocks) * hw.block_overhead_s
+                            + (len(chunks) if lay.pp > 1 else 0) * hw.chunk_overhead_s})
 
     peak = hw.flops * hw.matmul_efficiency
     # the slowest stage sets the pace; each block also pays its ops' fixed cost (block_overhead_s)
-    t_micro = max(f["total"] / peak + f["blocks"] * hw.block_overhead_s for f in micro_flops)
+    t_micro = max(f["total"] / peak + f["fixed"] for f in micro_flops)
     t_attn = max(f["attention"] for f in micro_flops) / peak
     bubble = theory.bubble_fraction(lay.schedule, lay.pp, lay.microbatches, lay.virtual) \
         if lay.pp > 1 else 0.0
     shared_cores = bool(hw.cores) and lay.world > hw.cores
     if shared_cores:  # all ranks' work on the cores there are; an idle rank frees its core
         replicas = m_rank * lay.dp * lay.cp * lay.tp
-        total = sum(f["total"] / peak + f["blocks"] * hw.block_overhead_s for f in micro_flops)
+        total = sum(f["total"] / peak + f["fixed"] for f in micro_flops)
         compute = total * replicas / hw.cores
     else:
         compute = t_micro * m_rank / (1 - bubble)
