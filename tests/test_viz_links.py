@@ -45,7 +45,8 @@ def test_the_chart_carries_the_measured_times_and_the_fit_by_hand(sweep):
     for r in line:  # a ring all-reduce on N = 2: 2(N-1) = 2 hops, 2(N-1)/N = 1 x the bytes
         assert r["fitted_s"] == pytest.approx(2 * alpha + r["bytes"] / bw, rel=1e-12)
     assert spec["title"]["text"].startswith("This machine's links: 2 ranks")
-    assert "measured" in spec["title"]["subtitle"][0] and "fitted" in spec["title"]["subtitle"][0]
+    subtitle = " ".join(spec["title"]["subtitle"])
+    assert "dots: measured" in subtitle and "dashed: fitted α–β" in subtitle
 
 
 def test_the_comparison_puts_this_machine_beside_the_source_links(sweep):

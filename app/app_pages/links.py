@@ -137,7 +137,7 @@ with st.expander("The numbers"):
         "B (GB/s, one direction)": [f"{b / 1e9:.3g}" for b in cmp["bandwidth_Bps"]],
         "α per hop": [vl.fmt_seconds(a) for a in cmp["latency_s"]],
         "time": [vl.fmt_seconds(s) for s in cmp["seconds"]],
-        "× this machine": [f"{r:.3g}" for r in cmp["vs_this_machine"]],
+        "times faster than this machine": [f"{1 / r:,.3g}" for r in cmp["vs_this_machine"]],
     }), hide_index=True)
 assumed = cmp["latency_s"].iloc[1:]
 st.caption("Every time here is the α–β model (theory). This machine's α and B were fitted to the "

@@ -162,7 +162,8 @@ def links_chart(result: dict, fit: dict, ops=None, width: int = 520,
             f"This machine's links: {world} ranks, {len(ops)} "
             f"{'operation' if len(ops) == 1 else 'operations'}, measured and fitted",
             subtitle=[f"dots: measured (median of {repeats} runs, each the slowest rank; bar: "
-                      f"fastest to slowest run) · dashed: fitted α–β, t = hops·α + bytes sent/B"],
+                      f"fastest to slowest run)",
+                      "dashed: fitted α–β, t = hops·α + bytes sent / B"],
             anchor="start"))
 
 
@@ -227,7 +228,7 @@ def link_comparison(fit: dict, nbytes: float, world: int, op: str = "all_reduce"
         autosize=PAD, width=width, height=28 * len(df), title=alt.TitleParams(
             f"One {OP_LABELS.get(op, op)} of {fmt_size(nbytes)} on {world} ranks",
             subtitle=[f"this machine: its fitted α and B ({_share(share)} of the time is "
-                      f"latency, hops·α) · the source material's links: their bandwidth, one "
-                      f"direction, with a latency per hop assumed ({assumed}; not measured, "
-                      f"not quoted)"],
+                      f"latency, hops·α)",
+                      f"the source material's links: their bandwidth (one direction) and an "
+                      f"assumed latency per hop ({assumed}; not measured, not quoted)"],
             anchor="start"))
