@@ -13,6 +13,7 @@
     python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
     python -m parallel_mini.bench app     # (k) the classroom app in a real browser: click -> chart
     python -m parallel_mini.bench async   # (l) a 3x straggler: synchronous DP vs asynchronous SGD
+    python -m parallel_mini.bench links   # (m) this machine's links: each op's time, the alpha-beta fit
     python -m parallel_mini.bench dualpipe     # (f2) DualPipe beside 1F1B, ZB-H1, ZBV; and (f3)
     python -m parallel_mini.bench fb-overlap   # (f3) an all-to-all in flight during other compute
     python -m parallel_mini.bench all --json now.json     # dp ring zero tp pp cp ep bubble, ~10 min
@@ -81,6 +82,14 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     both without the straggler, one run each: updates and samples per second (measured), time
     and samples to a target loss (smoothed over one global batch), and the loss at equal samples
     against the same updates replayed in one process without staleness (what staleness costs).
+(m) This machine's links (course/links.py): point-to-point (one ring step), all-reduce, all-gather,
+    reduce-scatter and all-to-all over --world local gloo ranks, message sizes 4 B to --max-mib MiB
+    (powers of 4); per size the slowest rank's time of each repeat (a barrier before each), median
+    and fastest over repeats. The alpha-beta model t = a(op,N) alpha + b(op,N) bytes beta with the
+    ring's hop counts fitted per op and over all ops (least squares in relative error); alpha and
+    beta are the link's, so the ops agreeing checks the model. Beside it, the source material's
+    interconnect table (vendor figures; latencies assumed) and what one all-reduce of 1 GiB over 8
+    ranks takes on each (theory) and on this machine's fitted link.
 (a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
@@ -1275,6 +1284,70 @@ def _print_wire(rows):
 
 
 # ---------------------------------------------------------------------------------------------
+# (m) this machine's links
+# ---------------------------------------------------------------------------------------------
+LINKS_EXAMPLE = ("all_reduce", 2 ** 30, 8)  # what one all-reduce of 1 GiB over 8 ranks takes
+
+
+def bench_links(world: int = 2, max_mib: float = 64, repeats: int = 5) -> dict:
+    from . import links
+
+    sizes = [s for s in links.DEFAULT_SIZES if s <= max_mib * MB] or [4]
+    res = links.measure_links(world, sizes, repeats=repeats, progress=lambda row: print(
+        f"  {row['op']} {row['bytes']:,} B: median {1e6 * row['median_s']:.0f} us",
+        file=sys.stderr, flush=True))
+    return links_summary(res)
+
+
+def links_summary(res: dict) -> dict:
+    """measure_links' result with its fits (to the medians, and to the fastest repeats) and the
+    LINKS_EXAMPLE all-reduce on the source material's links and on the fitted one."""
+    from . import links
+
+    res["fit"] = links.fit_alpha_beta(res)
+    res["fit_fastest"] = links.fit_alpha_beta(res, stat="min_s")
+    op, nbytes, n = LINKS_EXAMPLE
+    res["example"] = {"op": op, "bytes": nbytes, "world": n,
+                      "rows": links.interconnects(op, nbytes, n, fit=res["fit"]["all"])}
+    return res
+
+
+def _print_links(res: dict):
+    from . import links
+
+    n = res["world"]
+    print(f"(m) this machine's links: {n} local gloo ranks on {res['cores']} cores (load "
+          f"{res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}); median (fastest) of the "
+          f"slowest rank's time per repeat, us (measured)")
+    ops = list(dict.fromkeys(r["op"] for r in res["rows"]))
+    by = {(r["op"], r["bytes"]): r for r in res["rows"]}
+    sizes = sorted({r["bytes"] for r in res["rows"]})
+    print(_table(["bytes"] + ops, [[f"{b:,}"] + [
+        f"{1e6 * by[o, b]['median_s']:.0f} ({1e6 * by[o, b]['min_s']:.0f})" if (o, b) in by else "-"
+        for o in ops] for b in sizes]))
+    print("bytes: " + "; ".join(f"{o}: {links.PAYLOAD[o]}" for o in ops))
+    print(f"alpha-beta fit, t = a alpha + b bytes beta with the ring's hop counts at N = {n} "
+          "(least squares in relative error); alpha and beta are the link's, so the ops should "
+          "agree:")
+    rows = []
+    for key, label in (("fit", "medians"), ("fit_fastest", "fastest")):
+        for op, f in res[key].items():
+            rows.append([label, op, "-" if f["a"] is None else f"{f['a']:g}",
+                         "-" if f["b"] is None else f"{f['b']:.3g}", f"{1e6 * f['alpha_s']:.1f}",
+                         f"{f['bandwidth_Bps'] / 1e9:.2f}", f"{100 * f['max_rel_err']:.0f}%"])
+    print(_table(["fitted to", "op", "a", "b", "alpha us", "bandwidth GB/s", "max rel err"], rows))
+    ex = res["example"]
+    print(f"the source material's interconnect table (vendor figures, from the source material; "
+          f"latency per hop assumed, not from it) and one {ex['op'].replace('_', '-')} of "
+          f"{ex['bytes'] / 2 ** 30:g} GiB over {ex['world']} ranks on each (alpha-beta model: "
+          f"theory; this machine's row: fitted to the medians above):")
+    print(_table(["link", "as stated", "GB/s per direction", "latency us", "all-reduce ms"],
+                 [[r["link"], r["stated"], f"{r['bandwidth_Bps'] / 1e9:.3g}",
+                   f"{1e6 * r['latency_s']:.1f}", f"{1e3 * r['seconds']:.1f}"]
+                  for r in ex["rows"]]))
+
+
+# ---------------------------------------------------------------------------------------------
 # (k) the app in a real browser
 # ---------------------------------------------------------------------------------------------
 APP_PAGES = ["ring", "data_parallel", "memory", "tensor", "pipeline", "long_sequences", "experts",
@@ -1550,7 +1623,7 @@ COMPARED = {
                [("wall - formula (points)", "wall_median_points", "abs"),
                 ("replayed - formula (points)", "replayed_median_points", "abs")]),
 }
-ALL_SECTIONS = tuple(COMPARED)  # `bench all`: these (not app, warm, wire, plan, async, dualpipe)
+ALL_SECTIONS = tuple(COMPARED) + ("links",)  # `bench all` (not app, warm, wire, plan, async, dualpipe)
 WORSE_BY = 0.10  # a ratio 10 % worse (points: 3 points further from the formula) is flagged
 
 
@@ -1625,7 +1698,7 @@ def _parser() -> argparse.ArgumentParser:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", nargs="?", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble",
                                                 "cp", "ep", "wire", "plan", "app", "async",
-                                                "dualpipe", "fb-overlap", "all"],
+                                                "dualpipe", "fb-overlap", "links", "all"],
                     help="all = " + ", ".join(ALL_SECTIONS) + " with fewer repeats (~10 min)")
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
@@ -1653,6 +1726,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
     ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
                     "highest final loss of its runs")
+    ap.add_argument("--world", type=int, default=2, help="local ranks for (m) links")
+    ap.add_argument("--max-mib", type=float, default=64, help="largest message for (m) links, MiB")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="OLD.json: after the run, each "
                     "row's ratios now against OLD's; OLD.json NEW.json without a benchmark: "
@@ -1692,6 +1767,8 @@ def _sections(args) -> dict:
                                                 args.async_batch, target=args.async_target),
                    _print_async)],
         "warm": [("warm", lambda: bench_warm(args.warm_repeats), _print_warm)],
+        "links": [("links", lambda: bench_links(args.world, least(args.max_mib, 16),
+                                                least(args.repeats, 3)), _print_links)],
     }
 
 

@@ -990,6 +990,8 @@ def format_plan(result: dict) -> str:
         f"  #  {'layout':<60} {'memory/GPU':>9} = {'states':>8} + {'acts':>8}  {'compute':>8}"
         f"  {'exposed comm s (tp, cp, ep, pp, dp)':<39} bubble   step s    MFU",
     ]
+    if result["fit"] and not result["layouts"]:  # --top 0: the counts above, no table
+        lines[-1] = "(--top 0: none listed; --top N lists the N fastest)"
     for e in result["layouts"]:
         t = e["theory"]
         mem = t["memory_bytes_per_gpu"]
@@ -1009,7 +1011,7 @@ def format_plan(result: dict) -> str:
         lines.append(f"(ranks share {hw['cores']} cores: compute is all ranks' work over the cores, "
                      f"a bubble costs nothing, nothing overlaps, and a ring hop waits for its "
                      f"receiver to be scheduled)")
-    if not result["layouts"]:
+    if not result["fit"]:
         c = result["closest"]
         lines.append("no layout fits" + (
             f": the least memory is {_size(c['theory']['memory_bytes_per_gpu']['total'])} per GPU "
