@@ -843,7 +843,8 @@ def bench_fb_overlap(ranks: int = 2, repeats: int = 15, timeline: bool = True) -
         from .experiments import comm_during_other_compute
 
         run_cfg = RunConfig(pp=2, dp=2, ep=2, experts=4, top_k=2, schedule="dualpipe",
-                            microbatches=4, batch=8, layers=2, steps=4, reference=True).validate()
+                            microbatches=4, batch=8, layers=2, steps=4, reference=True,
+                            backend="gloo").validate()  # CPU ranks, as the micro-benchmark's
         report = run(run_cfg)
         result["timeline"] = {"config": "pp 2 x ep 2 (dp 2), dualpipe, 4 micro-batches, 4 experts",
                               "max_abs_diff": report.max_abs_diff,
