@@ -50,6 +50,16 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p messages
     (hand-off, latency, receive), between ops, medians); the bubble replayed with the measured op
     CPU times (own-device schedule), within 3 points; and the largest |ours - reference|.
+(f3) DualPipe's F&B overlap (`fb-overlap`, also after (f2) `dualpipe`): on --ranks gloo ranks, one
+    micro-batch's expert all-to-all posted asynchronously (gloo's worker thread) while another's
+    forward and backward compute, against the two one after the other and each alone, the four
+    back to back in every round (order reversed every other round), --fb-repeats rounds. Hidden
+    fraction per round: (one after the other - overlapped) / all-to-all alone; its median,
+    quartiles and range. Whether the cores can show it: ranks x (torch threads + gloo's worker)
+    against the CPUs and the load (fewer: the figure measures contention). Then a DualPipe run
+    with experts (pp 2 x ep 2) counted from its records: all-to-alls overlapping another
+    micro-batch's compute on the same rank (0: the runner runs each rank's ops in order), and its
+    asynchronous pipeline sends.
 (g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
     torch's private ring template, on the same inputs; and, from our forward's own timing of each
     hop, the share of the hop's time during which the current block was being computed.
@@ -838,7 +848,8 @@ def bench_fb_overlap(ranks: int = 2, repeats: int = 15, timeline: bool = True) -
         from .experiments import comm_during_other_compute
 
         run_cfg = RunConfig(pp=2, dp=2, ep=2, experts=4, top_k=2, schedule="dualpipe",
-                            microbatches=4, batch=8, layers=2, steps=4, reference=True).validate()
+                            microbatches=4, batch=8, layers=2, steps=4, reference=True,
+                            backend="gloo").validate()  # CPU ranks, as the micro-benchmark's
         report = run(run_cfg)
         result["timeline"] = {"config": "pp 2 x ep 2 (dp 2), dualpipe, 4 micro-batches, 4 experts",
                               "max_abs_diff": report.max_abs_diff,

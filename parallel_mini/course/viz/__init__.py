@@ -8,6 +8,8 @@ the prediction of `theory` (as carried in the data) beside it.
 One module per topic, each listing its charts in its docstring:
 
     ring.py      the collectives and the ring all-reduce        (lesson 01, Ring all-reduce page)
+    links.py     this machine's links: time vs size, the α–β fit, beside NVLink, PCIe, InfiniBand
+                                                                  (lesson 01, This machine's links page)
     run.py       one training run: loss, bytes, memory, timeline (lesson 02, Data parallel page)
     memory.py    memory per GPU by ZeRO stage, activations, disk I/O (lesson 03, Memory page)
     tensor.py    tensor and sequence parallel                    (lesson 04, Tensor parallel page)
