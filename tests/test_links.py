@@ -190,3 +190,12 @@ def test_bench_plan_prints_predicted_over_measured(capsys):
     text = capsys.readouterr().out
     assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
     assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text
+
+
+@pytest.mark.parametrize("argv", [["links", "--world", "1"], ["links", "--max-mib", "0"]])
+def test_bench_links_bad_input_is_one_line_and_exit_2(argv, capsys):
+    from parallel_mini.course import bench
+
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and argv[1] in err

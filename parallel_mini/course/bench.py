@@ -127,7 +127,7 @@ import torch.distributed as dist
 
 from .. import theory
 from ..comm import Comm, ring_all_reduce
-from ..config import RunConfig
+from ..config import MAX_LOCAL_RANKS, RunConfig
 from ..data import global_batch, shard
 from ..launch import run_ranks
 from ..mesh import build_mesh
@@ -1844,6 +1844,15 @@ def main(argv=None) -> int:
         old, new = (json.loads(Path(f).read_text()) for f in args.compare)
         _print_compare(compare(old, new), args.compare[0], old, new)
         return 0
+    if args.what in ("links", "all") and not 2 <= args.world <= MAX_LOCAL_RANKS:
+        print(f"bench: --world {args.world}: links need 2 to {MAX_LOCAL_RANKS} local ranks (e.g. "
+              "--world 2)",
+              file=sys.stderr)
+        return 2
+    if args.what in ("links", "all") and args.max_mib <= 0:
+        print(f"bench: --max-mib {args.max_mib:g}: give a positive size in MiB (e.g. --max-mib 64)",
+              file=sys.stderr)
+        return 2
     if args.compare and len(args.compare) != 1:
         print("bench: --compare takes OLD.json when a benchmark runs (OLD.json NEW.json without "
               "one)", file=sys.stderr)
