@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel_mini import launch
+from parallel_mini.runtime import launch
 from parallel_mini.__main__ import main as cli_main
 from parallel_mini.config import ConfigError, RunConfig
 
@@ -231,7 +231,7 @@ def test_pipeline_defaults_for_layers_and_steps(capsys):
     """Without --layers/--steps a pipeline gets 4 blocks per chunk and 6 steps (a note, printed
     once the run is accepted); what the learner gives is kept, and a run without --pp keeps
     RunConfig's defaults silently."""
-    from parallel_mini.__main__ import _pipeline_defaults
+    from parallel_mini.runtime.cli import _pipeline_defaults
 
     def chosen(**given):
         values = {"pp": 1, "schedule": "gpipe", "virtual_stages": 0, "layers": None, "steps": None,

@@ -330,7 +330,7 @@ key = {"model": model, "gpus": gpus, "tp": tp, "sp": sp, "pp": pp, "precision": 
 
 
 def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
-    """engine.run for ZeRO 0..3 (each cached per config by live_runs.training_run), a progress bar
+    """launch.run for ZeRO 0..3 (each cached per config by live_runs.training_run), a progress bar
     per stage; keeps what this page draws: config, theory, and each rank's memory."""
     cfgs = json.loads(configs_json)
     bar = StepBar(len(cfgs))

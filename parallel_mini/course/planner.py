@@ -885,7 +885,7 @@ def _runnable(spec, lay, global_batch, precision, optimizer) -> bool:
     """RunConfig accepts it and it fits this machine's memory (the layouts the library refuses
     are not ranked for the tiny GPT)."""
     from ..config import ConfigError
-    from ..preflight import check_fits
+    from ..runtime.preflight import check_fits
     try:
         check_fits(run_config(spec, lay, global_batch, precision, optimizer).validate())
         return True
@@ -1186,8 +1186,8 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
     (pipeline rank r's) against the run's measured params/grads/optimizer bytes, to the byte; the
     predicted step time beside the measured one (measured_step_s). Returns the rows, the number
     of byte-equal layouts, and Spearman's rank correlation of predicted and measured step times."""
-    from ..engine import run
-    from ..launch import RankError
+    from ..runtime.launch import run
+    from ..runtime.launch import RankError
     cfg_model = {**VALIDATION_MODEL, **(model or {})}
     batch = cfg_model.pop("batch")
     spec = toy_model(batch=batch, **cfg_model)
@@ -1304,7 +1304,7 @@ def spec_from_args(args) -> ModelSpec:
 
 def _check_args(args, given: set) -> None:
     """What the parser cannot say: ranges, flags that would be ignored, where --json goes."""
-    from ..preflight import check_output
+    from ..runtime.preflight import check_output
     if args.published:
         ignored = sorted(given - {"command", "published", "json"})
         if ignored:
