@@ -43,11 +43,11 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def shared_run():
-    """`shared_run(cfg)`: engine.run(cfg), run once per configuration for the whole session and
+    """`shared_run(cfg)`: launch.run(cfg), run once per configuration for the whole session and
     shared by every test that asks for the same RunConfig (a report is read, never changed: treat
     it as frozen). Ranks are the suite's main cost on CI's 2 cores; a configuration that several
     tests read is paid once."""
-    from parallel_mini.engine import run
+    from parallel_mini.runtime.launch import run
 
     reports: dict = {}
 

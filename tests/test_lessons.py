@@ -286,7 +286,7 @@ def test_run_cell_runs_on_every_rank_with_notebook_functions():
 
 
 def test_run_cell_reports_the_failing_rank_with_its_own_lines():
-    from parallel_mini.launch import RankError
+    from parallel_mini.runtime.launch import RankError
     from parallel_mini.course.magic import RanksOutput, run_cell
 
     with pytest.raises(RankError) as info:

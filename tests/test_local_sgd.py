@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from parallel_mini import theory
-from parallel_mini.__main__ import _summary
+from parallel_mini.runtime.cli import _summary
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.experiments import local_sgd_bytes
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.reference import simulate_local_sgd, train_reference
 
 TOY = dict(layers=1, d_model=32, heads=2, seq=16, vocab=64)

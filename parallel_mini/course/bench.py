@@ -65,7 +65,7 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     hop, the share of the hop's time during which the current block was being computed.
 (h) A mixture-of-experts GPT trained with its experts sharded over ep = N ranks against the same
     model, data and ranks with every expert replicated (ep 1, plain data parallel), through the
-    engine (`engine.run`). Step time: median over the steps after the first (warm-up) and before
+    engine (`launch.run`). Step time: median over the steps after the first (warm-up) and before
     the last (the memory meter watches it and slows it). Per step and rank, from the run's own
     records: the dispatch and combine all-to-alls (forward and backward, wall time of each call),
     the counts exchange, and the experts' compute (forward timed in the layer, backward between
@@ -129,7 +129,7 @@ from .. import theory
 from ..comm import Comm, ring_all_reduce
 from ..config import MAX_LOCAL_RANKS, RunConfig
 from ..data import global_batch, shard
-from ..launch import run_ranks
+from ..runtime.launch import run_ranks
 from ..mesh import build_mesh
 from ..model import build_model
 from ..optim import Adam
@@ -589,14 +589,14 @@ WARM_RUNS = {
         "dp": 2, "dp_mode": "bucketed", "bucket_mb": 0.25, "grad_accum": 1, "steps": 4, "batch": 8,
         "reference": True}),
     "Ring all-reduce page, default settings": ("ring", {"n": 4, "numel": 16, "timed_mb": 4}),
-    "engine.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
+    "launch.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
 }
 
 
 def _warm_call(kind: str, settings: dict):
     """One live run the way the app's cached wrappers make it (app/live_runs.py), minus the cache."""
     from .collectives import ring_experiment
-    from ..engine import run
+    from ..runtime.launch import run
 
     if kind == "ring":
         return ring_experiment(settings["n"], settings["numel"], timed_mb=settings["timed_mb"])
@@ -627,9 +627,9 @@ def bench_warm(repeats: int = 10, runs: dict = WARM_RUNS) -> dict:
 # ---------------------------------------------------------------------------------------------
 def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4), (4, 8)),
                  repeats: int = 5) -> list[dict]:
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.schedules import pipeline_layers, virtual_stages
-    from ..trace import GAP_PARTS, PIPELINE_STEPS
+    from .trace import GAP_PARTS, PIPELINE_STEPS, bubble
 
     rows = []
     for pp, m in setups:
@@ -641,7 +641,7 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
             runs = []
             for i in range(repeats):
                 report = run(cfg)
-                b = report.extra["bubble"]
+                b = bubble(report)
                 wall = b["wall"]
                 runs.append({"wall": wall["overall"], "replayed": b["replayed"]["overall"],
                              "theory": b["theory"],
@@ -686,9 +686,9 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
     rank (measured bytes; the table says copies), activations (micro-batches in flight, counted
     from the op list, in units of one pp-way stage; the peak measured in bytes), and the report's
     formula with this run's measured op costs (no F&B overlap on one CPU: F&B = F + B + W)."""
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.schedules import build_schedule, in_flight
-    from ..trace import op_costs
+    from .trace import bubble, op_costs
 
     rows = []
     for name in DUAL_COMPARED:
@@ -696,7 +696,7 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
                         steps=steps, reference=True).validate()
         report = run(cfg)
         s = build_schedule(name, pp, m)
-        b, costs = report.extra["bubble"], op_costs(report)
+        b, costs = bubble(report), op_costs(report)
         chunk = pp / s.stages  # one chunk's size in pp-way stages (1, or 1/2 in a V)
         stages = pp if name in ("1f1b", "zb", "dualpipe") else 2 * pp
         split = "W" in costs
@@ -844,7 +844,7 @@ def bench_fb_overlap(ranks: int = 2, repeats: int = 15, timeline: bool = True) -
                   c / w for c, w in zip(r0["cpu_s"]["comm"], r0["times_s"]["comm"])),
               **fb_overlap_cores(ranks, r0["torch_threads"], cpus, load)}
     if timeline:
-        from ..engine import run
+        from ..runtime.launch import run
         from .experiments import comm_during_other_compute
 
         run_cfg = RunConfig(pp=2, dp=2, ep=2, experts=4, top_k=2, schedule="dualpipe",
@@ -977,7 +977,7 @@ def _print_pp(rows):
 
 
 def _print_bubble(rows):
-    from ..trace import GAP_PARTS
+    from .trace import GAP_PARTS
     r0 = rows[0]
     print(f"(f) pipeline bubble against the formula: measured (wall clock) and replayed (measured op "
           f"times, own-device schedule), {r0['steps']} steps, {r0['repeats']} runs each")
@@ -1170,7 +1170,7 @@ def _ep_split(report, rank: int, step: int) -> dict:
 
 def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch: int = 16,
              d_model: int = 128) -> list[dict]:
-    from ..engine import run
+    from ..runtime.launch import run
     rows = []
     for n in eps:
         row = {"ranks": n, "experts": experts, "top_k": top_k}
@@ -1582,7 +1582,7 @@ def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 12, batch: int
     same updates replayed in one process without staleness (each gradient on the current
     version: what staleness cost, at equal samples). The target loss, unless given, is the
     highest final smoothed loss of the runs, so that every run reaches it."""
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.async_ps import worker_batch
     from ..reference import replay_updates
     # 16 sequences of 64 tokens per worker step: compute, not the 0.9 MB messages, sets the pace

@@ -150,7 +150,7 @@ def measure_links(world: int = 2, sizes: list[int] | None = None, ops=OPS, repea
     "seconds", "median_s", "min_s"}]}; JSON-able. (On a shared machine a repeat that lost its core
     takes a scheduler quantum, milliseconds, instead of ~0.1 ms: min_s, the fastest repeat, is
     the time with the cores free; median_s what a call takes under the load that was there.)"""
-    from ..launch import run_ranks
+    from ..runtime.launch import run_ranks
 
     sizes = list(DEFAULT_SIZES if sizes is None else sizes)
     for op in ops:

@@ -315,8 +315,8 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
         with open(path) as fh:
             return Hardware(**json.load(fh)["hardware"])
     from ..config import RunConfig
-    from ..engine import run
-    from ..launch import run_ranks
+    from ..runtime.launch import run
+    from ..runtime.launch import run_ranks
     from . import links
 
     say = progress or (lambda msg: None)
@@ -1039,7 +1039,7 @@ def _runnable(spec, lay, global_batch, precision, optimizer) -> bool:
     """RunConfig accepts it and it fits this machine's memory (the layouts the library refuses
     are not ranked for the tiny GPT)."""
     from ..config import ConfigError
-    from ..preflight import check_fits
+    from ..runtime.preflight import check_fits
     try:
         check_fits(run_config(spec, lay, global_batch, precision, optimizer).validate())
         return True
@@ -1359,8 +1359,7 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
     machine measured); with another than "cpu", each row also has the "cpu" profile's prediction
     (predicted_assumed_step_s). `sample` > 0: that many of the classes, evenly spaced along the
     ranking (every class without)."""
-    from ..engine import run
-    from ..launch import RankError
+    from ..runtime.launch import RankError, run
     cfg_model = {**VALIDATION_MODEL, **(model or {})}
     batch = cfg_model.pop("batch")
     spec = toy_model(batch=batch, **cfg_model)
@@ -1486,7 +1485,7 @@ def spec_from_args(args) -> ModelSpec:
 
 def _check_args(args, given: set) -> None:
     """What the parser cannot say: ranges, flags that would be ignored, where --json goes."""
-    from ..preflight import check_output
+    from ..runtime.preflight import check_output
     if args.published:
         ignored = sorted(given - {"command", "published", "json"})
         if ignored:
