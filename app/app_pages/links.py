@@ -37,7 +37,6 @@ ops = c3.multiselect("Operations", OP_NAMES, key=pm.kept("links.ops", OP_NAMES),
                      help="Each one is a launch of the ranks.")
 fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 ops = [op for op in OP_NAMES if op in ops]  # in the library's order, whatever the clicks' order
-sizes = [s for s in links.DEFAULT_SIZES if s <= largest]
 REPEATS = 5
 key = {"world": world, "largest": largest, "ops": ops}
 
@@ -45,22 +44,24 @@ key = {"world": world, "largest": largest, "ops": ops}
 def sweep(key_json: str, attempt: int = 0) -> dict:
     """measure_links on the key's ranks, sizes and ops; the bar steps as each op's rows come in."""
     k = json.loads(key_json)
-    todo, per_op = k["ops"], len([s for s in links.DEFAULT_SIZES if s <= k["largest"]])
+    todo = k["ops"]
+    todo_sizes = [s for s in links.DEFAULT_SIZES if s <= k["largest"]]
     bar = StepBar(len(todo))
-    what = lambda op: f"{vl.OP_LABELS[op]} on {k['world']} ranks, {per_op} sizes…"  # noqa: E731
+
+    def what(op: str) -> str:
+        return f"{vl.OP_LABELS[op]} on {k['world']} ranks, {len(todo_sizes)} sizes…"
+
     bar.step(what(todo[0]))
     seen: dict[str, int] = {}
 
-    def progress(row: dict) -> None:
+    def progress(row: dict) -> None:  # measure_links calls it per row, as each op's launch ends
         seen[row["op"]] = seen.get(row["op"], 0) + 1
         i = todo.index(row["op"])
-        if seen[row["op"]] == per_op and i + 1 < len(todo):
+        if seen[row["op"]] == len(todo_sizes) and i + 1 < len(todo):
             bar.step(what(todo[i + 1]))
 
     with rank_slots(k["world"]):
-        result = links.measure_links(k["world"], [s for s in links.DEFAULT_SIZES
-                                                  if s <= k["largest"]], todo, REPEATS,
-                                     progress=progress)
+        result = links.measure_links(k["world"], todo_sizes, todo, REPEATS, progress=progress)
     bar.done()
     return result
 
