@@ -14,6 +14,9 @@ from test_browser_fit import MIN_TEXT_PX, SMALL_TEXTS, chart_overflows, presenta
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
+TWO_FRAMES = "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
+
+
 def _slide(page, name: str, key: str, value: str) -> None:
     from playwright.sync_api import expect
 
@@ -58,10 +61,12 @@ def test_the_links_page_fits_at_every_comparison_setting(app_url, presentation):
                                    ("4 B on 2 ranks", [("All-reduce size", "Home", "4 B"),
                                                        ("Ranks N", "Home", "2")]),
                                    ("14 GB on 1024 ranks", [
-                                       ("All-reduce size", "End", "14 GB (7B params, bf16 grads)"),
+                                       ("All-reduce size", "End",
+                                        "14 GB = 13 GiB (7B params, bf16 grads)"),
                                        ("Ranks N", "End", "1024")])):
                 for name, key, value in moves:
                     _slide(page, name, key, value)
+                page.evaluate(TWO_FRAMES)  # vega-embed has sized what it drew
                 found = chart_overflows(page)
                 if presentation:
                     found += [f"{t['px']:g} px {t['tag']} ({t['testid']}): {t['text']!r}"

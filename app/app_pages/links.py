@@ -25,7 +25,7 @@ their quoted bandwidth (with an assumed latency: vendors quote none).
 SIZE_OPTIONS = [2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26]  # the sweep's largest message
 OP_NAMES = list(links.OPS)
 
-controls = pm.Controls(3)
+controls = pm.Controls([1, 1, 2])  # the operations' tags need the room
 c1, c2, c3 = controls.columns
 world = c1.slider("Ranks in the sweep", 2, 4, key=pm.kept("links.world", 2),
                   help="Local gloo ranks (processes) that run each collective.")
@@ -117,7 +117,7 @@ COMPARE_SIZES = [4, 2 ** 10, 2 ** 16, 2 ** 20, 2 ** 24, 2 ** 28, 2 ** 30, 14 * 1
 COMPARE_RANKS = [2, 4, 8, 16, 64, 256, 1024]
 d1, d2 = st.columns(2)
 nbytes = d1.select_slider("All-reduce size", COMPARE_SIZES, key=pm.kept("links.nbytes", 2 ** 28),
-                          format_func=lambda b: "14 GB (7B params, bf16 grads)"
+                          format_func=lambda b: "14 GB = 13 GiB (7B params, bf16 grads)"
                           if b == 14 * 10 ** 9 else vl.fmt_size(b),
                           help="Theory alone: redrawn at once, nothing runs.")
 n = d2.select_slider("Ranks N", COMPARE_RANKS, key=pm.kept("links.n", 8),
