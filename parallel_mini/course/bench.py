@@ -50,6 +50,16 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p messages
     (hand-off, latency, receive), between ops, medians); the bubble replayed with the measured op
     CPU times (own-device schedule), within 3 points; and the largest |ours - reference|.
+(f3) DualPipe's F&B overlap (`fb-overlap`, also after (f2) `dualpipe`): on --ranks gloo ranks, one
+    micro-batch's expert all-to-all posted asynchronously (gloo's worker thread) while another's
+    forward and backward compute, against the two one after the other and each alone, the four
+    back to back in every round (order reversed every other round), --fb-repeats rounds. Hidden
+    fraction per round: (one after the other - overlapped) / all-to-all alone; its median,
+    quartiles and range. Whether the cores can show it: ranks x (torch threads + gloo's worker)
+    against the CPUs and the load (fewer: the figure measures contention). Then a DualPipe run
+    with experts (pp 2 x ep 2) counted from its records: all-to-alls overlapping another
+    micro-batch's compute on the same rank (0: the runner runs each rank's ops in order), and its
+    asynchronous pipeline sends.
 (g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
     torch's private ring template, on the same inputs; and, from our forward's own timing of each
     hop, the share of the hop's time during which the current block was being computed.
@@ -65,8 +75,13 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
     ones write more (per-message headers, and the algorithm gloo picks for small tensors).
 (j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny
-    GPT (planner.validate_on_toy_runs) is run; each rank's model states against the prediction,
-    to the byte, and Spearman's rank correlation of the predicted and measured step times.
+    GPT (planner.validate_on_toy_runs; --plan-sample N: N of them) is run; each rank's model states
+    against the prediction, to the byte, and the step time predicted with the profile "this
+    machine" measured first (planner.measure_hardware: the toy's compute through the engine on
+    one rank, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
+    wall-clock step: predicted / measured per layout, how many within 0.7-1.4, Spearman's rank
+    correlation (and the assumed "cpu" profile's, beside); and the ranks' summed op CPU time over
+    the cores, which other processes' load does not inflate.
 (k) The app as a class meets it: a Streamlit server of its own (`streamlit run app/streamlit_app.py`,
     its warm-up off, so that the first press of each page is measured, not read) and Debian's
     chromium at 1440 x 900 (playwright). For every page at its default controls: cold = the first
@@ -112,7 +127,7 @@ import torch.distributed as dist
 
 from .. import theory
 from ..comm import Comm, ring_all_reduce
-from ..config import RunConfig
+from ..config import MAX_LOCAL_RANKS, RunConfig
 from ..data import global_batch, shard
 from ..launch import run_ranks
 from ..mesh import build_mesh
@@ -833,7 +848,8 @@ def bench_fb_overlap(ranks: int = 2, repeats: int = 15, timeline: bool = True) -
         from .experiments import comm_during_other_compute
 
         run_cfg = RunConfig(pp=2, dp=2, ep=2, experts=4, top_k=2, schedule="dualpipe",
-                            microbatches=4, batch=8, layers=2, steps=4, reference=True).validate()
+                            microbatches=4, batch=8, layers=2, steps=4, reference=True,
+                            backend="gloo").validate()  # CPU ranks, as the micro-benchmark's
         report = run(run_cfg)
         result["timeline"] = {"config": "pp 2 x ep 2 (dp 2), dualpipe, 4 micro-batches, 4 experts",
                               "max_abs_diff": report.max_abs_diff,
@@ -1241,12 +1257,20 @@ def bench_wire(world_sizes=(2, 4), sizes=(4 * 1024, 64 * 1024, MB, 16 * MB), rep
     return rows
 
 
-def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
+def bench_plan(ranks: int = 8, steps: int = 6, hardware_json: str | None = None,
+               sample: int = 0) -> dict:
     """(j) Every memory class of layout the planner ranks for `ranks` ranks of the tiny GPT on this
-    machine, run live (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes
-    against the planner's prediction, and the planner's step-time order against the measured one
-    (Spearman's rank correlation; the timings are this machine's, with its cores shared)."""
+    machine (or `sample` of them, evenly spaced along the ranking), run live
+    (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes against the planner's
+    prediction, and the planner's step time, predicted with the profile "this machine" measured
+    here first (planner.measure_hardware; read from / written to `hardware_json` when given),
+    against the measured one: predicted / measured per layout, Spearman's rank correlation (the
+    timings are this machine's, with its cores shared). The assumed "cpu" profile's prediction
+    is kept beside it."""
     from . import planner
+
+    say = (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    hw = planner.measure_hardware(hardware_json, progress=say)
 
     def progress(row):
         print(f"  {row['layout']}: " + (row.get("error") or (
@@ -1254,22 +1278,55 @@ def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
               f"{1e3 * row['predicted_step_s']:.1f} ms, measured {1e3 * row['measured_step_s']:.1f} ms")),
               file=sys.stderr, flush=True)
 
-    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress)
+    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress, hw=hw,
+                                        sample=sample)
+
+
+PLAN_GOAL = (0.7, 1.4)  # predicted / measured step time: issue 24's goal for most layouts
 
 
 def _print_plan(res: dict):
+    hw = res.get("hardware") or {}
     print(f"(j) the planner's {res['ranks']}-rank layouts of the tiny GPT, run here on "
           f"{res['cores']} cores: model states equal to the prediction on every rank in "
           f"{res['states_equal']} of {res['layouts'] - res['failed']} layouts"
           + (f" ({res['failed']} failed to run)" if res["failed"] else ""))
+    if hw:
+        print(f"    profile {hw['name']!r} ({hw['source']}): {hw['flops'] / 1e9:.1f} GFLOP/s per "
+              f"core, {1e3 * hw['block_overhead_s']:.2f} ms fixed per block and micro-batch, "
+              f"{1e6 * hw['latency_intra_s']:.0f} us per hop with a core per rank, "
+              f"{1e6 * hw['shared_hop_s']:.0f} us x ranks/cores when shared, "
+              f"{hw['intra_bw'] / 1e9:.2f} GB/s")
     ran = [r for r in res["rows"] if "error" not in r]
-    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms"],
+    assumed = any("predicted_assumed_step_s" in r for r in ran)
+    cpu = all("measured_cpu_s" in r for r in ran)
+    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms",
+                  "predicted/measured"]
+                 + (["ops' CPU / cores ms", "predicted compute / that"] if cpu else [])
+                 + (["assumed-rates predicted ms"] if assumed else []),
                  [[r["layout"], "yes" if r["states_equal"] else "NO",
-                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}"]
+                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}",
+                   f"{r['predicted_step_s'] / r['measured_step_s']:.2f}"]
+                  + ([f"{1e3 * r['measured_cpu_s'] / res['cores']:.1f}",
+                      f"{r['predicted_compute_s'] * res['cores'] / r['measured_cpu_s']:.2f}"]
+                     if cpu else [])
+                  + ([f"{1e3 * r['predicted_assumed_step_s']:.1f}"] if assumed else [])
                   for r in ran]))
+    if cpu:
+        print("    ops' CPU / cores: every rank's CPU time in the step's ops (thread time, measured), "
+              "summed, over the cores: the step if our ranks had the cores to themselves and "
+              "never waited; other processes' load is not in it (the wall clock's step is)")
+    lo, hi = PLAN_GOAL
+    inside = sum(lo <= r["predicted_step_s"] / r["measured_step_s"] <= hi for r in ran)
+    print(f"predicted/measured within {lo}-{hi}: {inside} of {len(ran)} layouts")
     rho = res["spearman_step_time"]
     print("Spearman's rank correlation, predicted vs measured step time: "
           + ("n/a (fewer than 3 layouts ran)" if rho is None else f"{rho:+.2f}"))
+    if assumed and len(ran) > 2:
+        from .planner import spearman
+        rho0 = spearman([r["predicted_assumed_step_s"] for r in ran],
+                        [r["measured_step_s"] for r in ran])
+        print(f"    with the assumed rates (profile 'cpu'): {rho0:+.2f}")
 
 
 def _print_wire(rows):
@@ -1726,6 +1783,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
     ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
                     "highest final loss of its runs")
+    ap.add_argument("--hardware-json", metavar="PATH", help="(j) plan: read the measured "
+                    "'this machine' profile from PATH if it exists, else measure and write it")
+    ap.add_argument("--plan-sample", type=int, default=0, metavar="N", help="(j) plan: run N of "
+                    "the layout classes, evenly spaced along the ranking (default: all)")
     ap.add_argument("--world", type=int, default=2, help="local ranks for (m) links")
     ap.add_argument("--max-mib", type=float, default=64, help="largest message for (m) links, MiB")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
@@ -1761,7 +1822,8 @@ def _sections(args) -> dict:
         "cp": [("cp", lambda: bench_cp(warmup=least(2, 1), steps=least(6, 4)), _print_cp)],
         "ep": [("ep", lambda: bench_ep(steps=least(8, 6)), _print_ep)],
         "wire": [("wire", bench_wire, _print_wire)],
-        "plan": [("plan", bench_plan, _print_plan)],
+        "plan": [("plan", lambda: bench_plan(hardware_json=args.hardware_json,
+                                             sample=args.plan_sample), _print_plan)],
         "app": [("app", lambda: bench_app(tuple(args.app_pages), args.app_repeats), _print_app)],
         "async": [("async", lambda: bench_async(4, args.async_factor, args.async_steps,
                                                 args.async_batch, target=args.async_target),
@@ -1782,6 +1844,15 @@ def main(argv=None) -> int:
         old, new = (json.loads(Path(f).read_text()) for f in args.compare)
         _print_compare(compare(old, new), args.compare[0], old, new)
         return 0
+    if args.what in ("links", "all") and not 2 <= args.world <= MAX_LOCAL_RANKS:
+        print(f"bench: --world {args.world}: links need 2 to {MAX_LOCAL_RANKS} local ranks (e.g. "
+              "--world 2)",
+              file=sys.stderr)
+        return 2
+    if args.what in ("links", "all") and args.max_mib <= 0:
+        print(f"bench: --max-mib {args.max_mib:g}: give a positive size in MiB (e.g. --max-mib 64)",
+              file=sys.stderr)
+        return 2
     if args.compare and len(args.compare) != 1:
         print("bench: --compare takes OLD.json when a benchmark runs (OLD.json NEW.json without "
               "one)", file=sys.stderr)

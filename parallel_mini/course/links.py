@@ -172,7 +172,7 @@ def measure_links(world: int = 2, sizes: list[int] | None = None, ops=OPS, repea
 # ---------------------------------------------------------------------------------------------
 # fitting
 # ---------------------------------------------------------------------------------------------
-def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+def fit_relative(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """alpha, beta >= 0 minimising sum(((a*alpha + bx*beta) / t - 1)^2) over (a, bx, t): least
     squares in relative error (each row divided by its measured t), so a 4-byte message weighs as
     much as a 64 MiB one. Where the unconstrained optimum has a negative coordinate, the best
@@ -198,7 +198,7 @@ def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 def _fitted(points, hop_counts) -> dict:
-    alpha, beta = _fit(points)
+    alpha, beta = fit_relative(points)
     errs = [abs(a * alpha + bx * beta - t) / t for a, bx, t in points]
     return {"alpha_s": alpha, "beta_s_per_byte": beta,
             "bandwidth_Bps": (1.0 / beta) if beta > 0 else math.inf,
