@@ -4,20 +4,11 @@ the chart carries what they measured and the fitted line, the fit table says the
 and moving the comparison's controls redraws the theory at once without starting ranks."""
 from __future__ import annotations
 
-import pytest
-import streamlit as st
-
 from parallel_mini.course import links
-from test_app import _app, _assert_clean, _chart, _rows_with, _widget, record_steps
+from test_app import (_app, _assert_clean, _chart, _fresh_cache,  # noqa: F401 (autouse)
+                      _rows_with, _widget, record_steps)
 
 PAGE = "app_pages/links.py"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    st.cache_data.clear()
-    yield
-    st.cache_data.clear()
 
 
 def test_links_page_runs_the_sweep_live_and_compares_the_links(monkeypatch):

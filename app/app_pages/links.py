@@ -25,7 +25,7 @@ their quoted bandwidth (with an assumed latency: vendors quote none).
 SIZE_OPTIONS = [2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 26]  # the sweep's largest message
 OP_NAMES = list(links.OPS)
 
-controls = pm.Controls(3)
+controls = pm.Controls([1, 1, 2])  # the operations' tags need the room
 c1, c2, c3 = controls.columns
 world = c1.slider("Ranks in the sweep", 2, 4, key=pm.kept("links.world", 2),
                   help="Local gloo ranks (processes) that run each collective.")
@@ -37,7 +37,6 @@ ops = c3.multiselect("Operations", OP_NAMES, key=pm.kept("links.ops", OP_NAMES),
                      help="Each one is a launch of the ranks.")
 fresh = controls.area.checkbox("Fresh measurement (ignore the cache)", value=False)
 ops = [op for op in OP_NAMES if op in ops]  # in the library's order, whatever the clicks' order
-sizes = [s for s in links.DEFAULT_SIZES if s <= largest]
 REPEATS = 5
 key = {"world": world, "largest": largest, "ops": ops}
 
@@ -45,22 +44,24 @@ key = {"world": world, "largest": largest, "ops": ops}
 def sweep(key_json: str, attempt: int = 0) -> dict:
     """measure_links on the key's ranks, sizes and ops; the bar steps as each op's rows come in."""
     k = json.loads(key_json)
-    todo, per_op = k["ops"], len([s for s in links.DEFAULT_SIZES if s <= k["largest"]])
+    todo = k["ops"]
+    todo_sizes = [s for s in links.DEFAULT_SIZES if s <= k["largest"]]
     bar = StepBar(len(todo))
-    what = lambda op: f"{vl.OP_LABELS[op]} on {k['world']} ranks, {per_op} sizes…"  # noqa: E731
+
+    def what(op: str) -> str:
+        return f"{vl.OP_LABELS[op]} on {k['world']} ranks, {len(todo_sizes)} sizes…"
+
     bar.step(what(todo[0]))
     seen: dict[str, int] = {}
 
-    def progress(row: dict) -> None:
+    def progress(row: dict) -> None:  # measure_links calls it per row, as each op's launch ends
         seen[row["op"]] = seen.get(row["op"], 0) + 1
         i = todo.index(row["op"])
-        if seen[row["op"]] == per_op and i + 1 < len(todo):
+        if seen[row["op"]] == len(todo_sizes) and i + 1 < len(todo):
             bar.step(what(todo[i + 1]))
 
     with rank_slots(k["world"]):
-        result = links.measure_links(k["world"], [s for s in links.DEFAULT_SIZES
-                                                  if s <= k["largest"]], todo, REPEATS,
-                                     progress=progress)
+        result = links.measure_links(k["world"], todo_sizes, todo, REPEATS, progress=progress)
     bar.done()
     return result
 
@@ -116,7 +117,7 @@ COMPARE_SIZES = [4, 2 ** 10, 2 ** 16, 2 ** 20, 2 ** 24, 2 ** 28, 2 ** 30, 14 * 1
 COMPARE_RANKS = [2, 4, 8, 16, 64, 256, 1024]
 d1, d2 = st.columns(2)
 nbytes = d1.select_slider("All-reduce size", COMPARE_SIZES, key=pm.kept("links.nbytes", 2 ** 28),
-                          format_func=lambda b: "14 GB (7B params, bf16 grads)"
+                          format_func=lambda b: "14 GB = 13 GiB (7B params, bf16 grads)"
                           if b == 14 * 10 ** 9 else vl.fmt_size(b),
                           help="Theory alone: redrawn at once, nothing runs.")
 n = d2.select_slider("Ranks N", COMPARE_RANKS, key=pm.kept("links.n", 8),
