@@ -4,7 +4,7 @@ the count from a run's timeline records (course/experiments.comm_during_other_co
 suite starts no ranks here; the live measurement and a DualPipe run with experts are `-m slow`."""
 import pytest
 
-from parallel_mini import engine
+from parallel_mini.runtime import launch
 from parallel_mini.config import RunConfig
 from parallel_mini.course import bench
 from parallel_mini.course.experiments import comm_during_other_compute
@@ -72,7 +72,7 @@ def test_the_runner_runs_the_experts_all_to_all_inside_its_own_op():
     outstanding during other ops' compute; and the run equals the reference."""
     cfg = RunConfig(pp=2, dp=2, ep=2, experts=4, top_k=2, schedule="dualpipe", microbatches=4,
                     batch=8, layers=2, steps=3, reference=True)
-    report = engine.run(cfg)
+    report = launch.run(cfg)
     assert report.max_abs_diff <= 1e-5
     a2a = comm_during_other_compute(report)
     assert a2a["records"] > 0 and a2a["inside_own_op"] == a2a["records"]

@@ -104,3 +104,98 @@ def test_bench_links_prints_the_fit_beside_the_source_table(capsys):
     text = capsys.readouterr().out
     assert "vendor figures, from the source material" in text and "RoCE 400G" in text
     assert "this machine (fitted)" in text and "1.5" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner's "this machine" profile (planner.measure_hardware), without measuring
+# ---------------------------------------------------------------------------------------------
+def _toy_shape():
+    from parallel_mini.course import planner
+    return {k: v for k, v in planner.VALIDATION_MODEL.items() if k != "batch"}
+
+
+def test_hardware_from_measurements_recovers_the_rates():
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    block, rate = 3e-4, 50e9
+    compute = {"matmul_flops_per_s": 90e9, "fwd_bwd": [  # the bare model's: not what is fitted
+        {"batch": b, "seconds": 1.0, "chunked_s": 1.0 + spec.layers * 1e-5} for b in (1, 2, 4)],
+        "engine_fwd_bwd": [{"batch": b, "seconds": spec.layers * block + b * per_seq / rate}
+                           for b in (1, 2, 4, 8, 16)]}
+    fits = {2: {"alpha_s": 1e-4, "bandwidth_Bps": 2e9}, 8: {"alpha_s": 8e-4, "bandwidth_Bps": 1e9}}
+    hw = planner.hardware_from_measurements(compute, fits, shape, cores=2)
+    assert hw.name == "this machine" and hw.source.startswith("measured here")
+    assert hw.block_overhead_s == pytest.approx(block) and hw.flops == pytest.approx(rate)
+    assert hw.chunk_overhead_s == pytest.approx(1e-5)
+    assert hw.latency_intra_s == pytest.approx(1e-4)  # 2 ranks, a core each
+    assert hw.shared_hop_s == pytest.approx(8e-4 * 2 / 8)  # charged x ranks / cores
+    assert hw.intra_bw == pytest.approx(1e9) and hw.cores == 2
+
+
+def test_block_overhead_is_charged_per_block_micro_batch_and_replica():
+    """On shared cores every rank's blocks pay the fixed cost, all on the cores there are."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    batch = planner.VALIDATION_MODEL["batch"]
+    spec = planner.toy_model(batch=batch, **_toy_shape())
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2)
+    lay = planner.Layout(dp=8, tp=1, pp=1, cp=1, ep=1, zero=1, schedule="-", virtual=1,
+                         microbatches=2, micro_batch=1, checkpointing="none", sp=False)
+    base = planner.predict(spec, lay, hw, batch, precision="fp32")
+    more = planner.predict(spec, lay, dataclasses.replace(hw, block_overhead_s=1e-3), batch,
+                           precision="fp32")
+    extra = spec.layers * 1e-3 * lay.microbatches * lay.dp / hw.cores
+    assert more["compute_s"] - base["compute_s"] == pytest.approx(extra)
+
+
+def test_measure_hardware_reads_its_json_without_measuring(tmp_path):
+    import dataclasses
+    import json
+
+    from parallel_mini.course import planner
+
+    hw = dataclasses.replace(planner.hardware("cpu"), name="this machine", block_overhead_s=2e-4)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"hardware": dataclasses.asdict(hw)}))
+    assert planner.measure_hardware(str(path), worlds=()) == hw  # worlds=(): would fail to measure
+
+
+@pytest.mark.slow
+def test_measure_hardware_tiny_real_run_writes_its_json(tmp_path):
+    from parallel_mini.course import planner
+
+    path = tmp_path / "hw.json"
+    hw = planner.measure_hardware(str(path), worlds=(2,), batches=(1, 2), max_bytes=4096,
+                                  repeats=1)
+    assert hw.flops > 0 and hw.block_overhead_s >= 0 and hw.latency_intra_s >= 0
+    assert planner.measure_hardware(str(path)) == hw
+
+
+def test_bench_plan_prints_predicted_over_measured(capsys):
+    from parallel_mini.course import bench, planner
+
+    hw = planner.hardware("cpu")
+    rows = [{"layout": f"L{i}", "states_equal": True, "predicted_step_s": p, "measured_step_s": m,
+             "predicted_compute_s": p / 2, "measured_cpu_s": p, "predicted_assumed_step_s": 2 * p}
+            for i, (p, m) in enumerate([(0.1, 0.1), (0.2, 0.5), (0.3, 0.35)])]
+    res = {"ranks": 8, "cores": 2, "states_equal": 3, "layouts": 3, "failed": 0, "rows": rows,
+           "spearman_step_time": planner.spearman([0.1, 0.2, 0.3], [0.1, 0.5, 0.35]),
+           "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine"}}
+    bench._print_plan(res)
+    text = capsys.readouterr().out
+    assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
+    assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text
+
+
+@pytest.mark.parametrize("argv", [["links", "--world", "1"], ["links", "--max-mib", "0"]])
+def test_bench_links_bad_input_is_one_line_and_exit_2(argv, capsys):
+    from parallel_mini.course import bench
+
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and argv[1] in err

@@ -14,7 +14,7 @@ import functools
 import pytest
 
 from parallel_mini.config import RunConfig
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run_ranks
 
 
 def _peer_rank(cfg_dict, torch_name, our_name):

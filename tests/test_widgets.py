@@ -10,9 +10,10 @@ import json
 
 import pytest
 
-from parallel_mini import engine, theory
+from parallel_mini import theory
 from parallel_mini.config import RunConfig
 from parallel_mini.parallel import schedules as S
+from parallel_mini.runtime import launch
 from parallel_mini.course import at_scale, viz
 from parallel_mini.course import widgets as w
 
@@ -96,7 +97,7 @@ def test_memory_explorer_run_live_measures_the_toy(monkeypatch):
 
     def broken(cfg):
         raise RuntimeError("rank 1 exited with code 9 (killed)\n  and a second line")
-    monkeypatch.setattr(engine, "run", broken)  # a failed run: one line in the widget
+    monkeypatch.setattr(launch, "run", broken)  # a failed run: one line in the widget
     m.run_button.click()
     assert _error(m) == "The live run failed: rank 1 exited with code 9 (killed)"
     assert not m.run_button.disabled

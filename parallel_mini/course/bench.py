@@ -50,12 +50,22 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p messages
     (hand-off, latency, receive), between ops, medians); the bubble replayed with the measured op
     CPU times (own-device schedule), within 3 points; and the largest |ours - reference|.
+(f3) DualPipe's F&B overlap (`fb-overlap`, also after (f2) `dualpipe`): on --ranks gloo ranks, one
+    micro-batch's expert all-to-all posted asynchronously (gloo's worker thread) while another's
+    forward and backward compute, against the two one after the other and each alone, the four
+    back to back in every round (order reversed every other round), --fb-repeats rounds. Hidden
+    fraction per round: (one after the other - overlapped) / all-to-all alone; its median,
+    quartiles and range. Whether the cores can show it: ranks x (torch threads + gloo's worker)
+    against the CPUs and the load (fewer: the figure measures contention). Then a DualPipe run
+    with experts (pp 2 x ep 2) counted from its records: all-to-alls overlapping another
+    micro-batch's compute on the same rank (0: the runner runs each rank's ops in order), and its
+    asynchronous pipeline sends.
 (g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
     torch's private ring template, on the same inputs; and, from our forward's own timing of each
     hop, the share of the hop's time during which the current block was being computed.
 (h) A mixture-of-experts GPT trained with its experts sharded over ep = N ranks against the same
     model, data and ranks with every expert replicated (ep 1, plain data parallel), through the
-    engine (`engine.run`). Step time: median over the steps after the first (warm-up) and before
+    engine (`launch.run`). Step time: median over the steps after the first (warm-up) and before
     the last (the memory meter watches it and slows it). Per step and rank, from the run's own
     records: the dispatch and combine all-to-alls (forward and backward, wall time of each call),
     the counts exchange, and the experts' compute (forward timed in the layer, backward between
@@ -65,8 +75,13 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
     ones write more (per-message headers, and the algorithm gloo picks for small tensors).
 (j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny
-    GPT (planner.validate_on_toy_runs) is run; each rank's model states against the prediction,
-    to the byte, and Spearman's rank correlation of the predicted and measured step times.
+    GPT (planner.validate_on_toy_runs; --plan-sample N: N of them) is run; each rank's model states
+    against the prediction, to the byte, and the step time predicted with the profile "this
+    machine" measured first (planner.measure_hardware: the toy's compute through the engine on
+    one rank, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
+    wall-clock step: predicted / measured per layout, how many within 0.7-1.4, Spearman's rank
+    correlation (and the assumed "cpu" profile's, beside); and the ranks' summed op CPU time over
+    the cores, which other processes' load does not inflate.
 (k) The app as a class meets it: a Streamlit server of its own (`streamlit run app/streamlit_app.py`,
     its warm-up off, so that the first press of each page is measured, not read) and Debian's
     chromium at 1440 x 900 (playwright). For every page at its default controls: cold = the first
@@ -112,9 +127,9 @@ import torch.distributed as dist
 
 from .. import theory
 from ..comm import Comm, ring_all_reduce
-from ..config import RunConfig
+from ..config import MAX_LOCAL_RANKS, RunConfig
 from ..data import global_batch, shard
-from ..launch import run_ranks
+from ..runtime.launch import run_ranks
 from ..mesh import build_mesh
 from ..model import build_model
 from ..optim import Adam
@@ -622,14 +637,14 @@ WARM_RUNS = {
         "dp": 2, "dp_mode": "bucketed", "bucket_mb": 0.25, "grad_accum": 1, "steps": 4, "batch": 8,
         "reference": True}),
     "Ring all-reduce page, default settings": ("ring", {"n": 4, "numel": 16, "timed_mb": 4}),
-    "engine.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
+    "launch.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
 }
 
 
 def _warm_call(kind: str, settings: dict):
     """One live run the way the app's cached wrappers make it (app/live_runs.py), minus the cache."""
     from .collectives import ring_experiment
-    from ..engine import run
+    from ..runtime.launch import run
 
     if kind == "ring":
         return ring_experiment(settings["n"], settings["numel"], timed_mb=settings["timed_mb"])
@@ -660,9 +675,9 @@ def bench_warm(repeats: int = 10, runs: dict = WARM_RUNS) -> dict:
 # ---------------------------------------------------------------------------------------------
 def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4), (4, 8)),
                  repeats: int = 5) -> list[dict]:
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.schedules import pipeline_layers, virtual_stages
-    from ..trace import GAP_PARTS, PIPELINE_STEPS
+    from .trace import GAP_PARTS, PIPELINE_STEPS, bubble
 
     rows = []
     for pp, m in setups:
@@ -674,7 +689,7 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
             runs = []
             for i in range(repeats):
                 report = run(cfg)
-                b = report.extra["bubble"]
+                b = bubble(report)
                 wall = b["wall"]
                 runs.append({"wall": wall["overall"], "replayed": b["replayed"]["overall"],
                              "theory": b["theory"],
@@ -719,9 +734,9 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
     rank (measured bytes; the table says copies), activations (micro-batches in flight, counted
     from the op list, in units of one pp-way stage; the peak measured in bytes), and the report's
     formula with this run's measured op costs (no F&B overlap on one CPU: F&B = F + B + W)."""
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.schedules import build_schedule, in_flight
-    from ..trace import op_costs
+    from .trace import bubble, op_costs
 
     rows = []
     for name in DUAL_COMPARED:
@@ -729,7 +744,7 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
                         steps=steps, reference=True).validate()
         report = run(cfg)
         s = build_schedule(name, pp, m)
-        b, costs = report.extra["bubble"], op_costs(report)
+        b, costs = bubble(report), op_costs(report)
         chunk = pp / s.stages  # one chunk's size in pp-way stages (1, or 1/2 in a V)
         stages = pp if name in ("1f1b", "zb", "dualpipe") else 2 * pp
         split = "W" in costs
@@ -877,11 +892,12 @@ def bench_fb_overlap(ranks: int = 2, repeats: int = 15, timeline: bool = True) -
                   c / w for c, w in zip(r0["cpu_s"]["comm"], r0["times_s"]["comm"])),
               **fb_overlap_cores(ranks, r0["torch_threads"], cpus, load)}
     if timeline:
-        from ..engine import run
+        from ..runtime.launch import run
         from .experiments import comm_during_other_compute
 
         run_cfg = RunConfig(pp=2, dp=2, ep=2, experts=4, top_k=2, schedule="dualpipe",
-                            microbatches=4, batch=8, layers=2, steps=4, reference=True).validate()
+                            microbatches=4, batch=8, layers=2, steps=4, reference=True,
+                            backend="gloo").validate()  # CPU ranks, as the micro-benchmark's
         report = run(run_cfg)
         result["timeline"] = {"config": "pp 2 x ep 2 (dp 2), dualpipe, 4 micro-batches, 4 experts",
                               "max_abs_diff": report.max_abs_diff,
@@ -1023,7 +1039,7 @@ def _slowest_split(row) -> dict:
 
 
 def _print_bubble(rows):
-    from ..trace import GAP_PARTS
+    from .trace import GAP_PARTS
     r0 = rows[0]
     print(f"(f) pipeline bubble against the formula: measured (wall clock) and replayed (measured op "
           f"times, own-device schedule), {r0['steps']} steps, {r0['repeats']} runs each")
@@ -1216,7 +1232,7 @@ def _ep_split(report, rank: int, step: int) -> dict:
 
 def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch: int = 16,
              d_model: int = 128) -> list[dict]:
-    from ..engine import run
+    from ..runtime.launch import run
     rows = []
     for n in eps:
         row = {"ranks": n, "experts": experts, "top_k": top_k}
@@ -1303,12 +1319,20 @@ def bench_wire(world_sizes=(2, 4), sizes=(4 * 1024, 64 * 1024, MB, 16 * MB), rep
     return rows
 
 
-def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
+def bench_plan(ranks: int = 8, steps: int = 6, hardware_json: str | None = None,
+               sample: int = 0) -> dict:
     """(j) Every memory class of layout the planner ranks for `ranks` ranks of the tiny GPT on this
-    machine, run live (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes
-    against the planner's prediction, and the planner's step-time order against the measured one
-    (Spearman's rank correlation; the timings are this machine's, with its cores shared)."""
+    machine (or `sample` of them, evenly spaced along the ranking), run live
+    (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes against the planner's
+    prediction, and the planner's step time, predicted with the profile "this machine" measured
+    here first (planner.measure_hardware; read from / written to `hardware_json` when given),
+    against the measured one: predicted / measured per layout, Spearman's rank correlation (the
+    timings are this machine's, with its cores shared). The assumed "cpu" profile's prediction
+    is kept beside it."""
     from . import planner
+
+    say = (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    hw = planner.measure_hardware(hardware_json, progress=say)
 
     def progress(row):
         print(f"  {row['layout']}: " + (row.get("error") or (
@@ -1316,22 +1340,55 @@ def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
               f"{1e3 * row['predicted_step_s']:.1f} ms, measured {1e3 * row['measured_step_s']:.1f} ms")),
               file=sys.stderr, flush=True)
 
-    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress)
+    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress, hw=hw,
+                                        sample=sample)
+
+
+PLAN_GOAL = (0.7, 1.4)  # predicted / measured step time: issue 24's goal for most layouts
 
 
 def _print_plan(res: dict):
+    hw = res.get("hardware") or {}
     print(f"(j) the planner's {res['ranks']}-rank layouts of the tiny GPT, run here on "
           f"{res['cores']} cores: model states equal to the prediction on every rank in "
           f"{res['states_equal']} of {res['layouts'] - res['failed']} layouts"
           + (f" ({res['failed']} failed to run)" if res["failed"] else ""))
+    if hw:
+        print(f"    profile {hw['name']!r} ({hw['source']}): {hw['flops'] / 1e9:.1f} GFLOP/s per "
+              f"core, {1e3 * hw['block_overhead_s']:.2f} ms fixed per block and micro-batch, "
+              f"{1e6 * hw['latency_intra_s']:.0f} us per hop with a core per rank, "
+              f"{1e6 * hw['shared_hop_s']:.0f} us x ranks/cores when shared, "
+              f"{hw['intra_bw'] / 1e9:.2f} GB/s")
     ran = [r for r in res["rows"] if "error" not in r]
-    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms"],
+    assumed = any("predicted_assumed_step_s" in r for r in ran)
+    cpu = all("measured_cpu_s" in r for r in ran)
+    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms",
+                  "predicted/measured"]
+                 + (["ops' CPU / cores ms", "predicted compute / that"] if cpu else [])
+                 + (["assumed-rates predicted ms"] if assumed else []),
                  [[r["layout"], "yes" if r["states_equal"] else "NO",
-                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}"]
+                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}",
+                   f"{r['predicted_step_s'] / r['measured_step_s']:.2f}"]
+                  + ([f"{1e3 * r['measured_cpu_s'] / res['cores']:.1f}",
+                      f"{r['predicted_compute_s'] * res['cores'] / r['measured_cpu_s']:.2f}"]
+                     if cpu else [])
+                  + ([f"{1e3 * r['predicted_assumed_step_s']:.1f}"] if assumed else [])
                   for r in ran]))
+    if cpu:
+        print("    ops' CPU / cores: every rank's CPU time in the step's ops (thread time, measured), "
+              "summed, over the cores: the step if our ranks had the cores to themselves and "
+              "never waited; other processes' load is not in it (the wall clock's step is)")
+    lo, hi = PLAN_GOAL
+    inside = sum(lo <= r["predicted_step_s"] / r["measured_step_s"] <= hi for r in ran)
+    print(f"predicted/measured within {lo}-{hi}: {inside} of {len(ran)} layouts")
     rho = res["spearman_step_time"]
     print("Spearman's rank correlation, predicted vs measured step time: "
           + ("n/a (fewer than 3 layouts ran)" if rho is None else f"{rho:+.2f}"))
+    if assumed and len(ran) > 2:
+        from .planner import spearman
+        rho0 = spearman([r["predicted_assumed_step_s"] for r in ran],
+                        [r["measured_step_s"] for r in ran])
+        print(f"    with the assumed rates (profile 'cpu'): {rho0:+.2f}")
 
 
 def _print_wire(rows):
@@ -1587,7 +1644,7 @@ def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 12, batch: int
     same updates replayed in one process without staleness (each gradient on the current
     version: what staleness cost, at equal samples). The target loss, unless given, is the
     highest final smoothed loss of the runs, so that every run reaches it."""
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.async_ps import worker_batch
     from ..reference import replay_updates
     # 16 sequences of 64 tokens per worker step: compute, not the 0.9 MB messages, sets the pace
@@ -1788,6 +1845,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
     ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
                     "highest final loss of its runs")
+    ap.add_argument("--hardware-json", metavar="PATH", help="(j) plan: read the measured "
+                    "'this machine' profile from PATH if it exists, else measure and write it")
+    ap.add_argument("--plan-sample", type=int, default=0, metavar="N", help="(j) plan: run N of "
+                    "the layout classes, evenly spaced along the ranking (default: all)")
     ap.add_argument("--world", type=int, default=2, help="local ranks for (m) links")
     ap.add_argument("--max-mib", type=float, default=64, help="largest message for (m) links, MiB")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
@@ -1823,7 +1884,8 @@ def _sections(args) -> dict:
         "cp": [("cp", lambda: bench_cp(warmup=least(2, 1), steps=least(6, 4)), _print_cp)],
         "ep": [("ep", lambda: bench_ep(steps=least(8, 6)), _print_ep)],
         "wire": [("wire", bench_wire, _print_wire)],
-        "plan": [("plan", bench_plan, _print_plan)],
+        "plan": [("plan", lambda: bench_plan(hardware_json=args.hardware_json,
+                                             sample=args.plan_sample), _print_plan)],
         "app": [("app", lambda: bench_app(tuple(args.app_pages), args.app_repeats), _print_app)],
         "async": [("async", lambda: bench_async(4, args.async_factor, args.async_steps,
                                                 args.async_batch, target=args.async_target),
@@ -1844,6 +1906,15 @@ def main(argv=None) -> int:
         old, new = (json.loads(Path(f).read_text()) for f in args.compare)
         _print_compare(compare(old, new), args.compare[0], old, new)
         return 0
+    if args.what in ("links", "all") and not 2 <= args.world <= MAX_LOCAL_RANKS:
+        print(f"bench: --world {args.world}: links need 2 to {MAX_LOCAL_RANKS} local ranks (e.g. "
+              "--world 2)",
+              file=sys.stderr)
+        return 2
+    if args.what in ("links", "all") and args.max_mib <= 0:
+        print(f"bench: --max-mib {args.max_mib:g}: give a positive size in MiB (e.g. --max-mib 64)",
+              file=sys.stderr)
+        return 2
     if args.compare and len(args.compare) != 1:
         print("bench: --compare takes OLD.json when a benchmark runs (OLD.json NEW.json without "
               "one)", file=sys.stderr)

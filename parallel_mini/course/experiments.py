@@ -1,4 +1,4 @@
-"""Live experiments that are neither a training run (`engine.run`) nor a collective
+"""Live experiments that are neither a training run (`launch.run`) nor a collective
 (`collectives.py`): each starts ranks, does one small thing on them, and returns plain data that a
 page or a lesson draws. The app's pages call these and never run code on a rank themselves.
 
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..config import RunConfig
-from ..launch import rank_device, run_ranks
+from ..mesh import rank_device
+from ..runtime.launch import run_ranks
 from ..mesh import build_mesh
 from ..model import build_model
 from ..parallel.tensor import apply_tensor_parallel
@@ -283,7 +284,7 @@ def dp_overlap_experiment(dp: int = 4, batch: int = 8, bucket_mb: float = 0.25, 
     that overlapped backward, all-reduces per step and how many finished before backward ended;
     "steps": step_times rows with `mode` and `run`; "buckets": bucket_overlap rows of the bucketed
     runs; "config": what ran}."""
-    from ..engine import run  # engine imports much of the library: only when a run is asked for
+    from ..runtime.launch import run  # engine imports much of the library: only when a run is asked for
 
     base = RunConfig(dp=dp, batch=batch, steps=steps, **model).validate()
     n_params = sum(1 for _ in build_model(base).parameters())
@@ -345,7 +346,7 @@ def local_sgd_bytes(dp: int = 4, every=(1, 2, 4), steps: int = 8, batch: int = 8
     """Data parallel (gradients averaged every step) and local SGD at each H in `every`, one live
     run each on the same data: per row `mode`, `sync_every` (0: DDP), `bytes_per_sample`
     ({counted, theory, measured}), `ratio_to_ddp` (counted), and the run's `losses`."""
-    from ..engine import run  # only when a run is asked for
+    from ..runtime.launch import run  # only when a run is asked for
 
     rows = []
     for h in (0, *every):
@@ -372,7 +373,7 @@ def fedavg_rounds_to_target(target: float = 3.0, non_iid=(0.0, 10.0), local_step
     sizes and sampling. Per row `non_iid`, `local_steps`, `rounds_to_target` (None: not within
     `rounds`), the union loss per round, each round's mean client drift, and the weights' bytes
     rank 0 sent per round ({counted, theory, measured})."""
-    from ..engine import run  # only when a run is asked for
+    from ..runtime.launch import run  # only when a run is asked for
 
     rows = []
     for a in non_iid:
@@ -405,7 +406,7 @@ def straggler_runs(ranks: int = 4, factor: float = 3.0, steps: int = 8, batch: i
     """Synchronous DP and asynchronous SGD on `ranks` ranks, each without and with a straggler
     (`straggler_rank`, default the last rank, `factor` times slower): {name: RunReport}, one live
     run each on the same data and model (SMALL unless given)."""
-    from ..engine import run
+    from ..runtime.launch import run
 
     slow = f"{ranks - 1 if straggler_rank is None else straggler_rank}:{factor:g}"
     common = dict(dp=ranks, steps=steps, batch=batch, **{**SMALL, **model})

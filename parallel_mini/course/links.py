@@ -150,7 +150,7 @@ def measure_links(world: int = 2, sizes: list[int] | None = None, ops=OPS, repea
     "seconds", "median_s", "min_s"}]}; JSON-able. (On a shared machine a repeat that lost its core
     takes a scheduler quantum, milliseconds, instead of ~0.1 ms: min_s, the fastest repeat, is
     the time with the cores free; median_s what a call takes under the load that was there.)"""
-    from ..launch import run_ranks
+    from ..runtime.launch import run_ranks
 
     sizes = list(DEFAULT_SIZES if sizes is None else sizes)
     for op in ops:
@@ -172,7 +172,7 @@ def measure_links(world: int = 2, sizes: list[int] | None = None, ops=OPS, repea
 # ---------------------------------------------------------------------------------------------
 # fitting
 # ---------------------------------------------------------------------------------------------
-def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+def fit_relative(points: list[tuple[float, float, float]]) -> tuple[float, float]:
     """alpha, beta >= 0 minimising sum(((a*alpha + bx*beta) / t - 1)^2) over (a, bx, t): least
     squares in relative error (each row divided by its measured t), so a 4-byte message weighs as
     much as a 64 MiB one. Where the unconstrained optimum has a negative coordinate, the best
@@ -198,7 +198,7 @@ def _fit(points: list[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 def _fitted(points, hop_counts) -> dict:
-    alpha, beta = _fit(points)
+    alpha, beta = fit_relative(points)
     errs = [abs(a * alpha + bx * beta - t) / t for a, bx, t in points]
     return {"alpha_s": alpha, "beta_s_per_byte": beta,
             "bandwidth_Bps": (1.0 / beta) if beta > 0 else math.inf,

@@ -7,13 +7,13 @@ app's), redrawn from the library's formulas at every slider move and from real r
     memory_explorer(model=..., gpus=2, zero=0, precision="bf16-mixed")
                                               lesson 03: memory per GPU, sliders for model size,
                                               ZeRO stage and ranks (theory at once); "Run live"
-                                              measures the toy on real ranks (engine.run)
+                                              measures the toy on real ranks (launch.run)
     bubble_explorer(pp=4, m=4, schedule="1f1b")
                                               lesson 05: the schedule planned with unit costs and
                                               its bubble beside the formula (at once; DualPipe's
                                               F&B pairs one unit each, as the app's Pipeline page
                                               plans them); "Run live" runs it on pp ranks
-                                              (engine.run): the bubble measured on the wall clock
+                                              (launch.run): the bubble measured on the wall clock
                                               and replayed, as the report says
     tiles_explorer(cp=4, layout="zigzag", seq=64)
                                               lesson 06: the causal tile map and the work per rank
@@ -40,7 +40,9 @@ import time
 import altair as alt
 import ipywidgets as W
 
-from .. import engine, theory, trace
+from .. import theory
+from ..runtime import launch
+from . import trace
 from ..config import RunConfig
 from ..parallel import schedules as S
 from ..parallel.context import chunks_of, n_chunks
@@ -341,7 +343,7 @@ class MemoryExplorer(Explorer):
         model, gpus, zero, prec = (self.model.value, self.gpus.value, self.zero.value,
                                    self.precision.value)
         self.say(f"Training the toy at ZeRO-{zero} on {gpus} rank(s), one step…", "busy")
-        rep = engine.run(RunConfig.from_dict(memory_config(model, gpus, zero, prec))).to_dict()
+        rep = launch.run(RunConfig.from_dict(memory_config(model, gpus, zero, prec))).to_dict()
         mem = rep["ranks"][0]["memory"]
         self.runs[(model, gpus, prec, zero)] = {
             "theory": {**rep["theory"]["memory"], "activations": TOYS[model]["layers"]
@@ -383,7 +385,7 @@ def memory_explorer(model: str = MODELS[0], gpus: int = 2, zero: int = 0,
 
     Memory per GPU at ZeRO 0-3 by the formulas, redrawn at every move of the sliders for model
     size (toys and at_scale.PRESETS), ZeRO stage (highlighted) and ranks N. "Run live" trains a toy
-    one step at the chosen stage on N ≤ 4 real ranks (engine.run) and draws rank 0's measured
+    one step at the chosen stage on N ≤ 4 real ranks (launch.run) and draws rank 0's measured
     bytes beside the run's predicted ones; runs at other stages add their bars."""
     return MemoryExplorer(model, gpus, zero, precision)
 
@@ -509,8 +511,8 @@ class BubbleExplorer(Explorer):
         name, pp, m = self.key()
         self.say(f"Running {name} on {pp} ranks, {m} micro-batches, {trace.PIPELINE_STEPS} "
                  "steps…", "busy")
-        rep = engine.run(RunConfig.from_dict(pipeline_config(name, pp, m)))
-        b = rep.extra["bubble"]
+        rep = launch.run(RunConfig.from_dict(pipeline_config(name, pp, m)))
+        b = trace.bubble(rep)
         step = b["steps"][0]
         self.live = {"key": self.key(), "bubble": b}
         self.show_live(viz.pipeline_timeline(
@@ -530,7 +532,7 @@ def bubble_explorer(pp: int = 4, m: int = 4, schedule: str = "1f1b") -> BubbleEx
     interleaved with v = 2, zb, zbv, dualpipev, dualpipe): the schedule planned at once with unit
     costs (schedules.simulate; DualPipe's F&B pairs one unit each, as the DeepSeek-V3 report
     counts them) and its idle share beside theory.bubble_fraction. "Run live" trains the
-    toy with it on p ≤ 4 ranks (engine.run) and draws the step on the wall clock and the bubble
+    toy with it on p ≤ 4 ranks (launch.run) and draws the step on the wall clock and the bubble
     measured (wall clock) and replayed, as the run's report labels them."""
     return BubbleExplorer(pp, m, schedule)
 
@@ -629,7 +631,7 @@ class TilesExplorer(Explorer):
         layout, c, seq = self.key()
         self.say(f"Running context parallel ({layout}) on {c} ranks, s = {seq}, one step…",
                  "busy")
-        rep = engine.run(RunConfig(**CP_MODEL, cp=c, cp_impl=layout, seq=seq, layers=1,
+        rep = launch.run(RunConfig(**CP_MODEL, cp=c, cp_impl=layout, seq=seq, layers=1,
                                    steps=1)).to_dict()
         recorded = {k: viz.tile_map_frame(rep).query("rank == @k")[
             ["ring_step", "from", "q_chunk", "k_chunk", "computed"]].to_dict("records")
@@ -650,6 +652,6 @@ def tiles_explorer(cp: int = 4, layout: str = "zigzag", seq: int = 64) -> TilesE
 
     Sliders for the cp size C, the layout (ring: contiguous chunks; zigzag: chunks r and 2C−1−r)
     and the sequence length: each rank's causal tile map and its work as planned (theory), at
-    once. "Run live" trains the toy one step with C ≤ 4 ranks (engine.run) and draws the tiles the
+    once. "Run live" trains the toy one step with C ≤ 4 ranks (launch.run) and draws the tiles the
     ranks recorded and their work, measured beside the formula."""
     return TilesExplorer(cp, layout, seq)

@@ -208,7 +208,7 @@ class DiskOptimizer:
     # -- checkpoints: what the rank owns, in RAM for as long as a save or a load takes ----------
     @torch.no_grad()
     def snapshot(self) -> "Snapshot":
-        """Every piece's master and moments read into RAM (checkpoint.py reads and fills them as
+        """Every piece's master and moments read into RAM (runtime/checkpoint.py reads and fills them as
         it does an in-RAM optimizer's; `restore` writes them back)."""
         snap = Snapshot(self)
         with self._io_step("checkpoint"):

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..data import shard
-from ..launch import rank_device
+from ..mesh import rank_device
 from ..meters import HeldBytes
 from ..model import Linear
 from .schedules import Op, Schedule
