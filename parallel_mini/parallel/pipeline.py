@@ -233,9 +233,9 @@ class Mailbox:
             if src == self.rank or not self.posted[src]:
                 raise RuntimeError(f"rank {self.rank} waits for {key} that no schedule op sends")
             next_key, buf, handle = self.posted[src].popleft()
+            self._post(src)  # before the wait: posting then costs nothing when the wait is idle
             handle.wait()
             self.inbox[next_key] = buf
-            self._post(src)
         return self.inbox.pop(key)
 
     def finish(self) -> None:
