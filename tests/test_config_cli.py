@@ -259,7 +259,8 @@ def test_config_imports_nothing_of_the_package_and_validate_changes_nothing(tmp_
     import ast
     import dataclasses
 
-    from parallel_mini import config, preflight
+    from parallel_mini import config
+    from parallel_mini.runtime import preflight
     from parallel_mini.model import GPTConfig
     tree = ast.parse(Path(config.__file__).read_text())
     imported = [n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

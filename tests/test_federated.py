@@ -15,7 +15,8 @@ from parallel_mini.data import client_mixture, client_shard, client_size, succes
 from parallel_mini.runtime.launch import run
 from parallel_mini.parallel.federated import sample_clients, weighted_average
 from parallel_mini.reference import simulate_federated
-from test_local_sgd import one_thread  # noqa: F401  (autouse: simulations on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TOY = dict(layers=1, d_model=32, heads=2, seq=16, vocab=64, batch=4)
 

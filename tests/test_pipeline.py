@@ -64,6 +64,59 @@ def test_schedule_text_and_owner():
     assert S.build_schedule("interleaved", 2, 2).owner == [0, 1, 0, 1]
 
 
+class _FakeComm:
+    """Comm's point-to-point calls, noted instead of sent: a receive completes when waited on."""
+
+    def __init__(self):
+        self.calls = []
+
+    def isend(self, tensor, dst, axis, **tags):
+        self.calls.append(("isend", dst, tags["message"], tags["microbatch"], tags["chunk"]))
+        return _Waited(self.calls, "send")
+
+    def irecv(self, tensor, src, axis, **tags):
+        self.calls.append(("irecv", src, tags["message"], tags["microbatch"], tags["chunk"]))
+        return _Waited(self.calls, "wait")
+
+
+class _Waited:
+    def __init__(self, calls, what):
+        self.calls, self.what = calls, what
+
+    def wait(self):
+        self.calls.append((self.what,))
+
+
+def test_mailbox_posts_each_neighbours_next_receive_ahead():
+    """Rank 1 of interleaved pp2: every message it takes had its receive posted before the op
+    asked for it (irecv, no blocking recv), in the sender's order, at most AHEAD in flight."""
+    import torch
+    from parallel_mini.parallel.pipeline import Mailbox
+
+    s = S.build_schedule("interleaved", 2, 4)
+    comm = _FakeComm()
+    box = Mailbox(comm, s, 1, (1, 2, 3), torch.float32, "cpu")
+    assert comm.calls == [("irecv", 0, "act", 0, 1)]  # posted before any op runs
+    taken = []
+    for op in s.ops[1]:
+        if op.kind == "F" and op.chunk > 0:
+            key = ("act", op.microbatch, op.chunk)
+        elif op.kind == "B" and op.chunk < s.n_chunks - 1:
+            key = ("grad", op.microbatch, op.chunk)
+        else:
+            continue
+        before = len(comm.calls)
+        assert box.receive(key).shape == (1, 2, 3)
+        taken.append(key)
+        new = comm.calls[before:]
+        assert new[0] == ("wait",) and all(c[0] == "irecv" for c in new[1:])  # waits, then posts
+        in_flight = sum(c[0] == "irecv" for c in comm.calls) - sum(c == ("wait",) for c in comm.calls)
+        assert in_flight <= Mailbox.AHEAD
+    posted = [c[2:] for c in comm.calls if c[0] == "irecv"]
+    assert posted == list(box._sent_by(s, 0)) and sorted(posted) == sorted(taken)
+    assert not box.inbox and not box.posted[0]
+
+
 def test_check_refuses_broken_schedules():
     F, B = (lambda i: S.Op("F", i, 0)), (lambda i: S.Op("B", i, 0))
     with pytest.raises(ValueError, match="missing"):

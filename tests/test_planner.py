@@ -133,6 +133,19 @@ def test_bad_input_is_one_line_and_exit_2(argv, flag):
 def test_no_layout_fits_says_how_close_and_exits_1():
     rc, out, err = _cli("--model", "llama3-405b", "--gpus", "8")
     assert rc == 1 and "no layout fits: the least memory is" in out
+    rc0, out0, _ = _cli("--model", "llama3-405b", "--gpus", "8", "--top", "0")
+    assert rc0 == 1 and "no layout fits: the least memory is" in out0
+
+
+def test_top_0_counts_the_layouts_that_fit_and_lists_none():
+    """--top 0 asks for the counts alone: the same 'N layouts considered, M fit' line as the
+    default, no table, no 'no layout fits' (it printed that while M layouts fit), exit 0."""
+    rc, out, err = _cli("--top", "0")
+    rc10, out10, _ = _cli()
+    counts = [ln for ln in out10.splitlines() if "layouts considered" in ln]
+    assert rc == rc10 == 0 and not err and len(counts) == 1 and counts[0] in out
+    assert "no layout fits" not in out and "--top 0: none listed" in out
+    assert not [ln for ln in out.splitlines() if ln.lstrip().startswith("1 ")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import streamlit as st
 
 import presentation as pm
 from live_runs import StepBar, fmt_bytes, last_result, run_live, training_run
-from parallel_mini import preflight, theory
+from parallel_mini import theory
+from parallel_mini.runtime import preflight
 from parallel_mini.course import at_scale, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.viz.units import format_bytes

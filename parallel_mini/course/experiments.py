@@ -18,7 +18,10 @@ And what a training run's timeline says, read from a RunReport (plain data, no r
   per all-reduce, when it was launched and finished relative to the end of backward, and the share
   of all-reduce time that fell within backward's wall-clock span (`python -m parallel_mini.bench
   dp` too);
-- `bucket_overlap(report)`: the same for every rank and timed step of a data-parallel run.
+- `bucket_overlap(report)`: the same for every rank and timed step of a data-parallel run;
+- `comm_during_other_compute(report)`: per collective (DualPipe's question: the experts'
+  all-to-all), how much of its wall interval fell inside a compute op (F, B, W) of another
+  micro-batch or chunk on the same rank, counted from the timeline records.
 """
 from __future__ import annotations
 
@@ -224,6 +227,41 @@ def bucket_overlap(report, warmup: int = 1) -> list[dict]:
                 rows.append({"rank": r["rank"], "step": step, **row,
                              "finished_in_backward": row["finish_ms"] <= 0.0})
     return rows
+
+
+COMPUTE_OPS = ("F", "B", "W")
+
+
+def comm_during_other_compute(report, op: str = "all_to_all", warmup: int = 1) -> dict:
+    """Counted from a pipeline run's records (RunReport or its dict): for every `op` record of a
+    timed step with a wall interval, the op it was issued from (the compute op, F/B/W, on the same
+    rank whose interval holds the record's start: its own micro-batch and chunk) and the time it
+    overlapped any OTHER compute op of that rank (another micro-batch's, or the same micro-batch's
+    other chunk): DualPipe's F&B overlap, a chunk's all-to-all in flight while another computes.
+    Returns {"records": n, "inside_own_op": n, "overlapping_other": n, "comm_s": total wall time,
+    "overlapped_s": total overlap with other compute, "rows": one row per record}. A runner that
+    runs each rank's ops one after the other, its all-to-all blocking inside the op that needs it,
+    counts overlapping_other = 0 whatever the machine."""
+    d = _as_dict(report)
+    keep = set(timed_steps(d, warmup))
+    rows = []
+    for r in d["ranks"]:
+        compute = [e for e in r["events"] if e["kind"] in COMPUTE_OPS and e.get("step") in keep]
+        for c in r["comm"]:
+            if c["op"] != op or c.get("step") not in keep or "end" not in c:
+                continue
+            own = next((e for e in compute if e["start"] <= c["start"] <= e["end"]), None)
+            other = sum(max(0.0, min(c["end"], e["end"]) - max(c["start"], e["start"]))
+                        for e in compute if e is not own)
+            rows.append({"rank": r["rank"], "step": c["step"], "phase": c.get("phase"),
+                         "own_op": None if own is None else
+                         f"{own['kind']}{own.get('microbatch')}.{own.get('stage')}",
+                         "inside_own_op": own is not None and c["end"] <= own["end"],
+                         "comm_s": c["end"] - c["start"], "overlapped_other_s": other})
+    return {"records": len(rows), "inside_own_op": sum(x["inside_own_op"] for x in rows),
+            "overlapping_other": sum(x["overlapped_other_s"] > 0 for x in rows),
+            "comm_s": sum(x["comm_s"] for x in rows),
+            "overlapped_s": sum(x["overlapped_other_s"] for x in rows), "rows": rows}
 
 
 def _median(xs) -> float:
