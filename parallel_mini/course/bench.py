@@ -448,35 +448,79 @@ def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # (e) pipeline parallel: ours vs torch.distributed.pipelining
 # ---------------------------------------------------------------------------------------------
+def _count_torch_sends() -> dict:
+    """torch's schedules post every message through `schedules._batch_p2p` (private): wrapped to
+    count the sends, so the table can show both pipelines move the same messages (counted)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    counts = {"isend": 0}
+    original = getattr(torch_schedules, "_batch_p2p", None)
+    if original is None:  # another torch release: not counted
+        return {"isend": None}
+
+    def counting(ops, *args, **kwargs):
+        counts["isend"] += sum(getattr(op.op, "__name__", "") == "isend" for op in ops)
+        return original(ops, *args, **kwargs)
+
+    torch_schedules._batch_p2p = counting
+    return counts
+
+
+def _runner_split(events: list[dict], wall: float) -> dict:
+    """One step of our runner on one rank, from its own timeline (measured): compute (F, B, W),
+    handing messages to the link (send events), waiting for them (wait events) and the rest of
+    the step's wall time (bookkeeping between ops, zero_grad and the optimizer step)."""
+    split = {"compute": 0.0, "send": 0.0, "wait": 0.0}
+    for e in events:
+        split[e["kind"] if e["kind"] in ("send", "wait") else "compute"] += e["end"] - e["start"]
+    split["other"] = wall - sum(split.values())
+    return split
+
+
 def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
     cfg = RunConfig.from_dict(cfg_dict)
+    torch_sent = _count_torch_sends()
     runners = {}
     for name in schedules:
         runners[("ours", name)] = OurPipeline(cfg, name)
         runners[("torch", name)] = TorchPipeline(cfg, name)
     names = list(runners)
     times = {k: [] for k in names}
+    splits = {name: [] for name in schedules}
+    sent = {k: 0 for k in names}
     final_loss = {}
     repeats, i = Repeats(steps), 0
     while i < warmup or repeats.more(times.values()):
         x, y = global_batch(cfg, i)
         i += 1
         for key in names[(i - 1) % len(names):] + names[:(i - 1) % len(names)]:  # none always first
+            runner, before = runners[key], torch_sent["isend"]
             dist.barrier()
             t0 = time.perf_counter()
-            loss = runners[key].step(x, y)
-            dt = _slowest_rank(time.perf_counter() - t0)
+            loss = runner.step(x, y)
+            mine = time.perf_counter() - t0
+            dt = _slowest_rank(mine)
             if i > warmup:
                 times[key].append(dt)
+                if key[0] == "ours":
+                    splits[key[1]].append(_runner_split(runner.last_events, mine))
+            if i == 1:  # the messages of one step, this rank's sends
+                sent[key] = runner.sends if key[0] == "ours" else (
+                    None if before is None else torch_sent["isend"] - before)
             if loss is not None:
                 final_loss[key] = loss
     # both trained on the same data from the same init: their last losses agree (a sanity check)
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, final_loss)
-    final = {k: v for p in parts for k, v in p.items()}
+    split = {name: {k: statistics.median(s[k] for s in v) for k in v[0]} for name, v in splits.items()}
+    dist.all_gather_object(parts, (final_loss, split, sent))
+    final = {k: v for p in parts for k, v in p[0].items()}
     return {"times": {f"{who} {name}": t for (who, name), t in times.items()},
             "loss_diff": {name: abs(final[("ours", name)] - final[("torch", name)])
-                          for name in schedules}}
+                          for name in schedules},
+            "split": {name: [p[1][name] for p in parts] for name in schedules},
+            "sends": {f"{who} {name}": (None if any(p[2][(who, name)] is None for p in parts)
+                                        else sum(p[2][(who, name)] for p in parts))
+                      for who, name in names}}
 
 
 def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), warmup: int = 3,
@@ -496,6 +540,10 @@ def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dual
                          "ours_over_torch": ours / peer,
                          **_verdict(out["times"][f"ours {name}"], out["times"][f"torch {name}"]),
                          "last_loss_diff": out["loss_diff"][name],
+                         "messages_per_step": {"ours": out["sends"][f"ours {name}"],
+                                               "torch": out["sends"][f"torch {name}"]},
+                         "ours_split_ms": [{k: 1e3 * v for k, v in per_rank.items()}
+                                           for per_rank in out["split"][name]],
                          "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()
                                     if k.endswith(f" {name}")}})
     return rows
@@ -979,11 +1027,25 @@ def _print_pp(rows):
     r0 = rows[0]
     print(f"(e) pipeline parallel step time, median over the steps (slowest rank), "
           f"{r0['layers']} layers, global batch {r0['batch']}, {r0['microbatches']} micro-batches; "
-          f"torch = torch.distributed.pipelining on the same chunks")
-    print(_table(["pp", "schedule", "ours ms", "torch", "torch ms", "ours/torch", "|loss diff|"],
+          f"torch = torch.distributed.pipelining on the same chunks; messages = sends per step "
+          f"over all ranks (counted)")
+    print(_table(["pp", "schedule", "ours ms", "torch", "torch ms", "ours/torch", "|loss diff|",
+                  "messages ours/torch"],
                  [[r["pp"], r["schedule"], f"{r['ours_ms']:.1f}", r["torch_schedule"],
                    f"{r['torch_ms']:.1f}", f"{r['ours_over_torch']:.2f}",
-                   f"{r['last_loss_diff']:.1e}"] for r in rows]))
+                   f"{r['last_loss_diff']:.1e}",
+                   "{ours}/{torch}".format(**r["messages_per_step"])] for r in rows]))
+    print("    ours, where a step's wall time goes on its slowest rank (median ms, from the "
+          "runner's own timeline; other = between ops and the optimizer step)")
+    print(_table(["pp", "schedule", "compute", "send", "wait", "other"],
+                 [[r["pp"], r["schedule"], *(f"{_slowest_split(r)[k]:.1f}"
+                                             for k in ("compute", "send", "wait", "other"))]
+                  for r in rows]))
+
+
+def _slowest_split(row) -> dict:
+    """The split of the rank whose step took longest (compute + send + wait + other)."""
+    return max(row["ours_split_ms"], key=lambda s: sum(s.values()))
 
 
 def _print_bubble(rows):
