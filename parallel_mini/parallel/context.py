@@ -229,7 +229,11 @@ class RingAttentionCore(torch.nn.Module):
                 o_t, lse_t = _attend_tile(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                           causal=causal)
                 if out is None:  # step 0, the diagonal: every query row, nothing to merge yet
-                    out, lse = o_t, lse_t
+                    # in [b, a, n, d] memory order, as the written-out tile returns it (the fused
+                    # kernel's is [b, n, a, d] seen transposed): the merges then write contiguous
+                    # rows, and what the layers after keep for backward (theory's activation
+                    # count) stays that of the written-out ring
+                    out, lse = o_t.contiguous(), lse_t
                 else:
                     out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows],
                                                               o_t, lse_t)
@@ -239,10 +243,7 @@ class RingAttentionCore(torch.nn.Module):
                 kv = nxt
         _release(kv)  # the last block received
         self.tiles, self.hops = tiles, hops
-        # in [b, a, n, d] memory order, as the written-out tile and the merge return it (the fused
-        # kernel's is [b, n, a, d] seen transposed): what the layers after keep for backward, and
-        # theory's activation count, stay those of the written-out ring
-        return out.contiguous(), lse
+        return out, lse
 
     @torch.no_grad()
     def ring_backward(self, q, k, v, out, lse, grad_out):
