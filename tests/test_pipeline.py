@@ -96,7 +96,8 @@ def test_mailbox_posts_each_neighbours_next_receive_ahead():
     s = S.build_schedule("interleaved", 2, 4)
     comm = _FakeComm()
     box = Mailbox(comm, s, 1, (1, 2, 3), torch.float32, "cpu")
-    assert comm.calls == [("irecv", 0, "act", 0, 1)]  # posted before any op runs
+    first = list(box._sent_by(s, 0))[:Mailbox.AHEAD]
+    assert first[0] == ("act", 0, 1) and comm.calls == [("irecv", 0, *k) for k in first]  # before any op
     taken = []
     for op in s.ops[1]:
         if op.kind == "F" and op.chunk > 0:

@@ -523,7 +523,10 @@ def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
                       for who, name in names}}
 
 
-def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), warmup: int = 3,
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+
+
+def bench_pp(pps=(2, 4), schedules=PP_SCHEDULES, warmup: int = 3,
              steps: int = 10, layers: int = 8, microbatches: int = 8, batch: int = 16) -> list[dict]:
     rows = []
     for n in pps:
@@ -1839,6 +1842,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="for (b): 64 KB to 64 MB")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats for (b)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pp degrees for (e)")
+    ap.add_argument("--pp-schedules", nargs="+", default=list(PP_SCHEDULES), choices=PP_SCHEDULES,
+                    help="schedules for (e)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks for fb-overlap (f3)")
     ap.add_argument("--fb-repeats", type=int, default=15, help="interleaved rounds for fb-overlap")
     ap.add_argument("--warm-repeats", type=int, default=10, help="repeated runs for warm")
@@ -1883,7 +1888,8 @@ def _sections(args) -> dict:
                                              least(args.repeats, 3)), _print_ring)],
         "zero": [("zero", lambda: bench_zero(tuple(args.dp), least(3, 2), least(10, 4)), _print_zero)],
         "tp": [("tp", lambda: bench_tp(warmup=least(3, 2), steps=least(10, 4)), _print_tp)],
-        "pp": [("pp", lambda: bench_pp(tuple(args.pp), warmup=least(3, 2), steps=least(10, 4)),
+        "pp": [("pp", lambda: bench_pp(tuple(args.pp), tuple(args.pp_schedules),
+                                       warmup=least(3, 2), steps=least(10, 4)),
                 _print_pp)],
         "dualpipe": [("dualpipe", bench_dualpipe, _print_dualpipe),
                      ("fb_overlap", lambda: bench_fb_overlap(args.ranks, least(args.fb_repeats, 7)),
