@@ -2,7 +2,7 @@
 visible progress, abandoned runs said, errors without tracebacks.
 
 Pages run nothing on a rank themselves: they configure a run, call the library through the cached
-wrappers here (engine.run, collectives.ring_experiment, experiments.tp_mlp_shards), and draw.
+wrappers here (launch.run, collectives.ring_experiment, experiments.tp_mlp_shards), and draw.
 
 A class served at once. The result of every press of "Run live" is kept for the whole server, per
 page and setting (`SHARED`: a page's results are sized by their bytes, so one page's big results
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import streamlit as st
 
-from parallel_mini import engine
+from parallel_mini.runtime import launch
 from parallel_mini.course import collectives, experiments
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.launch import RankError
+from parallel_mini.runtime.launch import RankError
 from parallel_mini.course.viz.units import bytes_unit, rate_unit
 from run_queue import server_queue
 
@@ -123,10 +123,10 @@ def ring_experiment(n: int, numel: int, timed_mb: float, attempt: int = 0) -> di
 
 @st.cache_data(max_entries=32, show_spinner=False)
 def training_run(cfg_json: str, attempt: int = 0) -> dict:
-    """engine.run on the RunConfig given as JSON; the report as a dict (cached per config)."""
+    """launch.run on the RunConfig given as JSON; the report as a dict (cached per config)."""
     cfg = RunConfig.from_dict(json.loads(cfg_json))
     with rank_slots(cfg.world_size):
-        report = engine.run(cfg)
+        report = launch.run(cfg)
     return report.to_dict()
 
 
@@ -527,7 +527,7 @@ def _warm_launcher() -> None:
     cold 4-rank ring at load 19 timed out after 30 s waiting for its ranks)."""
     import multiprocessing.forkserver as forkserver
 
-    from parallel_mini import launch
+    from parallel_mini.runtime import launch
     if launch._context().get_start_method() == "forkserver":
         forkserver.ensure_running()
 

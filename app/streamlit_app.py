@@ -18,6 +18,7 @@ default controls reads a shared result at once.
 # cheap pages first.
 TOPICS = [
     ("app_pages/ring.py", "Ring all-reduce", ":material/autorenew:", "ring"),
+    ("app_pages/links.py", "This machine's links", ":material/speed:", "links"),
     ("app_pages/data_parallel.py", "Data parallel", ":material/content_copy:", "data_parallel"),
     ("app_pages/memory.py", "Memory per GPU", ":material/memory:", "memory"),
     ("app_pages/tensor.py", "Tensor parallel", ":material/grid_view:", "tensor"),

@@ -34,6 +34,7 @@ class Comm:
         self.step = 0  # set by the training loop; "setup" records use -1
         self.meter = CommMeter(dist.get_backend() if dist.is_initialized() else None)
         self.records, self.p2p_log = self.meter.records, self.meter.p2p_log  # what others read
+        self._posted: dict = {}  # (axis, src) -> (tensor, work): a receive posted early (sendrecv)
 
     def size(self, axis: str) -> int:
         return self.mesh.size(axis)
@@ -118,18 +119,32 @@ class Comm:
                                  wire_bytes_measured=0, **tags)  # a receive writes nothing
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, axis: str,
-                 **log):
+                 then_recv: torch.Tensor | None = None, **log):
         """Send `send` to axis-rank `dst` while receiving `recv` from axis-rank `src`.
 
         Posting both before waiting is what lets a ring of blocking ranks make progress. Any
-        keyword arguments (step, phase, chunk...) are kept in the send's log entry."""
+        keyword arguments (step, phase, chunk...) are kept in the send's log entry.
+
+        `then_recv`: the tensor this rank's *next* sendrecv on `axis` receives into, from the same
+        `src` (a ring's next step): its receive is posted now, before this step waits. Why: gloo
+        sends a message only once the receiver has announced a receive for it (a rendezvous);
+        a sender that gets there first waits one more round trip for the announcement. Announced a
+        whole step early, the receive is there when the neighbour sends; gloo's own ring keeps its
+        receives posted ahead the same way. Receives are matched in the order they were posted."""
         sent, got = self._send_record(send, axis, dst), self._recv_record(recv, axis, src)
+        g, left = self.mesh.groups[axis], self.mesh.global_rank(axis, src)
         self.meter.begin(sent)
-        g = self.mesh.groups[axis]
-        ops = [dist.P2POp(dist.isend, send, self.mesh.global_rank(axis, dst), g),
-               dist.P2POp(dist.irecv, recv, self.mesh.global_rank(axis, src), g)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        receiving = self._posted.pop((axis, src), None)
+        if receiving is not None and receiving[0] is not recv:
+            raise ValueError("sendrecv: `recv` is not the tensor the previous call's then_recv "
+                             "posted a receive into (pass that same tensor)")
+        work = receiving[1] if receiving else dist.irecv(recv, left, group=g)
+        if then_recv is not None:
+            self._posted[(axis, src)] = (then_recv, dist.irecv(then_recv, left, group=g))
+            got["next_posted"] = True
+        sending = dist.isend(send, self.mesh.global_rank(axis, dst), group=g)
+        work.wait()
+        sending.wait()
         self.meter.end(sent)
         got["end"] = sent["end"]
         self.meter.sent(sent, send, self.rank(axis), dst, **log)
@@ -182,16 +197,25 @@ def ring_all_reduce(x: torch.Tensor, comm: Comm, axis: str = "dp") -> torch.Tens
         return x
     chunks = list(x.view(-1).tensor_split(n))  # views: writing a chunk writes x
     right, left = (r + 1) % n, (r - 1) % n
-    incoming = torch.empty_like(chunks[0])  # chunk 0 is (one of) the largest
+    # where each of the 2(N-1) steps' incoming chunk lands: reduce-scatter into a buffer (added to
+    # the chunk after), two of them in turn so that the next step's receive can be posted while
+    # this step's buffer is still being added; all-gather straight into the chunk. Every step posts
+    # the next step's receive early (sendrecv's then_recv). No landing place is still being sent
+    # when its receive is posted, except at N = 2 (the one all-gather chunk is the reduce-scatter's
+    # send), where the neighbour sends into it only after it has received all of that send
+    incoming = [torch.empty_like(chunks[0]) for _ in range(2)]  # chunk 0 is (one of) the largest
+    lands = [incoming[step % 2][: chunks[(r - step - 1) % n].numel()] for step in range(n - 1)]
+    lands += [chunks[(r - step) % n] for step in range(n - 1)]
     for step in range(n - 1):  # reduce-scatter
         send_i, recv_i = (r - step) % n, (r - step - 1) % n
-        buf = incoming[: chunks[recv_i].numel()]
-        comm.sendrecv(chunks[send_i], right, buf, left, axis, step=step,
-                      phase="reduce-scatter", chunk=send_i)
-        chunks[recv_i] += buf
+        comm.sendrecv(chunks[send_i], right, lands[step], left, axis, then_recv=lands[step + 1],
+                      step=step, phase="reduce-scatter", chunk=send_i)
+        chunks[recv_i] += lands[step]
     for step in range(n - 1):  # all-gather
         send_i, recv_i = (r + 1 - step) % n, (r - step) % n
-        comm.sendrecv(chunks[send_i], right, chunks[recv_i], left, axis, step=n - 1 + step,
+        last = n - 1 + step == len(lands) - 1
+        comm.sendrecv(chunks[send_i], right, lands[n - 1 + step], left, axis,
+                      then_recv=None if last else lands[n + step], step=n - 1 + step,
                       phase="all-gather", chunk=send_i)
     return x
 

@@ -6,8 +6,8 @@ The CLI prints that line and exits 2; the app shows it; nothing is launched.
 `RunConfig.validate` computes from the values alone and returns: it writes nothing, reads no file
 and imports nothing of this package (this module is at the bottom of the house, torch-free, so
 that a bad flag is refused before torch is imported). What the machine and the disk allow (the
-memory estimate, a checkpoint to resume, files to write) is preflight.py's, asked by whoever
-launches the ranks (the CLI, engine.run). The model's shape is GPTConfig, which RunConfig extends.
+memory estimate, a checkpoint to resume, files to write) is runtime/preflight.py's, asked by whoever
+launches the ranks (the CLI, runtime/launch.run). The model's shape is GPTConfig, which RunConfig extends.
 """
 from __future__ import annotations
 
@@ -360,7 +360,7 @@ class RunConfig(GPTConfig):
                               "of --batch sequences; leave --grad-accum at 1")
 
     def _validate_saves(self) -> None:
-        """--save-every / --keep (checkpoint.py); the directories themselves: preflight.py."""
+        """--save-every / --keep (runtime/checkpoint.py); the directories themselves: runtime/preflight.py."""
         for name in ("save_every", "keep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "save_every" else 1):
@@ -577,7 +577,7 @@ def straggler_of(text: str) -> tuple[int, float] | None:
     return parsed if sep and math.isfinite(parsed[1]) else None
 
 def offload_file(directory: str, rank: int) -> str:
-    """--offload-disk's file of one rank (parallel/offload_disk.py writes it, engine.run removes it)."""
+    """--offload-disk's file of one rank (parallel/offload_disk.py writes it, runtime/launch.run removes it)."""
     return os.path.join(directory, f"rank{rank}.states")
 
 

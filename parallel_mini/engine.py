@@ -1,7 +1,7 @@
 """One training run, composed from the parallel/ pieces for a RunConfig.
 
-`train_rank` is what each rank executes; `run` launches the ranks (or, under torchrun, is one of
-them) and merges the per-rank results into a RunReport.
+`train_rank` is what each rank executes; runtime/launch.py's `run` starts the ranks (or, under
+torchrun, is one of them), each running `train_rank`, and merges their results into a RunReport.
 
 The composition, in this fixed order (torchtitan's: model changes first, data parallel last):
     1. mesh        the rank grid and its named axes (mesh.py)
@@ -24,9 +24,7 @@ engine calls nothing else on them.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -34,13 +32,11 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, preflight
 from .comm import Comm
 from .config import RunConfig, offload_file
 from .data import global_batch, shard
 from .interfaces import GradientStrategy, StepRunner
-from .launch import init_from_env, rank_device, run_ranks, under_torchrun
-from .mesh import Mesh, build_mesh
+from .mesh import Mesh, build_mesh, rank_device
 from .meters import (ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, cuda_bytes_freed,
                      model_state_bytes)
 from .model import build_model
@@ -60,7 +56,6 @@ from .parallel.tensor import apply_tensor_parallel
 from .parallel.zero import ZeroDataParallel
 from .parallel.zero3 import Zero3DataParallel
 from .reference import max_abs_diff, train_reference
-from .report import RunReport, merge_rank_results
 from .step import PlainStep
 
 
@@ -160,12 +155,18 @@ def _mean_over(value: float, mesh: Mesh, axis: str) -> float:
     return t.item() / mesh.size(axis)
 
 
-def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> dict:
+def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None, checkpoints=None
+               ) -> dict:
     """Runs on every rank. `init_seed_offset` (tests) makes ranks initialise differently, to show
     that the start-up broadcast makes them agree anyway. `average_fn(params, comm)` replaces the
     naive mode's gradient averaging (a learner's exercise runs through here); with --federated it
-    replaces the server's aggregation (federated.weighted_average's arguments)."""
+    replaces the server's aggregation (federated.weighted_average's arguments). `checkpoints`
+    writes and reads --save/--resume checkpoints: runtime/checkpoint.py, which runtime.launch.run
+    hands in (the core imports nothing of the runtime)."""
     cfg = RunConfig.from_dict(cfg_dict)
+    if (cfg.save or cfg.resume) and checkpoints is None:
+        raise ValueError("--save/--resume: train_rank needs checkpoints=runtime.checkpoint "
+                         "(runtime.launch.run passes it)")
     mesh = build_mesh(cfg)  # 1
     device = rank_device()
     base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -184,13 +185,13 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
                        timeline)  # 6 (--straggler: one rank sleeps after computing)
     strategy = parallelize(model, comm, cfg, average_fn, experts)  # 7
     runner.attach(strategy)  # 8
-    start = checkpoint.resume(cfg, model, strategy, mesh) if cfg.resume else 0
+    start = checkpoints.resume(cfg, model, strategy, mesh) if cfg.resume else 0
 
     def save(step: int) -> None:  # every --save-every steps and after the last; DCP's own
-        checkpoint.save(cfg.save, step, model, strategy, mesh, cfg)  # collectives, not training's
+        checkpoints.save(cfg.save, step, model, strategy, mesh, cfg)  # collectives, not training's
 
     losses, wall = _train(cfg, runner, strategy, comm, live, mesh, context, start,
-                          save if cfg.save else None)
+                          save if cfg.save else None, checkpoints)
     timeline.resolve()  # CUDA: each op's GPU start/end from its events (no-op on CPU)
     if cfg.save:
         save(cfg.steps)
@@ -229,7 +230,7 @@ def train_rank(cfg_dict: dict, init_seed_offset: int = 0, average_fn=None) -> di
 
 
 def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live: LiveBytes,
-           mesh: Mesh, context: ContextParallel, start: int = 0, save=None
+           mesh: Mesh, context: ContextParallel, start: int = 0, save=None, checkpoints=None
            ) -> tuple[list[float], float]:
     """The steps after `start` (a resumed run's checkpoint step); the last one under the
     live-bytes meter. Returns the global loss per step and the wall-clock seconds of all steps.
@@ -259,7 +260,8 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
             print(f"step {start + step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr,
                   flush=True)
         done = start + step + 1
-        checkpoint.crash_point(cfg, mesh.rank, f"step {done}")  # (tests: a kill between saves)
+        if checkpoints is not None:  # (tests: a kill between saves)
+            checkpoints.crash_point(cfg, mesh.rank, f"step {done}")
         if save is not None and cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
             t_save = time.perf_counter()
             save(done)
@@ -275,56 +277,3 @@ def _register_states(live: LiveBytes, strategy: GradientStrategy) -> None:
     live.add_existing([t for k, ts in states.items() if k != "grads" for t in ts]
                       + strategy.buffers())
     live.add_existing(states.pop("grads", []), freeable=True)
-
-
-def run(cfg: RunConfig, average_fn=None) -> RunReport:
-    """Launch `cfg.world_size` local ranks (or join torchrun's) and return the merged report."""
-    preflight.check(cfg.validate())  # the values, then what this machine and disk allow
-    if cfg.offload_disk:  # the ranks' working directory may not be this process's
-        cfg = dataclasses.replace(cfg, offload_disk=os.path.abspath(cfg.offload_disk))
-    try:
-        return _run(cfg, average_fn)
-    finally:  # whatever happened to the ranks, --offload-disk leaves no file (unless kept)
-        if cfg.offload_disk and not cfg.keep_offload:
-            mine = [int(os.environ["RANK"])] if under_torchrun() else range(cfg.world_size)
-            preflight.remove_offload_files(cfg.offload_disk, mine)
-
-
-def _run(cfg: RunConfig, average_fn=None) -> RunReport:
-    t0 = time.perf_counter()
-    backend = None if cfg.backend == "auto" else cfg.backend
-    backend = "gloo" if cfg.asynchronous else backend  # the server receives from any worker
-    if under_torchrun():
-        init_from_env(backend, cfg.timeout_s)
-        mine = train_rank(cfg.to_dict(), average_fn=average_fn)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        per_rank = gathered
-    else:
-        results = run_ranks(train_rank, cfg.world_size, cfg.to_dict(), timeout=cfg.timeout_s,
-                            pg_timeout=min(cfg.timeout_s, 60.0), backend=backend,
-                            average_fn=average_fn)
-        per_rank = [r.value for r in results]
-    start = per_rank[0]["resumed_from_step"]
-    # A resumed run's records cover the steps it trained: the report counts those (per-step
-    # bytes, the bubble's timed steps), and says where it started.
-    merged = dataclasses.replace(cfg, steps=cfg.steps - start) if start else cfg
-    report = merge_rank_results(merged, per_rank, wall_s=time.perf_counter() - t0)
-    if cfg.asynchronous:  # the server's records are the run's (parallel/async_ps.py)
-        report.extra["async"] = report.ranks[0].pop("async")
-    if cfg.resume:
-        report.extra["resumed_from_step"] = start
-        step_dir = f"step_{start}"  # (DIR/latest may name a newer one by now)
-        where = cfg.resume if os.path.basename(os.path.normpath(cfg.resume)) == step_dir \
-            else os.path.join(cfg.resume, step_dir)
-        if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
-            print(f"resumed from step {start} ({where}): trained steps {start + 1}-{cfg.steps}"
-                  if start else f"--resume {cfg.resume}: no checkpoint there yet; trained from "
-                  f"step 0", file=sys.stderr)
-    if cfg.sync_every:  # what the averages cost, counted, predicted and measured
-        report.extra["local_sgd"] = local_sgd.summary(report)
-    if cfg.federated:  # per round: clients' losses, drift; what crossed the network
-        report.extra["federated"] = federated.summary(report)
-    if cfg.save:
-        report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
-    return report

@@ -204,3 +204,12 @@ def build_mesh(cfg) -> Mesh:
     for axis, groups in plan_groups(cfg).items():  # grid axes, combined, expert axes: in order
         _add_axis(mesh, axis, groups, made)
     return mesh
+
+
+def rank_device():
+    """Where this rank's tensors live: its GPU under NCCL, else the CPU (a torch.device)."""
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

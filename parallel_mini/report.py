@@ -112,9 +112,6 @@ def merge_rank_results(cfg, per_rank: list[dict], wall_s: float = 0.0) -> RunRep
     report = RunReport(config=cfg.to_dict(), world_size=len(per_rank), losses=rank0["losses"],
                        ranks=per_rank, theory=theory.run_theory(cfg, rank0["n_params"]),
                        wall_s=wall_s)
-    if cfg.pp > 1:
-        from .trace import bubble
-        report.extra["bubble"] = bubble(report)
     if "max_abs_diff" in rank0:
         detail = rank0.pop("max_abs_diff")
         report.reference_losses = rank0.pop("reference_losses")

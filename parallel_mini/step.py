@@ -11,7 +11,7 @@ import torch
 
 from .data import shard
 from .interfaces import GradientStrategy
-from .launch import rank_device
+from .mesh import rank_device
 from .meters import ActivationMeter, Timeline
 
 

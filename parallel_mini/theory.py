@@ -25,17 +25,16 @@ def wire_bytes(op: str, payload_bytes: int, n: int, rank_in_chain: int = 0) -> i
     differ by one element; the ring implementation measures its own)."""
     if n <= 1:
         return 0
-    s = Fraction(payload_bytes)
-    factor = {
-        "all_reduce": Fraction(2 * (n - 1), n),
-        "all_gather": Fraction(n - 1, n),
-        "reduce_scatter": Fraction(n - 1, n),
-        "all_to_all": Fraction(n - 1, n),
-        "send": Fraction(1),
-        "recv": Fraction(0),
-        "broadcast": Fraction(1 if rank_in_chain < n - 1 else 0),
+    factor = {  # (numerator, denominator): only the asked-for Fraction is built (Comm calls this per op)
+        "all_reduce": (2 * (n - 1), n),
+        "all_gather": (n - 1, n),
+        "reduce_scatter": (n - 1, n),
+        "all_to_all": (n - 1, n),
+        "send": (1, 1),
+        "recv": (0, 1),
+        "broadcast": (1 if rank_in_chain < n - 1 else 0, 1),
     }[op]
-    value = s * factor
+    value = Fraction(payload_bytes) * Fraction(*factor)
     return int(value) if value.denominator == 1 else float(value)
 
 

@@ -29,13 +29,25 @@ def in_ci() -> bool:
     return os.environ.get("CI") == "true"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """In-process simulations on one thread, as every rank runs (launch.py): on a loaded 2-core
+    machine torch's default two threads spin against each other (seen: 70x the wall time). A module
+    asks for it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def shared_run():
-    """`shared_run(cfg)`: engine.run(cfg), run once per configuration for the whole session and
+    """`shared_run(cfg)`: launch.run(cfg), run once per configuration for the whole session and
     shared by every test that asks for the same RunConfig (a report is read, never changed: treat
     it as frozen). Ranks are the suite's main cost on CI's 2 cores; a configuration that several
     tests read is paid once."""
-    from parallel_mini.engine import run
+    from parallel_mini.runtime.launch import run
 
     reports: dict = {}
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel_mini import launch
+from parallel_mini.runtime import launch
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks need not import this file
 

@@ -208,7 +208,7 @@ def test_rank_error_summary_keeps_the_last_line():
     sys.path.insert(0, str(ROOT / "app"))
     from live_runs import rank_error_summary
 
-    from parallel_mini.launch import RankError
+    from parallel_mini.runtime.launch import RankError
 
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: shapes differ\n"
     assert rank_error_summary(RankError(2, tb)) == "Rank 2 failed: ValueError: shapes differ"

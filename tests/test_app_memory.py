@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import streamlit as st
 
-from parallel_mini.launch import RankError
+from parallel_mini.runtime.launch import RankError
 from test_app import (_app, _assert_clean, _chart, _charts, _rows_with, _widget, assert_steps,
                       record_steps)
 
@@ -322,13 +322,13 @@ def test_layouts_that_cannot_run_live_on_a_toy_show_theory_and_why():
 
 
 def test_failed_live_run_shows_one_line_error(monkeypatch):
-    from parallel_mini import engine
+    from parallel_mini.runtime import launch
 
     def failing_run(cfg, average_fn=None):
         raise RankError(1, "Traceback (most recent call last):\n  File \"x.py\"\n"
                            "RuntimeError: out of memory on rank 1\n")
 
-    monkeypatch.setattr(engine, "run", failing_run)
+    monkeypatch.setattr(launch, "run", failing_run)
     at = _page()
     at.button[0].click().run()
     assert not at.exception

@@ -14,7 +14,8 @@ import os
 import pytest
 import streamlit as st
 
-from parallel_mini import theory, trace
+from parallel_mini import theory
+from parallel_mini.course import trace
 from test_app import (_app, _assert_clean, _charts, _rows_with, _widget, assert_steps,
                       record_steps)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import streamlit as st
 
-from parallel_mini.launch import RankError
+from parallel_mini.runtime.launch import RankError
 from test_app import (_app, _assert_clean, _chart, _charts, _rows_with, _widget, assert_steps,
                       record_steps)
 
@@ -238,13 +238,13 @@ def test_live_tp2_dp2_adds_data_parallel_over_the_shards():
 
 
 def test_failed_live_run_shows_one_line_error(monkeypatch):
-    from parallel_mini import engine
+    from parallel_mini.runtime import launch
 
     def failing_run(cfg, average_fn=None):
         raise RankError(1, "Traceback (most recent call last):\n  File \"x.py\"\n"
                            "RuntimeError: gloo timed out on rank 1\n")
 
-    monkeypatch.setattr(engine, "run", failing_run)
+    monkeypatch.setattr(launch, "run", failing_run)
     at = _app(PAGE)
     at.button[0].click().run()
     assert not at.exception

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from parallel_mini import engine, theory
+from parallel_mini import theory
+from parallel_mini.runtime import launch
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.async_sim import simulate
 from parallel_mini.parallel.async_ps import worker_batch
@@ -24,7 +25,7 @@ TINY = dict(layers=1, d_model=16, heads=2, seq=8, vocab=32, batch=12, steps=3)
 
 def _run(**kw):
     cfg = RunConfig(**{**TINY, "asynchronous": True, "reference": True, **kw}).validate()
-    return cfg, engine.run(cfg)
+    return cfg, launch.run(cfg)
 
 
 def _check(cfg, report):
@@ -141,7 +142,7 @@ def test_one_worker_is_plain_sgd():
 
 def test_a_synchronous_straggler_changes_time_only():
     cfg = RunConfig(**{**TINY, "batch": 4}, dp=2, straggler="1:2", reference=True).validate()
-    report = engine.run(cfg)
+    report = launch.run(cfg)
     assert report.max_abs_diff <= TOL
     assert report.ranks[1]["straggler_slept_s"] > 0 and "straggler_slept_s" not in report.ranks[0]
 

@@ -16,12 +16,12 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from parallel_mini.__main__ import main
-from parallel_mini.checkpoint import _meta
+from parallel_mini.runtime.checkpoint import _meta
 from parallel_mini.placement import flat_boxes
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.engine import run
-from parallel_mini.launch import RankError
-from parallel_mini.preflight import check, file_digests
+from parallel_mini.runtime.launch import run
+from parallel_mini.runtime.launch import RankError
+from parallel_mini.runtime.preflight import check, file_digests
 
 SMALL = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8)
 

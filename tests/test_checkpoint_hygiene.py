@@ -15,7 +15,7 @@ import pytest
 
 from parallel_mini.__main__ import main
 from parallel_mini.config import RunConfig
-from parallel_mini.preflight import CheckpointError, check, file_digests
+from parallel_mini.runtime.preflight import CheckpointError, check, file_digests
 
 SMALL = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8)
 
@@ -25,7 +25,7 @@ def saved(tmp_path_factory):
     """One real checkpoint (1 rank, step 1), saved into a directory where links were planted:
     latest.tmp -> a file outside, step_1.tmp -> a directory outside. The save removes the links
     and writes nothing outside."""
-    from parallel_mini.engine import run
+    from parallel_mini.runtime.launch import run
     root = tmp_path_factory.mktemp("hygiene")
     outside, victim = root / "outside", root / "victim.txt"
     outside.mkdir()
@@ -117,7 +117,7 @@ def test_a_planted_pickle_never_runs(saved, tmp_path):
     _rewrite_meta(step, files=file_digests(str(step)))
     msg = _refused(ck)
     assert ".metadata names posix.system" in msg and "could run code" in msg, msg
-    from parallel_mini.checkpoint import _safe_reader
+    from parallel_mini.runtime.checkpoint import _safe_reader
     with pytest.raises(CheckpointError, match="posix.system"):
         _safe_reader(str(step)).read_metadata()
     assert not marker.exists()
@@ -159,7 +159,7 @@ mount -t tmpfs -o size=700k tmpfs "$1" || exit 99
   --steps 3 --save "$1/ck" --save-every 1 --json "$3/report.json"
 echo "rc=$?"
 ls "$1/ck"
-"$2" -c "import sys; from parallel_mini.config import RunConfig; from parallel_mini.preflight import check
+"$2" -c "import sys; from parallel_mini.config import RunConfig; from parallel_mini.runtime.preflight import check
 check(RunConfig(steps=3, resume=sys.argv[1], layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=8))
 print('resumable', 'torch' in sys.modules)" "$1/ck"
 """
@@ -191,9 +191,9 @@ def test_a_save_that_fails_on_rank_0_stops_every_rank_in_one_line(tmp_path):
     finishing step_2, after both ranks wrote their parts. Rank 1 does not wait for it forever:
     both stop with the same one line, the one the CLI prints alone (exit 1: the slow full-disk
     test runs the CLI); step_2.tmp is gone and step_1 stays `latest`."""
-    from parallel_mini.__main__ import ONE_LINE_FAULTS
-    from parallel_mini.engine import run
-    from parallel_mini.launch import RankError
+    from parallel_mini.runtime.cli import ONE_LINE_FAULTS
+    from parallel_mini.runtime.launch import run
+    from parallel_mini.runtime.launch import RankError
     ck = tmp_path / "ck"
     fault = {"kill": {"rank": 0, "at": "save 2 finishing", "fail": 13}}
     with pytest.raises(RankError) as e:

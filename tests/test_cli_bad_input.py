@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallel_mini.__main__ import _write_outputs, main as cli_main
-from parallel_mini.checkpoint import _meta
+from parallel_mini.__main__ import main as cli_main
+from parallel_mini.runtime.cli import _write_outputs
+from parallel_mini.runtime.checkpoint import _meta
 from parallel_mini.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,7 +251,7 @@ def test_a_good_meta_passes_the_checks(tmp_path):
     """The same reading accepts what checkpoint.py writes (so the cases above fail for their
     reason, not for any meta.json)."""
     import pickle
-    from parallel_mini.preflight import check_flags, file_digests, resolve
+    from parallel_mini.runtime.preflight import check_flags, file_digests, resolve
     d = _checkpoint(tmp_path / "ckpt", GOOD_META)
     assert resolve(str(d)) == (str(d / "step_2"), GOOD_META)
     (d / "step_2" / ".metadata").write_bytes(pickle.dumps({}))  # (names no class: inert)
@@ -305,15 +306,17 @@ class _Report:
 def test_an_output_that_fails_after_the_run_is_one_line_exit_1(flag, monkeypatch, capsys):
     """A disk that fills during the run (written to /dev/full, which the checks before the run
     refuse: so the write is tried here directly): the run finished, its output did not."""
-    import parallel_mini.course.timelines
+    import dataclasses
+
+    from parallel_mini.__main__ import COURSE
 
     def write_chrome_trace(report, path):  # (the real one needs a real report)
         with open(path, "w") as fh:
             fh.write("{}")
-    monkeypatch.setattr(parallel_mini.course.timelines, "write_chrome_trace", write_chrome_trace)
+    course = dataclasses.replace(COURSE, write_trace=write_chrome_trace)
     args = SimpleNamespace(json="/dev/full" if flag == "--json" else None,
                            trace="/dev/full" if flag == "--trace" else None)
-    assert _write_outputs(_Report(), args) == 1
+    assert _write_outputs(_Report(), args, course) == 1
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag} /dev/full:") and "space" in lines[0], err
@@ -322,26 +325,26 @@ def test_an_output_that_fails_after_the_run_is_one_line_exit_1(flag, monkeypatch
 def test_a_diverged_rank_is_one_line_exit_1(monkeypatch, capsys):
     """engine._train raises FloatingPointError at the first non-finite loss; the CLI prints its
     message as the one line (the real run: the slow test below)."""
-    import parallel_mini.engine
-    from parallel_mini.launch import RankError
+    import parallel_mini.runtime.launch
+    from parallel_mini.runtime.launch import RankError
 
     def run(cfg):
         raise RankError(1, "Traceback (most recent call last):\n  ...\nFloatingPointError: step 9: "
                            "the loss is nan; the run diverged (lower --lr, ...)\n")
-    monkeypatch.setattr(parallel_mini.engine, "run", run)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", run)
     line = refused(["run", "--steps", "2"], capsys, rc_wanted=1)
     assert line == "error: step 9: the loss is nan; the run diverged (lower --lr, ...)", line
 
 
 def test_a_refusal_inside_the_run_is_one_line_exit_2(monkeypatch, capsys):
-    """engine.run checks again after torch's import (which took memory: issue 26's --seq 4638,
+    """launch.run checks again after torch's import (which took memory: issue 26's --seq 4638,
     accepted by the CLI, then refused with a traceback): its ConfigError is the one line too."""
-    import parallel_mini.engine
+    import parallel_mini.runtime.launch
     from parallel_mini.config import ConfigError
 
     def run(cfg):
         raise ConfigError("this run needs about 9.1 GB of memory (...); lower --batch")
-    monkeypatch.setattr(parallel_mini.engine, "run", run)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", run)
     line = refused(["run", "--steps", "2"], capsys)
     assert line == "error: this run needs about 9.1 GB of memory (...); lower --batch", line
 

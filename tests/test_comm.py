@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_mini import launch, theory
+from parallel_mini import theory
+from parallel_mini.runtime import launch
 from parallel_mini.course import collectives
 from parallel_mini.comm import Comm, ring_all_reduce
 from parallel_mini.config import RunConfig

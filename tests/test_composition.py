@@ -9,7 +9,7 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 
 SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel_mini import launch
+from parallel_mini.runtime import launch
 from parallel_mini.__main__ import main as cli_main
 from parallel_mini.config import ConfigError, RunConfig
 
@@ -231,7 +231,7 @@ def test_pipeline_defaults_for_layers_and_steps(capsys):
     """Without --layers/--steps a pipeline gets 4 blocks per chunk and 6 steps (a note, printed
     once the run is accepted); what the learner gives is kept, and a run without --pp keeps
     RunConfig's defaults silently."""
-    from parallel_mini.__main__ import _pipeline_defaults
+    from parallel_mini.runtime.cli import _pipeline_defaults
 
     def chosen(**given):
         values = {"pp": 1, "schedule": "gpipe", "virtual_stages": 0, "layers": None, "steps": None,
@@ -259,7 +259,8 @@ def test_config_imports_nothing_of_the_package_and_validate_changes_nothing(tmp_
     import ast
     import dataclasses
 
-    from parallel_mini import config, preflight
+    from parallel_mini import config
+    from parallel_mini.runtime import preflight
     from parallel_mini.model import GPTConfig
     tree = ast.parse(Path(config.__file__).read_text())
     imported = [n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

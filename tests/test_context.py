@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run_ranks
 from parallel_mini.parallel.context import chunks_of, positions_of
 
 
@@ -66,7 +66,7 @@ def test_layouts():
 # -- whole runs ---------------------------------------------------------------------------------
 from parallel_mini import theory  # noqa: E402
 from parallel_mini.config import ConfigError, RunConfig  # noqa: E402
-from parallel_mini.engine import run  # noqa: E402
+from parallel_mini.runtime.launch import run  # noqa: E402
 
 from test_composition import check  # noqa: E402  (reference, bytes per axis, states per rank)
 

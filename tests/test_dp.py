@@ -9,8 +9,9 @@ import cloudpickle
 import pytest
 
 from parallel_mini import engine, theory
+from parallel_mini.runtime import launch
 from parallel_mini.config import RunConfig
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run_ranks
 from parallel_mini.model import build_model
 from parallel_mini.reference import train_reference
 
@@ -61,7 +62,7 @@ def _check_wire_bytes(report, cfg):
 def test_dp_equals_reference_and_theory(mode, dp, grad_accum, reference):
     cfg = RunConfig(dp=dp, dp_mode=mode, grad_accum=grad_accum, reference=True,
                     **SMALL).validate()
-    report = engine.run(cfg)
+    report = launch.run(cfg)
     _check_against_reference(report, reference[0])
     _check_wire_bytes(report, cfg)
     for r in report.ranks:  # every rank logged the same global loss
@@ -82,7 +83,7 @@ def test_dp_equals_reference_and_theory(mode, dp, grad_accum, reference):
 def test_dp_on_8_ranks():
     cfg = RunConfig(dp=8, layers=1, d_model=16, heads=2, seq=8, vocab=32, batch=8, steps=2,
                     bucket_mb=0.005, reference=True).validate()
-    report = engine.run(cfg)
+    report = launch.run(cfg)
     assert report.world_size == 8
     assert report.max_abs_diff <= TOL, report.max_abs_diff_detail
     n_params = theory.gpt_param_count(32, 8, 16, 1)
@@ -99,7 +100,7 @@ def _sum_without_dividing(params, comm):
 def test_a_wrong_average_is_caught():
     """The comparison with the reference can fail: summing instead of averaging is far off."""
     cfg = RunConfig(dp=2, dp_mode="naive", reference=True, **SMALL).validate()
-    report = engine.run(cfg, average_fn=_sum_without_dividing)
+    report = launch.run(cfg, average_fn=_sum_without_dividing)
     assert report.max_abs_diff > 1e-3
 
 
@@ -114,7 +115,7 @@ def _backward_events(rank, step):
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_bucketed_all_reduces_overlap_backward(grad_accum):
     cfg = RunConfig(dp=2, dp_mode="bucketed", grad_accum=grad_accum, **SMALL).validate()
-    report = engine.run(cfg)
+    report = launch.run(cfg)
     for rank in report.ranks:
         for step in range(cfg.steps):
             recs = [rec for rec in rank["comm"] if rec["step"] == step and rec["op"] == "all_reduce"]
@@ -137,7 +138,7 @@ def test_bucketed_all_reduces_overlap_backward(grad_accum):
 
 def test_naive_all_reduces_start_after_backward():
     cfg = RunConfig(dp=2, dp_mode="naive", grad_accum=2, **SMALL).validate()
-    report = engine.run(cfg)
+    report = launch.run(cfg)
     n_tensors = len(list(build_model(cfg).parameters()))
     for rank in report.ranks:
         for step in range(cfg.steps):

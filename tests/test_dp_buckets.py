@@ -3,7 +3,7 @@ DDP does), so that all-reduces launch during backward even when the model regist
 another order than it uses them."""
 import torch
 
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run_ranks
 
 
 class Reversed(torch.nn.Module):

@@ -4,7 +4,7 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.parallel import schedules as S
 from test_pipeline import _check_against_theory  # equal to the reference; bytes, states = theory
 

@@ -8,7 +8,7 @@ import os
 from test_multinode import _agents
 
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 
 # torchrun's agents share one store with their workers by default, and a restarted group reads the
 # previous group's keys from it (pytorch issue 135712: each agent counts its restarts itself);

@@ -16,7 +16,7 @@ import torch
 from parallel_mini import theory
 from parallel_mini.config import RunConfig
 from parallel_mini.data import global_batch
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.model import GPT, GPTConfig, build_model
 from parallel_mini.moe import MoE, capacity, dispatch_order, load_balancing_loss, route
 from parallel_mini.optim import make_optimizer

@@ -12,7 +12,7 @@ of viz/experts.py too) and dispatches over ep exactly the rows it kept.
 import pytest
 
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.moe import capacity
 from parallel_mini.course.viz import experts as vx
 

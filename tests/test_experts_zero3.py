@@ -14,7 +14,7 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.mesh import coords_of, grid_shape, plan_groups, role_names
 from parallel_mini.model import build_model
 from parallel_mini.moe import Experts

@@ -8,14 +8,15 @@ import sys
 import pytest
 
 from parallel_mini import theory
-from parallel_mini.__main__ import _summary
+from parallel_mini.runtime.cli import _summary
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.experiments import fedavg_rounds_to_target, rounds_to_target
 from parallel_mini.data import client_mixture, client_shard, client_size, successor_table
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.parallel.federated import sample_clients, weighted_average
 from parallel_mini.reference import simulate_federated
-from test_local_sgd import one_thread  # noqa: F401  (autouse: simulations on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TOY = dict(layers=1, d_model=32, heads=2, seq=16, vocab=64, batch=4)
 
@@ -167,7 +168,7 @@ def _unweighted_and_leaky(trained, sizes, sampled, like, comm, axis):
 
 @pytest.mark.slow
 def test_the_aggregation_hook_and_what_catches_a_wrong_one():
-    """engine.run(cfg, average_fn) puts a server's function in place of weighted_average: the
+    """launch.run(cfg, average_fn) puts a server's function in place of weighted_average: the
     library's own equals the simulation; an unweighted, leaky one is off and its leak is counted."""
     check(run(config(dp=2), average_fn=weighted_average))
     wrong = run(config(dp=2), average_fn=_unweighted_and_leaky)

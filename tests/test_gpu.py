@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.reference import train_reference
 
 pytestmark = pytest.mark.gpu

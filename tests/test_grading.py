@@ -161,13 +161,13 @@ def test_one_f_one_b_stub_is_not_attempted():
     (f1b_bad_token, r"is not an op"),
 ])
 def test_one_f_one_b_refuses_wrong_orders_without_ranks(wrong, message, monkeypatch):
-    import parallel_mini.engine
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import check_one_f_one_b
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("a structural refusal must not start any rank")
 
-    monkeypatch.setattr(parallel_mini.engine, "run", no_ranks)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", no_ranks)
     with pytest.raises(AssertionError, match=message):
         check_one_f_one_b(wrong)
 
@@ -188,13 +188,13 @@ def f1b_naive(rank, pp, m):
 
 
 def test_one_f_one_b_refuses_the_naive_order(monkeypatch):
-    import parallel_mini.engine
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import check_one_f_one_b
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("structural checks passed: the grader went on to run the order")
 
-    monkeypatch.setattr(parallel_mini.engine, "run", no_ranks)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", no_ranks)
     with pytest.raises(AssertionError):
         check_one_f_one_b(f1b_naive)
 
@@ -307,13 +307,13 @@ def test_merge_right_answers_equal_sdpa_on_real_ranks(right):
     (merge_calls_imported_library, r"called the library's own merge"),
 ])
 def test_merge_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
-    import parallel_mini.launch
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import check_merge
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("a single-merge refusal must not start any rank")
 
-    monkeypatch.setattr(parallel_mini.launch, "run_ranks", no_ranks)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run_ranks", no_ranks)
     with pytest.raises(AssertionError, match=message):
         check_merge(wrong)
 
@@ -522,15 +522,14 @@ def test_route_right_answers_train_as_the_library_on_real_ranks(right):
     (route_calls_library_seam, r"called the library's own route"),
 ])
 def test_route_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
-    import parallel_mini.engine
-    import parallel_mini.launch
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import check_route
 
     def no_ranks(*args, **kwargs):
         raise RuntimeError("an in-process refusal must not start any rank")
 
-    monkeypatch.setattr(parallel_mini.launch, "run_ranks", no_ranks)
-    monkeypatch.setattr(parallel_mini.engine, "run", no_ranks)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run_ranks", no_ranks)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", no_ranks)
     with pytest.raises(AssertionError, match=message):
         check_route(wrong, capacity_right)
 
@@ -541,10 +540,10 @@ def test_route_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch
     (capacity_calls_library, r"called the library's own capacity"),
 ])
 def test_capacity_wrong_answers_are_named_without_ranks(wrong, message, monkeypatch):
-    import parallel_mini.launch
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import check_route
 
-    monkeypatch.setattr(parallel_mini.launch, "run_ranks", None)
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run_ranks", None)
     with pytest.raises(AssertionError, match=message):
         check_route(route_right, wrong)
 
@@ -673,11 +672,11 @@ def f1b_wraps_the_library(rank, pp, m):
 
 
 def test_one_f_one_b_refuses_a_wrapper_around_the_library(monkeypatch):
-    import parallel_mini.engine
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import check_one_f_one_b
     from parallel_mini.parallel import schedules
 
-    monkeypatch.setattr(parallel_mini.engine, "run", lambda *a, **k: pytest.fail("ran ranks"))
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", lambda *a, **k: pytest.fail("ran ranks"))
     code = schedules.one_f_one_b.__code__
     with pytest.raises(AssertionError, match=r"called one of the library's own schedules .* "
                                              r"disables"):
@@ -865,7 +864,7 @@ def started_ranks():
     """One rank run before the timed checks: the launcher's forkserver imports torch once per
     process (2-7 s on this machine, paid by whatever test runs ranks first), so the tests time
     the check itself, as a lesson's later check cells are."""
-    from parallel_mini.launch import run_ranks
+    from parallel_mini.runtime.launch import run_ranks
     assert run_ranks(abs, 1, -1)[0].value == 1
 
 

@@ -155,8 +155,8 @@ def _library_cases():
 
 
 def test_a_copy_of_the_library_is_refused_as_such_before_any_rank_starts(monkeypatch):
-    import parallel_mini.launch
-    monkeypatch.setattr(parallel_mini.launch, "run_ranks", lambda *a, **k: pytest.fail("ran"))
+    import parallel_mini.runtime.launch
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run_ranks", lambda *a, **k: pytest.fail("ran"))
     for check, lib, qualified in _library_cases():
         for answer, how in _copies(lib):
             with pytest.raises(AssertionError, match=rf"^your mine is the library's own "
@@ -228,9 +228,9 @@ def zero1_from_frames(flat_params, flat_grads, step_shard, comm):
 
 
 def test_reading_the_callers_frames_finds_no_answer(monkeypatch):
-    import parallel_mini.engine
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import check_layout_choice, check_states_per_rank
-    monkeypatch.setattr(parallel_mini.engine, "run", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", lambda *a, **k: pytest.fail("ran"))
     with pytest.raises(AssertionError, match=r"must have one entry per rank"):
         check_states_per_rank(states_from_frames)
     with pytest.raises(AssertionError, match=r"^budget 2,500,000 bytes: dp4 tp1 pp1 ZeRO-0 does "
@@ -254,11 +254,11 @@ def mlp_from_the_lesson_weights(x, w1, b1, w2, b2, comm):
 
 
 def test_a_memorised_table_meets_cases_it_does_not_hold(monkeypatch):
-    import parallel_mini.engine
+    import parallel_mini.runtime.launch
     from parallel_mini.course.grading import (LAYOUT_BUDGETS, check_layout_choice,
                                               check_one_f_one_b)
     from parallel_mini.parallel.schedules import one_f_one_b as library_1f1b
-    monkeypatch.setattr(parallel_mini.engine, "run", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(parallel_mini.runtime.launch, "run", lambda *a, **k: pytest.fail("ran"))
     orders = {(pp, m): [[str(op) for op in ops] for ops in library_1f1b(pp, m)]
               for pp, m in ((2, 4), (4, 8), (4, 2))}  # built from the name the lesson imports
     with pytest.raises(AssertionError, match=r"^your one_f_one_b at pp=\d+, m=\d+ \(drawn for this "

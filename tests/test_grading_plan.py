@@ -120,8 +120,8 @@ def test_states_refuses_the_library_and_restores_it():
 
     with pytest.raises(AssertionError, match="theory.run_theory, which the checker disables"):
         check_states_per_rank(calls_theory)
-    from parallel_mini.engine import run as engine_run
-    with pytest.raises(AssertionError, match="engine.run, which the checker disables"):
+    from parallel_mini.runtime.launch import run as engine_run
+    with pytest.raises(AssertionError, match="launch.run, which the checker disables"):
         check_states_per_rank(lambda cfg: engine_run(cfg))
     assert theory.run_theory(cfg, 0)["memory"] == before  # restored
 

@@ -12,7 +12,7 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.course import guide
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 
 STATES = ("params", "grads", "optimizer")
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel_mini import launch
-from parallel_mini.launch import RankError, RankResult, RunTimeout
+from parallel_mini.runtime import launch
+from parallel_mini.runtime.launch import RankError, RankResult, RunTimeout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -367,7 +367,7 @@ def test_unguarded_script_runs_its_body_once(tmp_path):
         import os
         print("BODY", os.getpid(), flush=True)
         import torch.distributed as dist
-        from parallel_mini.launch import run_ranks
+        from parallel_mini.runtime.launch import run_ranks
 
         def which():
             return dist.get_rank() * 10

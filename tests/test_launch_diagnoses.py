@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from pathlib import Path
 
-from parallel_mini import launch
-from parallel_mini.launch import RankError
+from parallel_mini.runtime import launch
+from parallel_mini.runtime.launch import RankError
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
@@ -124,7 +124,7 @@ def test_rank_0_killed_after_a_complete_save_says_only_the_report_is_lost(tmp_pa
     """Rank 0 SIGKILLed once its last checkpoint is whole and `latest` names it (checkpoint's
     crash_point 'save N latest'): one line, exit 1, saying what happened (before: 'run failed on
     rank 0' and the kill's hint). A real CLI run: the hook reads the environment in the ranks."""
-    from parallel_mini import checkpoint
+    from parallel_mini.runtime import checkpoint
     if not hasattr(checkpoint, "crash_point"):
         pytest.skip("needs checkpoint.crash_point (periodic checkpoints, issue 26 item 1)")
     ck = tmp_path / "ck"

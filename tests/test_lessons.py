@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import nbformat
@@ -286,7 +287,7 @@ def test_run_cell_runs_on_every_rank_with_notebook_functions():
 
 
 def test_run_cell_reports_the_failing_rank_with_its_own_lines():
-    from parallel_mini.launch import RankError
+    from parallel_mini.runtime.launch import RankError
     from parallel_mini.course.magic import RanksOutput, run_cell
 
     with pytest.raises(RankError) as info:
@@ -374,26 +375,110 @@ NOTEBOOKS = [pytest.param(ROOT / "lessons" / "solutions" / src.name, id=f"soluti
 # Notebooks run in separate kernels, two at a time: much of a notebook's time is single-threaded
 # (kernel start, imports, the forkserver), so two overlap well on two cores.
 NBVAL_JOBS = int(os.environ.get("PARALLEL_MINI_NBVAL_JOBS", "2"))
+NBVAL_ARGS = ["-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env",
+              "--nbval-sanitize-with", str(SANITIZE), "--nbval-cell-timeout", "300"]
+# One pytest process per job runs nbval on one notebook after another (`pytest.main` per notebook,
+# the same arguments as a command line of its own): pytest and nbval are imported once per job, not
+# once per notebook (~2 s of CPU each). Each notebook still gets a fresh kernel of its own.
+_WORKER = """
+import contextlib, sys
+import pytest
+for line in sys.stdin:
+    notebook, log = line.rstrip("\\n").split("\\t")
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        code = pytest.main([*sys.argv[1:], notebook])
+    print("nbval-done", int(code), flush=True)
+"""
 
 
-def _nbval(notebook: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
-         "--nbval-current-env", "--nbval-sanitize-with", str(SANITIZE),
-         "--nbval-cell-timeout", "300", str(notebook)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)  # hang guards: a cell, the notebook
+NOTEBOOK_TIMEOUT_S = 900  # hang guard: a notebook's nbval run, past its cells' own 300 s each
+
+
+def _start_job(err: Path) -> subprocess.Popen:
+    with open(err, "a") as errors:
+        return subprocess.Popen([sys.executable, "-c", _WORKER, *NBVAL_ARGS], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
+
+
+def _stop_job(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _nbval_worker(todo: queue.Queue, futures: dict, logs: Path, job: int) -> None:
+    """Takes notebooks from `todo` until it is empty and runs each in this job's pytest process;
+    a notebook's future gets what a command line of its own would give (exit code and output).
+    A notebook past NOTEBOOK_TIMEOUT_S has its job killed (it fails, saying so); a job that died
+    is replaced for the next notebook."""
+    err = logs / f"job{job}.stderr"
+    proc = None
+    try:
+        while True:
+            try:
+                notebook = todo.get_nowait()
+            except queue.Empty:
+                return
+            if proc is None:
+                proc = _start_job(err)
+            log = logs / f"{notebook.stem}.log"
+            fired = threading.Event()
+            watchdog = threading.Timer(NOTEBOOK_TIMEOUT_S, lambda p=proc: (fired.set(), p.kill()))
+            watchdog.start()
+            try:
+                proc.stdin.write(f"{notebook}\t{log}\n")
+                proc.stdin.flush()
+                said, other = "", []  # (a kernel may write to the job's stdout too)
+                while not said.startswith("nbval-done "):
+                    if not (said := proc.stdout.readline()):
+                        break
+                    other.append(said)
+                watchdog.cancel()
+                out = log.read_text() if log.exists() else ""
+                if not said:
+                    why = (f"killed after {NOTEBOOK_TIMEOUT_S} s" if fired.is_set()
+                           else f"exit {proc.wait()}")
+                    raise RuntimeError(f"the nbval job ended ({why}):\n{out[-6000:]}"
+                                       + "".join(other)[-2000:] + err.read_text()[-2000:])
+                futures[notebook].set_result(subprocess.CompletedProcess(
+                    [notebook], int(said.split()[1]), out, "".join(other[:-1]) + err.read_text()))
+            except BaseException as exc:
+                watchdog.cancel()
+                futures[notebook].set_exception(exc)
+                proc.kill()  # the next notebook gets a job of its own
+                proc.wait()
+                proc = None
+    finally:
+        if proc is not None:
+            _stop_job(proc)
 
 
 @pytest.fixture(scope="session")
-def nbval_results(request):
-    """Starts nbval on every selected notebook at once (NBVAL_JOBS at a time); each test waits
-    for its own notebook's result."""
+def nbval_results(request, tmp_path_factory):
+    """Starts nbval on every selected notebook at once (NBVAL_JOBS jobs, each taking the next
+    notebook when it is done with one); each test waits for its own notebook's result."""
     selected = [item.callspec.params["notebook"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_notebook_runs_and_checks_hold"]
-    pool = ThreadPoolExecutor(max_workers=max(1, NBVAL_JOBS))
-    futures = {nb: pool.submit(_nbval, nb) for nb in selected}
+    futures = {nb: Future() for nb in selected}
+    todo: queue.Queue = queue.Queue()
+    for nb in selected:
+        todo.put(nb)
+    logs = tmp_path_factory.mktemp("nbval")
+    jobs = [threading.Thread(target=_nbval_worker, args=(todo, futures, logs, k), daemon=True)
+            for k in range(max(1, min(NBVAL_JOBS, len(selected))))]
+    for job in jobs:
+        job.start()
     yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
+    while True:  # a session that stops early (-x, ^C) starts no further notebook
+        try:
+            todo.get_nowait()
+        except queue.Empty:
+            break
+    for job in jobs:
+        job.join()
 
 
 @pytest.mark.notebooks

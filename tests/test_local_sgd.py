@@ -8,24 +8,16 @@ import sys
 import pytest
 
 from parallel_mini import theory
-from parallel_mini.__main__ import _summary
+from parallel_mini.runtime.cli import _summary
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.experiments import local_sgd_bytes
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.reference import simulate_local_sgd, train_reference
 
 TOY = dict(layers=1, d_model=32, heads=2, seq=16, vocab=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The in-process simulations on one thread, as every rank runs (launch.py): on a loaded
-    2-core machine torch's default two threads spin against each other (seen: 70x the wall time)."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def config(**kw) -> RunConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_mini import launch
+from parallel_mini.runtime import launch
 from parallel_mini.config import RunConfig
 from parallel_mini.theory import local_run_bytes_estimate
 

@@ -1,7 +1,7 @@
 """The mesh: grid axes, combined axes built from them, expert parallel carved out of dp x cp."""
 from types import SimpleNamespace
 
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run_ranks
 from parallel_mini.mesh import GRID, carve_experts, coords_of, lines, rank_of
 
 SHAPE = {"pp": 2, "dp_rep": 2, "dp_shard": 2, "cp": 2, "tp": 2}  # 32 ranks, on paper

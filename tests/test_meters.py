@@ -2,7 +2,7 @@
 import pytest
 
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 
 
 @pytest.mark.parametrize("kw", [dict(dp=2, pp=2, zero=1, schedule="1f1b"),

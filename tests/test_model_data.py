@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from parallel_mini import engine, theory
+from parallel_mini import theory
+from parallel_mini.runtime import launch
 from parallel_mini.config import RunConfig
 from parallel_mini.data import ENTROPY_FLOOR, P_FIRST, global_batch, shard, successor_table
 from parallel_mini.model import build_model
@@ -94,7 +95,7 @@ def test_shards_partition_the_batch():
 @pytest.mark.parametrize("dp,optimizer", [(1, "adam"), (2, "adam"), (4, "adam"), (2, "sgd")])
 def test_model_state_bytes_measured_equal_theory(dp, optimizer):
     cfg = RunConfig(dp=dp, optimizer=optimizer, **SMALL).validate()
-    report = engine.run(cfg)
+    report = launch.run(cfg)
     P = theory.gpt_param_count(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers)
     predicted = theory.model_state_bytes(P, optimizer)
     assert predicted == {"params": 4 * P, "grads": 4 * P,

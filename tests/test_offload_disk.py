@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from parallel_mini import placement, preflight, theory
+from parallel_mini import placement, theory
+from parallel_mini.runtime import preflight
 from parallel_mini.config import ConfigError, RunConfig, offload_file
-from parallel_mini.engine import run
-from parallel_mini.launch import RankError
+from parallel_mini.runtime.launch import run
+from parallel_mini.runtime.launch import RankError
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

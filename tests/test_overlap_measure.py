@@ -3,7 +3,7 @@ each all-reduce's launch and finish relative to the end of backward and the shar
 `bench dp`'s), and the bytes gloo writes against the ring model."""
 import pytest
 
-from parallel_mini import engine
+from parallel_mini.runtime import launch
 from parallel_mini.course import bench
 from parallel_mini.config import RunConfig
 from parallel_mini.course.experiments import (allreduce_overlap, bucket_overlap, overlapped_share,
@@ -46,7 +46,7 @@ def test_timed_steps_leave_out_the_warm_up_and_the_metered_step():
 @pytest.fixture(scope="module")
 def dp_runs():
     cfg = RunConfig(dp=2, batch=4, layers=2, steps=4)
-    return {mode: engine.run(cfg.replace(dp_mode=mode, bucket_mb=0.05)) for mode in ("naive", "bucketed")}
+    return {mode: launch.run(cfg.replace(dp_mode=mode, bucket_mb=0.05)) for mode in ("naive", "bucketed")}
 
 
 def test_buckets_launch_inside_backward_and_naive_after_it(dp_runs):

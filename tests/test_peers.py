@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel_mini.comm import Comm
 from parallel_mini.config import RunConfig
 from parallel_mini.data import global_batch, shard
-from parallel_mini import launch
-from parallel_mini.launch import RankError
+from parallel_mini.runtime import launch
+from parallel_mini.runtime.launch import RankError
 from parallel_mini.mesh import build_mesh
 from parallel_mini.model import build_model
 from parallel_mini.optim import SGD, Adam

@@ -10,11 +10,11 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.parallel import schedules as S
-from parallel_mini.launch import MAX_LOCAL_RANKS, run_ranks
+from parallel_mini.runtime.launch import MAX_LOCAL_RANKS, run_ranks
 from parallel_mini.course.timelines import chrome_trace, wall_view
-from parallel_mini.trace import bubble, own_device_costs, own_device_replay, wall_gap
+from parallel_mini.course.trace import bubble, own_device_costs, own_device_replay, wall_gap
 
 
 # -- schedules, no ranks ------------------------------------------------------------------------
@@ -62,6 +62,59 @@ def test_schedule_text_and_owner():
     assert S.format_schedule(s).splitlines() == ["rank 0 | F0 F1 B0 F2 B1 B2",
                                                  "rank 1 | F0 B0 F1 B1 F2 B2"]
     assert S.build_schedule("interleaved", 2, 2).owner == [0, 1, 0, 1]
+
+
+class _FakeComm:
+    """Comm's point-to-point calls, noted instead of sent: a receive completes when waited on."""
+
+    def __init__(self):
+        self.calls = []
+
+    def isend(self, tensor, dst, axis, **tags):
+        self.calls.append(("isend", dst, tags["message"], tags["microbatch"], tags["chunk"]))
+        return _Waited(self.calls, "send")
+
+    def irecv(self, tensor, src, axis, **tags):
+        self.calls.append(("irecv", src, tags["message"], tags["microbatch"], tags["chunk"]))
+        return _Waited(self.calls, "wait")
+
+
+class _Waited:
+    def __init__(self, calls, what):
+        self.calls, self.what = calls, what
+
+    def wait(self):
+        self.calls.append((self.what,))
+
+
+def test_mailbox_posts_each_neighbours_next_receive_ahead():
+    """Rank 1 of interleaved pp2: every message it takes had its receive posted before the op
+    asked for it (irecv, no blocking recv), in the sender's order, at most AHEAD in flight."""
+    import torch
+    from parallel_mini.parallel.pipeline import Mailbox
+
+    s = S.build_schedule("interleaved", 2, 4)
+    comm = _FakeComm()
+    box = Mailbox(comm, s, 1, (1, 2, 3), torch.float32, "cpu")
+    assert comm.calls == [("irecv", 0, "act", 0, 1)]  # posted before any op runs
+    taken = []
+    for op in s.ops[1]:
+        if op.kind == "F" and op.chunk > 0:
+            key = ("act", op.microbatch, op.chunk)
+        elif op.kind == "B" and op.chunk < s.n_chunks - 1:
+            key = ("grad", op.microbatch, op.chunk)
+        else:
+            continue
+        before = len(comm.calls)
+        assert box.receive(key).shape == (1, 2, 3)
+        taken.append(key)
+        new = comm.calls[before:]
+        assert new[0] == ("wait",) and all(c[0] == "irecv" for c in new[1:])  # waits, then posts
+        in_flight = sum(c[0] == "irecv" for c in comm.calls) - sum(c == ("wait",) for c in comm.calls)
+        assert in_flight <= Mailbox.AHEAD
+    posted = [c[2:] for c in comm.calls if c[0] == "irecv"]
+    assert posted == list(box._sent_by(s, 0)) and sorted(posted) == sorted(taken)
+    assert not box.inbox and not box.posted[0]
 
 
 def test_check_refuses_broken_schedules():
@@ -117,8 +170,8 @@ def test_pp4_equals_reference(schedule, layers):
     report = run(RunConfig(pp=4, layers=layers, microbatches=8, schedule=schedule, steps=2,
                            reference=True))
     _check_against_theory(report)
-    assert set(report.extra["bubble"]) >= {"wall", "replayed", "theory"}
-    assert "measured" not in report.extra["bubble"]  # the replay is not a measurement
+    assert set(bubble(report)) >= {"wall", "replayed", "theory"}
+    assert "measured" not in bubble(report)  # the replay is not a measurement
 
 
 def test_dp_times_pp_equals_reference():
@@ -162,7 +215,7 @@ def test_replay_trace_and_cli(tmp_path):
     trace = chrome_trace(report)
     ops = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0 and e["cat"] in "FB"]
     assert len(ops) == 2 * 2 * 4 * 3  # ranks x kinds x micro-batches x steps
-    b = report.extra["bubble"]
+    b = bubble(report)
     assert b["theory"] == pytest.approx(1 / 5)
     assert 0 <= b["replayed"]["overall"] < 1 and 0 <= b["wall"]["overall"] < 1
     path = tmp_path / "t.json"
@@ -306,7 +359,7 @@ def test_wall_clock_bubble_of_a_pinned_pipeline():
     """`bubble.wall` is the idle share of the recorded wall-clock ops (recomputed here from the raw
     events); the report says where the ranks ran."""
     report = run(RunConfig(pp=2, microbatches=4, schedule="gpipe", steps=3))
-    wall = report.extra["bubble"]["wall"]
+    wall = bubble(report)["wall"]
     ranks = sorted(report.ranks, key=lambda r: r["coords"]["pp"])
     ops = [[e for e in r["events"] if e["step"] == 1 and e["kind"] in "FB"] for r in ranks]
     t0, t1 = min(e["start"] for es in ops for e in es), max(e["end"] for es in ops for e in es)
@@ -320,8 +373,8 @@ def test_wall_clock_bubble_of_a_pinned_pipeline():
         assert wall["ranks_shared_cores"] is False and "core of its own" in wall["placement"]
     crowded = run(RunConfig(pp=len(os.sched_getaffinity(0)) + 1, microbatches=1, schedule="gpipe",
                             layers=len(os.sched_getaffinity(0)) + 1, steps=1))
-    assert crowded.extra["bubble"]["wall"]["ranks_shared_cores"] is True
-    assert "shared" in crowded.extra["bubble"]["wall"]["placement"]
+    assert bubble(crowded)["wall"]["ranks_shared_cores"] is True
+    assert "shared" in bubble(crowded)["wall"]["placement"]
 
 
 @pytest.mark.parametrize("zero,schedule", [(1, "1f1b"), (2, "zb"), (2, "interleaved"), (3, "gpipe"),

@@ -14,26 +14,30 @@ import functools
 import pytest
 
 from parallel_mini.config import RunConfig
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run_ranks
 
 
 def _peer_rank(cfg_dict, torch_name, our_name):
     import torch.distributed as dist
+    from parallel_mini.course.bench import _count_torch_sends
     from parallel_mini.course.peers import OurPipeline, TorchPipeline
     from parallel_mini.data import global_batch
 
     cfg = RunConfig.from_dict(cfg_dict)
+    torch_sent = _count_torch_sends()
     peer, ours = TorchPipeline(cfg, torch_name), OurPipeline(cfg, our_name)
-    peer_losses, our_losses = [], []
+    peer_losses, our_losses, sends = [], [], []
     for step in range(cfg.steps):
         x, y = global_batch(cfg, step)  # both split it into the same m micro-batches
+        before = torch_sent["isend"]
         peer_losses.append(peer.step(x, y))
         our_losses.append(ours.step(x, y, step))
+        sends.append((torch_sent["isend"] - before, ours.sends))
     # the action kinds torch's schedule runs on this rank (F, B, or F, I, W when split)
     order = getattr(peer.schedule, "pipeline_order", None) or {}
     kinds = sorted({a.computation_type.value for a in order.get(dist.get_rank(), []) if a})
     mine = {"chunks": peer.chunks, "kinds": kinds, "peer_losses": peer_losses,
-            "our_losses": our_losses, "peer_params": peer.parameters_by_name(),
+            "our_losses": our_losses, "sends": sends, "peer_params": peer.parameters_by_name(),
             "our_params": ours.parameters_by_name()}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
@@ -72,6 +76,9 @@ def test_torch_pipelining_agrees(case):
     ref_losses, ref_params = _reference(**{k: v for k, v in kw.items() if k != "pp"})
 
     assert [r["chunks"] for r in ranks] == chunks
+    # the same messages: every step, each rank sends as many as torch's schedule does (counted)
+    for r in ranks:
+        assert all(theirs == mine > 0 for theirs, mine in r["sends"]), r["sends"]
     if torch_name in ("zbv", "dualpipev"):  # torch's really split the backward: I then W
         assert all({"F", "I", "W"} <= set(r["kinds"]) for r in ranks), [r["kinds"] for r in ranks]
     n_chunks = sum(len(c) for c in chunks)

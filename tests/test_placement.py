@@ -23,7 +23,7 @@ import torch
 from parallel_mini import placement, theory
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course import planner
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.model import build_model
 from parallel_mini.parallel.expert import apply_expert_parallel
 from parallel_mini.parallel.schedules import virtual_stages

@@ -4,7 +4,7 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import ConfigError, RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 
 
 def _check(report, group):
@@ -50,7 +50,7 @@ def test_vocab_parallel_never_builds_full_logits():
     import torch
 
     from parallel_mini.comm import Comm
-    from parallel_mini.launch import run_ranks
+    from parallel_mini.runtime.launch import run_ranks
 
     def rank_fn():
         from parallel_mini.mesh import build_mesh

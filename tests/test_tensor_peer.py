@@ -7,8 +7,8 @@ import pytest
 from torch.distributed.tensor import Shard
 
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run
+from parallel_mini.runtime.launch import run_ranks
 
 
 def _dtensor_rank(cfg_dict, sp=False):

@@ -15,7 +15,7 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 from parallel_mini.moe import capacity
 from parallel_mini.course.viz import experts as vx
 

@@ -10,7 +10,10 @@ import json
 
 import pytest
 
-from parallel_mini import engine, theory
+from parallel_mini import theory
+from parallel_mini.config import RunConfig
+from parallel_mini.parallel import schedules as S
+from parallel_mini.runtime import launch
 from parallel_mini.course import at_scale, viz
 from parallel_mini.course import widgets as w
 
@@ -94,7 +97,7 @@ def test_memory_explorer_run_live_measures_the_toy(monkeypatch):
 
     def broken(cfg):
         raise RuntimeError("rank 1 exited with code 9 (killed)\n  and a second line")
-    monkeypatch.setattr(engine, "run", broken)  # a failed run: one line in the widget
+    monkeypatch.setattr(launch, "run", broken)  # a failed run: one line in the widget
     m.run_button.click()
     assert _error(m) == "The live run failed: rank 1 exited with code 9 (killed)"
     assert not m.run_button.disabled
@@ -145,6 +148,33 @@ def test_bubble_explorer_says_a_bad_combination_in_one_line():
     assert b.error is None and b.chart is not None
 
 
+def test_bubble_explorer_plans_dualpipe_with_its_fb_pairs_as_one_unit():
+    """DualPipe and DualPipeV as the app's Pipeline page plans them: each F&B pair (an F, then a B
+    of the rank's other chunk, schedules.overlapped_pairs) one unit, so its ops run back to back;
+    the model as the CLI would choose it; a setting the library refuses said in one line."""
+    b = w.bubble_explorer(pp=4, m=8, schedule="dualpipe")
+    assert b.error is None and "each F&B pair" in json.dumps(b.chart.to_dict()["title"])
+    s = b.planned["schedule"]
+    pairs = S.overlapped_pairs(s)
+    assert pairs and b.planned["planned"] == pytest.approx(theory.bubble_fraction("dualpipe", 4, 8))
+    at = {(r["rank"], r["kind"], r["microbatch"], r["chunk"]): r for r in b.planned["timed"]}
+    for (rank, i), n in pairs.items():  # the pair's ops back to back, as one unit
+        ops = [at[(rank, op.kind, op.microbatch, op.chunk)] for op in s.ops[rank][i:i + n]]
+        assert all(a["end"] == c["start"] for a, c in zip(ops, ops[1:]))
+    unfused = S.idle_fractions(S.simulate(s, lambda r, op: 1.0), 4)
+    assert sum(unfused) / 4 != pytest.approx(b.planned["planned"])  # the fusing matters here
+    # layers: dualpipe's two chunks per rank are two copies of one stage; dualpipev's V halves
+    for name, layers in (("dualpipe", 4 * 4), ("dualpipev", 4 * 8)):
+        cfg = w.pipeline_config(name, 4, 8)
+        assert cfg["layers"] == layers and RunConfig.from_dict(cfg).schedule == name
+    b.m.value = 6  # fewer than 2p: refused, in the library's words
+    assert _error(b).startswith("dualpipe, p = 4, m = 6 cannot run:") and "2 x pp" in b.error
+    assert b.run_button.disabled and b.chart is None
+    b.schedule.value, b.m.value = "dualpipev", 8
+    assert b.error is None and b.planned["planned"] == pytest.approx(
+        theory.bubble_fraction("dualpipev", 4, 8))
+
+
 @pytest.mark.slow
 def test_bubble_explorer_run_live_draws_the_reports_bubble():
     b = w.bubble_explorer(pp=2, m=2, schedule="1f1b")
@@ -163,6 +193,22 @@ def test_bubble_explorer_run_live_draws_the_reports_bubble():
     assert got[(run, "measured (wall clock)")] == bub["wall"]["overall"]
     kinds = {r.get("kind") for d in _datasets(b.live_chart) for r in d}
     assert {"F", "B"} <= kinds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dualpipe", "dualpipev"])
+def test_bubble_explorer_runs_dualpipe_live(name):
+    b = w.bubble_explorer(pp=2, m=4, schedule=name)
+    b.run_button.click()
+    assert b.error is None, b.status.value
+    bub, run = b.live["bubble"], f"run: {name}, p 2, m 4"
+    got = _bubbles(b.bars)
+    assert got[(run, "measured (wall clock)")] == bub["wall"]["overall"] > 0
+    assert got[(run, "formula")] == bub["theory"]
+    ops = {(r["rank"], r["kind"], r["microbatch"], r["chunk"]) for d in _datasets(b.live_chart)
+           for r in d if r.get("kind") in ("F", "B", "W")}  # every op of the plan, run and drawn
+    assert ops == {(r, op.kind, op.microbatch, op.chunk)
+                   for r, rank_ops in enumerate(b.planned["schedule"].ops) for op in rank_ops}
 
 
 # ---------------------------------------------------------------------------------------------

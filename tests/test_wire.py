@@ -6,8 +6,8 @@ import pytest
 
 from parallel_mini.course.bench import MB, _wire_rank
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run
+from parallel_mini.runtime.launch import run_ranks
 from parallel_mini.meters import WireMeter
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),

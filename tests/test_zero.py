@@ -4,7 +4,7 @@ import pytest
 
 from parallel_mini import theory
 from parallel_mini.config import RunConfig
-from parallel_mini.engine import run
+from parallel_mini.runtime.launch import run
 
 GB = 1e9
 

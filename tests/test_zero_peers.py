@@ -4,7 +4,7 @@ same model, data and Adam arithmetic (torch.optim.Adam with our eps), at 2 ranks
 import pytest
 
 from parallel_mini.config import RunConfig
-from parallel_mini.launch import run_ranks
+from parallel_mini.runtime.launch import run_ranks
 from parallel_mini.course.peers import ZERO_PEERS
 
 CFG = RunConfig(dp=2, steps=3)

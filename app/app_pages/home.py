@@ -31,6 +31,8 @@ presses of the same new setting at once join one run. Tick *Fresh measurement* t
 
 - **Ring all-reduce**: N ranks sum a tensor around a ring, animated from the messages they sent:
   2(N−1) steps, 2(N−1)/N·X bytes each.
+- **This machine's links**: point-to-point and the four collectives timed over message sizes, the
+  latency α and bandwidth B fitted, one all-reduce here beside NVLink, PCIe and InfiniBand.
 - **Data parallel**: a tiny GPT on 1, 2 or 4 ranks, naive or bucketed all-reduce, equal to one
   process; bytes, memory, a timeline of every op.
 - **Memory per GPU**: ZeRO stages 0–3 (with TP and PP) against a GPU's capacity, up to 405B in

@@ -12,7 +12,8 @@ import streamlit as st
 
 import presentation as pm
 from live_runs import StepBar, fmt_bytes, last_result, run_live, training_run
-from parallel_mini import preflight, theory
+from parallel_mini import theory
+from parallel_mini.runtime import preflight
 from parallel_mini.course import at_scale, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.course.viz.units import format_bytes
@@ -330,7 +331,7 @@ key = {"model": model, "gpus": gpus, "tp": tp, "sp": sp, "pp": pp, "precision": 
 
 
 def four_stages(configs_json: str, attempt: int = 0) -> list[dict]:
-    """engine.run for ZeRO 0..3 (each cached per config by live_runs.training_run), a progress bar
+    """launch.run for ZeRO 0..3 (each cached per config by live_runs.training_run), a progress bar
     per stage; keeps what this page draws: config, theory, and each rank's memory."""
     cfgs = json.loads(configs_json)
     bar = StepBar(len(cfgs))

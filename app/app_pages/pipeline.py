@@ -15,7 +15,8 @@ import streamlit as st
 import presentation as pm
 from live_runs import (TOLERANCE, StepBar, fmt_bytes, fmt_count, last_result, run_live,
                        training_run)
-from parallel_mini import theory, trace
+from parallel_mini import theory
+from parallel_mini.course import trace
 from parallel_mini.course import timelines, viz
 from parallel_mini.config import ConfigError, RunConfig
 from parallel_mini.parallel import schedules as S
@@ -131,7 +132,7 @@ def show_live(result: dict, current: bool, same_axis: bool = False) -> None:
         st.warning(f"The settings changed: press **Run live**. Below: the last run (p = {k['pp']}, "
                    f"m = {k['m']}, {' vs '.join(label_of(s, k['v']) for s in k['schedules'])}).")
     reports = {label_of(s, k["v"]): RunReport.from_dict(result["runs"][s]) for s in k["schedules"]}
-    bubbles = {lab: rep.extra["bubble"] for lab, rep in reports.items()}
+    bubbles = {lab: trace.bubble(rep) for lab, rep in reports.items()}
     step = next(iter(bubbles.values()))["steps"][0]
 
     st.subheader("2 · One training step, measured")

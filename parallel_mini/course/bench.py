@@ -13,6 +13,9 @@
     python -m parallel_mini.bench plan    # (j) the planner's 8-rank toy layouts, run: states, order
     python -m parallel_mini.bench app     # (k) the classroom app in a real browser: click -> chart
     python -m parallel_mini.bench async   # (l) a 3x straggler: synchronous DP vs asynchronous SGD
+    python -m parallel_mini.bench links   # (m) this machine's links: each op's time, the alpha-beta fit
+    python -m parallel_mini.bench dualpipe     # (f2) DualPipe beside 1F1B, ZB-H1, ZBV; and (f3)
+    python -m parallel_mini.bench fb-overlap   # (f3) an all-to-all in flight during other compute
     python -m parallel_mini.bench all --json now.json     # dp ring zero tp pp cp ep bubble, ~10 min
     python -m parallel_mini.bench all --compare then.json # ... and each row's ratios against then's
     python -m parallel_mini.bench --compare then.json now.json  # two saved runs, nothing run
@@ -47,12 +50,22 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     what the gap is made of (trace.wall_gap: stage imbalance, op-time variation, p2p messages
     (hand-off, latency, receive), between ops, medians); the bubble replayed with the measured op
     CPU times (own-device schedule), within 3 points; and the largest |ours - reference|.
+(f3) DualPipe's F&B overlap (`fb-overlap`, also after (f2) `dualpipe`): on --ranks gloo ranks, one
+    micro-batch's expert all-to-all posted asynchronously (gloo's worker thread) while another's
+    forward and backward compute, against the two one after the other and each alone, the four
+    back to back in every round (order reversed every other round), --fb-repeats rounds. Hidden
+    fraction per round: (one after the other - overlapped) / all-to-all alone; its median,
+    quartiles and range. Whether the cores can show it: ranks x (torch threads + gloo's worker)
+    against the CPUs and the load (fewer: the figure measures contention). Then a DualPipe run
+    with experts (pp 2 x ep 2) counted from its records: all-to-alls overlapping another
+    micro-batch's compute on the same rank (0: the runner runs each rank's ops in order), and its
+    asynchronous pipeline sends.
 (g) Ring attention (contiguous and zigzag) forward + backward on each rank's tokens, ours against
     torch's private ring template, on the same inputs; and, from our forward's own timing of each
     hop, the share of the hop's time during which the current block was being computed.
 (h) A mixture-of-experts GPT trained with its experts sharded over ep = N ranks against the same
     model, data and ranks with every expert replicated (ep 1, plain data parallel), through the
-    engine (`engine.run`). Step time: median over the steps after the first (warm-up) and before
+    engine (`launch.run`). Step time: median over the steps after the first (warm-up) and before
     the last (the memory meter watches it and slows it). Per step and rank, from the run's own
     records: the dispatch and combine all-to-alls (forward and backward, wall time of each call),
     the counts exchange, and the experts' compute (forward timed in the layer, backward between
@@ -62,8 +75,13 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     included) against the ring model (theory.wire_bytes). Large all-reduces land on 2(N-1)/N; small
     ones write more (per-message headers, and the algorithm gloo picks for small tensors).
 (j) The planner against live runs: every memory class of layout it ranks for 8 ranks of the tiny
-    GPT (planner.validate_on_toy_runs) is run; each rank's model states against the prediction,
-    to the byte, and Spearman's rank correlation of the predicted and measured step times.
+    GPT (planner.validate_on_toy_runs; --plan-sample N: N of them) is run; each rank's model states
+    against the prediction, to the byte, and the step time predicted with the profile "this
+    machine" measured first (planner.measure_hardware: the toy's compute through the engine on
+    one rank, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
+    wall-clock step: predicted / measured per layout, how many within 0.7-1.4, Spearman's rank
+    correlation (and the assumed "cpu" profile's, beside); and the ranks' summed op CPU time over
+    the cores, which other processes' load does not inflate.
 (k) The app as a class meets it: a Streamlit server of its own (`streamlit run app/streamlit_app.py`,
     its warm-up off, so that the first press of each page is measured, not read) and Debian's
     chromium at 1440 x 900 (playwright). For every page at its default controls: cold = the first
@@ -79,6 +97,14 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     both without the straggler, one run each: updates and samples per second (measured), time
     and samples to a target loss (smoothed over one global batch), and the loss at equal samples
     against the same updates replayed in one process without staleness (what staleness costs).
+(m) This machine's links (course/links.py): point-to-point (one ring step), all-reduce, all-gather,
+    reduce-scatter and all-to-all over --world local gloo ranks, message sizes 4 B to --max-mib MiB
+    (powers of 4); per size the slowest rank's time of each repeat (a barrier before each), median
+    and fastest over repeats. The alpha-beta model t = a(op,N) alpha + b(op,N) bytes beta with the
+    ring's hop counts fitted per op and over all ops (least squares in relative error); alpha and
+    beta are the link's, so the ops agreeing checks the model. Beside it, the source material's
+    interconnect table (vendor figures; latencies assumed) and what one all-reduce of 1 GiB over 8
+    ranks takes on each (theory) and on this machine's fitted link.
 (a) to (j) run on gloo with CPU tensors (the course's laptop setting) even where GPUs exist.
 On a shared CPU machine every number depends on the load: the load average is printed with them.
 This is a benchmark, not a test: nothing here asserts a speed. The peers themselves (how each of
@@ -101,9 +127,9 @@ import torch.distributed as dist
 
 from .. import theory
 from ..comm import Comm, ring_all_reduce
-from ..config import RunConfig
+from ..config import MAX_LOCAL_RANKS, RunConfig
 from ..data import global_batch, shard
-from ..launch import run_ranks
+from ..runtime.launch import run_ranks
 from ..mesh import build_mesh
 from ..model import build_model
 from ..optim import Adam
@@ -422,35 +448,79 @@ def bench_tp(tps=(2, 4), warmup: int = 3, steps: int = 10) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # (e) pipeline parallel: ours vs torch.distributed.pipelining
 # ---------------------------------------------------------------------------------------------
+def _count_torch_sends() -> dict:
+    """torch's schedules post every message through `schedules._batch_p2p` (private): wrapped to
+    count the sends, so the table can show both pipelines move the same messages (counted)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    counts = {"isend": 0}
+    original = getattr(torch_schedules, "_batch_p2p", None)
+    if original is None:  # another torch release: not counted
+        return {"isend": None}
+
+    def counting(ops, *args, **kwargs):
+        counts["isend"] += sum(getattr(op.op, "__name__", "") == "isend" for op in ops)
+        return original(ops, *args, **kwargs)
+
+    torch_schedules._batch_p2p = counting
+    return counts
+
+
+def _runner_split(events: list[dict], wall: float) -> dict:
+    """One step of our runner on one rank, from its own timeline (measured): compute (F, B, W),
+    handing messages to the link (send events), waiting for them (wait events) and the rest of
+    the step's wall time (bookkeeping between ops, zero_grad and the optimizer step)."""
+    split = {"compute": 0.0, "send": 0.0, "wait": 0.0}
+    for e in events:
+        split[e["kind"] if e["kind"] in ("send", "wait") else "compute"] += e["end"] - e["start"]
+    split["other"] = wall - sum(split.values())
+    return split
+
+
 def _pp_rank(cfg_dict: dict, schedules, warmup: int, steps: int) -> dict:
     cfg = RunConfig.from_dict(cfg_dict)
+    torch_sent = _count_torch_sends()
     runners = {}
     for name in schedules:
         runners[("ours", name)] = OurPipeline(cfg, name)
         runners[("torch", name)] = TorchPipeline(cfg, name)
     names = list(runners)
     times = {k: [] for k in names}
+    splits = {name: [] for name in schedules}
+    sent = {k: 0 for k in names}
     final_loss = {}
     repeats, i = Repeats(steps), 0
     while i < warmup or repeats.more(times.values()):
         x, y = global_batch(cfg, i)
         i += 1
         for key in names[(i - 1) % len(names):] + names[:(i - 1) % len(names)]:  # none always first
+            runner, before = runners[key], torch_sent["isend"]
             dist.barrier()
             t0 = time.perf_counter()
-            loss = runners[key].step(x, y)
-            dt = _slowest_rank(time.perf_counter() - t0)
+            loss = runner.step(x, y)
+            mine = time.perf_counter() - t0
+            dt = _slowest_rank(mine)
             if i > warmup:
                 times[key].append(dt)
+                if key[0] == "ours":
+                    splits[key[1]].append(_runner_split(runner.last_events, mine))
+            if i == 1:  # the messages of one step, this rank's sends
+                sent[key] = runner.sends if key[0] == "ours" else (
+                    None if before is None else torch_sent["isend"] - before)
             if loss is not None:
                 final_loss[key] = loss
     # both trained on the same data from the same init: their last losses agree (a sanity check)
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, final_loss)
-    final = {k: v for p in parts for k, v in p.items()}
+    split = {name: {k: statistics.median(s[k] for s in v) for k in v[0]} for name, v in splits.items()}
+    dist.all_gather_object(parts, (final_loss, split, sent))
+    final = {k: v for p in parts for k, v in p[0].items()}
     return {"times": {f"{who} {name}": t for (who, name), t in times.items()},
             "loss_diff": {name: abs(final[("ours", name)] - final[("torch", name)])
-                          for name in schedules}}
+                          for name in schedules},
+            "split": {name: [p[1][name] for p in parts] for name in schedules},
+            "sends": {f"{who} {name}": (None if any(p[2][(who, name)] is None for p in parts)
+                                        else sum(p[2][(who, name)] for p in parts))
+                      for who, name in names}}
 
 
 def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dualpipev"), warmup: int = 3,
@@ -470,6 +540,10 @@ def bench_pp(pps=(2, 4), schedules=("gpipe", "1f1b", "interleaved", "zbv", "dual
                          "ours_over_torch": ours / peer,
                          **_verdict(out["times"][f"ours {name}"], out["times"][f"torch {name}"]),
                          "last_loss_diff": out["loss_diff"][name],
+                         "messages_per_step": {"ours": out["sends"][f"ours {name}"],
+                                               "torch": out["sends"][f"torch {name}"]},
+                         "ours_split_ms": [{k: 1e3 * v for k, v in per_rank.items()}
+                                           for per_rank in out["split"][name]],
                          "p90_ms": {k: 1e3 * _quantile(v, 0.9) for k, v in out["times"].items()
                                     if k.endswith(f" {name}")}})
     return rows
@@ -510,39 +584,46 @@ def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
     return [dict(row, step_latency_s=latency) for row in rows]
 
 
-def _step_latency(comm: Comm, repeats: int) -> dict:
+def _step_latency(comm: Comm, repeats: int, steps: int = 20) -> dict:
     """What bounds a small all-reduce: the time of one ring step with (almost) no bytes, ours
-    (Comm.sendrecv: metered and recorded) and bare (torch.distributed's batch_isend_irecv alone),
-    against gloo's whole all-reduce of one element (its ring runs in C++ on gloo's threads).
-    Medians of the slowest rank. Our ring makes 2(N-1) such steps one after the other."""
+    (Comm.sendrecv: metered and recorded) and bare (torch.distributed's irecv + isend alone, as
+    sendrecv posts them), against gloo's whole all-reduce of one element (its ring runs in C++ on
+    gloo's threads). Each sample is `steps` calls back to back after a barrier, per call: a single
+    call after a barrier mostly measures which rank left the barrier last (on a loaded machine
+    such samples of one and the same call ranged 0.3 to 10 ms). The calls alternate, sample by
+    sample. Medians of the slowest rank; `*_cpu` is this thread's CPU time per call (what the
+    metering itself costs, whatever the load). Our ring makes 2(N-1) such steps one after the other."""
     n, r = dist.get_world_size(), dist.get_rank()
     right, left = (r + 1) % n, (r - 1) % n
     one, buf = torch.ones(1), torch.empty(1)
 
     def bare():
-        ops = [dist.P2POp(dist.isend, one, right), dist.P2POp(dist.irecv, buf, left)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        receiving = dist.irecv(buf, left)
+        sending = dist.isend(one, right)
+        receiving.wait()
+        sending.wait()
 
     calls = {"ours_step": lambda: comm.sendrecv(one, right, buf, left, "dp"),
              "bare_step": bare, "gloo_all_reduce_4B": lambda: dist.all_reduce(buf)}
-    out = {}
-    for name, fn in calls.items():
-        times = []
-        for i in range(repeats + 1):
+    times = {name: [] for name in calls}
+    cpu = {name: [] for name in calls}
+    for i in range(repeats + 1):  # the first round warms up
+        for name in list(calls)[i % 3:] + list(calls)[:i % 3]:
             dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            if i:  # the first warms up
-                times.append(_slowest_rank(time.perf_counter() - t0))
-            else:
-                _slowest_rank(0.0)
-        out[name] = statistics.median(times)
-    comm.records.clear(); comm.p2p_log.clear()
-    return out
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(steps):
+                calls[name]()
+            c1 = time.thread_time()
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i:
+                times[name].append(dt / steps)
+                cpu[name].append((c1 - c0) / steps)
+        comm.records.clear(); comm.p2p_log.clear()
+    return {**{name: statistics.median(ts) for name, ts in times.items()},
+            **{f"{name}_cpu": statistics.median(cs) for name, cs in cpu.items()}}
 
 
-def bench_ring(n: int = 4, sizes_mb=(1, 16, 64), repeats: int = 5) -> list[dict]:
+def bench_ring(n: int = 4, sizes_mb=(0.0625, 0.25, 1, 4, 16, 64), repeats: int = 5) -> list[dict]:
     rows = run_ranks(_ring_rank, n, list(sizes_mb), repeats, timeout=600, backend="gloo")[0].value
     for row in rows:
         wire = theory.wire_bytes("all_reduce", int(row["mb"] * MB), n)
@@ -563,14 +644,14 @@ WARM_RUNS = {
         "dp": 2, "dp_mode": "bucketed", "bucket_mb": 0.25, "grad_accum": 1, "steps": 4, "batch": 8,
         "reference": True}),
     "Ring all-reduce page, default settings": ("ring", {"n": 4, "numel": 16, "timed_mb": 4}),
-    "engine.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
+    "launch.run(dp=4, steps=2), the figure of issue 15": ("run", {"dp": 4, "steps": 2}),
 }
 
 
 def _warm_call(kind: str, settings: dict):
     """One live run the way the app's cached wrappers make it (app/live_runs.py), minus the cache."""
     from .collectives import ring_experiment
-    from ..engine import run
+    from ..runtime.launch import run
 
     if kind == "ring":
         return ring_experiment(settings["n"], settings["numel"], timed_mb=settings["timed_mb"])
@@ -601,9 +682,9 @@ def bench_warm(repeats: int = 10, runs: dict = WARM_RUNS) -> dict:
 # ---------------------------------------------------------------------------------------------
 def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4), (4, 8)),
                  repeats: int = 5) -> list[dict]:
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.schedules import pipeline_layers, virtual_stages
-    from ..trace import GAP_PARTS, PIPELINE_STEPS
+    from .trace import GAP_PARTS, PIPELINE_STEPS, bubble
 
     rows = []
     for pp, m in setups:
@@ -615,7 +696,7 @@ def bench_bubble(schedules=("gpipe", "1f1b", "interleaved", "zb"), setups=((2, 4
             runs = []
             for i in range(repeats):
                 report = run(cfg)
-                b = report.extra["bubble"]
+                b = bubble(report)
                 wall = b["wall"]
                 runs.append({"wall": wall["overall"], "replayed": b["replayed"]["overall"],
                              "theory": b["theory"],
@@ -660,9 +741,9 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
     rank (measured bytes; the table says copies), activations (micro-batches in flight, counted
     from the op list, in units of one pp-way stage; the peak measured in bytes), and the report's
     formula with this run's measured op costs (no F&B overlap on one CPU: F&B = F + B + W)."""
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.schedules import build_schedule, in_flight
-    from ..trace import op_costs
+    from .trace import bubble, op_costs
 
     rows = []
     for name in DUAL_COMPARED:
@@ -670,7 +751,7 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
                         steps=steps, reference=True).validate()
         report = run(cfg)
         s = build_schedule(name, pp, m)
-        b, costs = report.extra["bubble"], op_costs(report)
+        b, costs = bubble(report), op_costs(report)
         chunk = pp / s.stages  # one chunk's size in pp-way stages (1, or 1/2 in a V)
         stages = pp if name in ("1f1b", "zb", "dualpipe") else 2 * pp
         split = "W" in costs
@@ -693,8 +774,14 @@ def bench_dualpipe(pp: int = 4, m: int = 8, layers: int = 8, steps: int = 3) -> 
     return rows
 
 
+FB_ORDERS = (("comm", "compute", "serial", "overlapped"), ("overlapped", "serial", "compute", "comm"))
+
+
 def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
-    """One rank of the F&B overlap measurement (see bench_fb_overlap)."""
+    """One rank of the F&B overlap measurement (see bench_fb_overlap): every round times the
+    all-to-all alone, the compute alone, the two one after the other and the two overlapped, back
+    to back (the order reversed every other round, so that a drift of the machine's load falls on
+    all four alike); each time is the slowest rank's (a barrier first)."""
     cfg = RunConfig.from_dict(cfg_dict)
     comm = Comm(build_mesh(cfg))
     n, me = comm.size("dp"), comm.rank("dp")
@@ -705,11 +792,13 @@ def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
         model.zero_grad(set_to_none=True)
         model(x, y).backward()
 
-    def seconds(fn) -> float:
+    def seconds(fn) -> tuple[float, float]:
+        """(the slowest rank's wall time, this process's CPU time, all its threads)."""
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        return _slowest_rank(time.perf_counter() - t0)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        return _slowest_rank(wall), cpu
 
     # micro-batch A's expert dispatch: each token's top-k copies of its hidden vector, rows
     # [tokens * k, h]; scaled (below) until the all-to-all alone lasts about as long as the compute,
@@ -721,11 +810,11 @@ def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
     a2a = lambda: comm.all_to_all(recv, send, "dp")
     for _ in range(2):  # warm both
         compute(), a2a()
-    t_comp = statistics.median(seconds(compute) for _ in range(3))
+    t_comp = statistics.median(seconds(compute)[0] for _ in range(3))
     for scale in (2 ** i for i in range(10)):  # (seconds() lines the ranks up: all agree)
         send = base.repeat(scale, 1)
         recv = torch.empty_like(send)
-        if statistics.median(seconds(a2a) for _ in range(3)) >= t_comp / 2:
+        if statistics.median(seconds(a2a)[0] for _ in range(3)) >= t_comp / 2:
             break
 
     def serial():
@@ -737,36 +826,90 @@ def _fb_overlap_rank(cfg_dict: dict, repeats: int) -> dict:
         compute()
         handle.wait()
 
-    times: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "serial", "overlapped")}
     fns = {"comm": lambda: comm.all_to_all(recv, send, "dp"), "compute": compute,
            "serial": serial, "overlapped": overlapped}
-    for i in range(repeats + 1):  # the first round warms up; the order rotates each round
-        names = list(fns)[i % 4:] + list(fns)[:i % 4]
-        for name in names:
-            dt = seconds(fns[name])
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(repeats + 1):  # round 0 warms up
+        for name in FB_ORDERS[i % 2]:
+            wall, c = seconds(fns[name])
             if i:
-                times[name].append(dt)
+                times[name].append(wall)
+                cpu[name].append(c)
     overlapped()
     got = recv.clone()
     comm.all_to_all(recv, send, "dp")
+    return {"times_s": times, "cpu_s": cpu, "payload_bytes": send.numel() * send.element_size(),
+            "torch_threads": torch.get_num_threads(),
+            "overlapped_equals_blocking": bool(torch.equal(got, recv))}
+
+
+def fb_overlap_summary(times: dict[str, list[float]]) -> dict:
+    """From the per-round times (lists of equal length, round by round): the medians, and each
+    round's hidden fraction (serial - overlapped) / all-to-all, paired within the round: 1 when the
+    all-to-all hides entirely behind the compute, 0 when the two only take turns, below 0 when
+    overlapping them costs more than running them in turn (cores fought over). Its median and
+    quartiles say whether the rounds agree."""
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"median_s": med, "times_s": times, "payload_bytes": send.numel() * send.element_size(),
-            "overlapped_equals_blocking": bool(torch.equal(got, recv)),
-            "hidden_fraction": (med["serial"] - med["overlapped"]) / min(med["comm"], med["compute"])}
+    hidden = [(s - o) / c for s, o, c in zip(times["serial"], times["overlapped"], times["comm"])]
+    q = statistics.quantiles(hidden, n=4, method="inclusive") if len(hidden) > 1 else hidden * 3
+    return {"median_s": med, "hidden_per_round": hidden, "hidden_fraction": statistics.median(hidden),
+            "hidden_q1": q[0], "hidden_q3": q[2], "hidden_min": min(hidden), "hidden_max": max(hidden),
+            "rounds_hiding": sum(h > 0 for h in hidden),
+            # nothing overlapped: serial = comm + compute (1.0); a full overlap: max(comm, compute)
+            "serial_over_sum": med["serial"] / (med["comm"] + med["compute"]),
+            "best_possible_fraction": min(med["comm"], med["compute"]) / med["comm"]}
 
 
-def bench_fb_overlap(ranks: int = 2, repeats: int = 7) -> dict:
+def fb_overlap_cores(ranks: int, torch_threads: int, cpus: int, load: float) -> dict:
+    """Can this machine show the overlap at all? Each rank needs a core for its compute (torch's
+    threads) and one for gloo's worker thread, which copies the all-to-all's bytes through the
+    sockets meanwhile: ranks x (threads + 1) cores, beside what other processes use (the load)."""
+    need = ranks * (torch_threads + 1)
+    if need > cpus:
+        why = (f"cannot show it: {ranks} ranks x ({torch_threads} compute thread(s) + gloo's worker) "
+               f"= {need} busy threads > {cpus} cores; the all-to-all's copies and the compute take "
+               f"turns on the cores, so what is measured is their contention, not overlap")
+    elif need + load > cpus:
+        why = (f"may not show it: {need} busy threads fit {cpus} cores, but the load average "
+               f"{load:.1f} says other processes want {load:.1f} of them")
+    else:
+        why = f"can show it: {need} busy threads on {cpus} cores, load average {load:.1f}"
+    return {"threads_needed": need, "cores_enough": need <= cpus, "can_show": need + load <= cpus,
+            "cores_verdict": why}
+
+
+def bench_fb_overlap(ranks: int = 2, repeats: int = 15, timeline: bool = True) -> dict:
     """DualPipe's F&B overlap, on the toy, measured on the wall clock: on each of `ranks` ranks,
     micro-batch A's expert all-to-all (gloo, async: it runs in gloo's worker thread) in flight
-    while micro-batch B's forward and backward compute, against the two one after the other.
-    hidden_fraction = (serial - overlapped) / min(comm, compute): 1 when the shorter one hides
-    entirely behind the other, 0 when nothing overlaps (medians over `repeats`, slowest rank)."""
+    while micro-batch B's forward and backward compute, against the two one after the other, over
+    `repeats` interleaved rounds (fb_overlap_summary: the hidden fraction per round, its median
+    and spread; fb_overlap_cores: whether this machine has the cores to show it). `timeline`: also
+    a DualPipe run with experts (pp 2 x ep 2), its all-to-all records counted against the compute
+    ops of other micro-batches on the same rank (experiments.comm_during_other_compute), and its
+    pipeline sends the same way."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0]  # before our ranks start
     cfg = RunConfig(dp=ranks, batch=4 * ranks, layers=4, experts=4, top_k=2, steps=1).validate()
     out = run_ranks(_fb_overlap_rank, ranks, cfg.to_dict(), repeats, timeout=600, backend="gloo")
-    result = out[0].value
-    result.update(ranks=ranks, repeats=repeats, cpus=len(os.sched_getaffinity(0))
-                  if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                  load_average=os.getloadavg()[0])
+    r0 = out[0].value
+    result = {**fb_overlap_summary(r0["times_s"]), **r0, "ranks": ranks, "repeats": repeats,
+              "cpus": cpus, "load_average": load,
+              "comm_cpu_over_wall": statistics.median(
+                  c / w for c, w in zip(r0["cpu_s"]["comm"], r0["times_s"]["comm"])),
+              **fb_overlap_cores(ranks, r0["torch_threads"], cpus, load)}
+    if timeline:
+        from ..runtime.launch import run
+        from .experiments import comm_during_other_compute
+
+        run_cfg = RunConfig(pp=2, dp=2, ep=2, experts=4, top_k=2, schedule="dualpipe",
+                            microbatches=4, batch=8, layers=2, steps=4, reference=True,
+                            backend="gloo").validate()  # CPU ranks, as the micro-benchmark's
+        report = run(run_cfg)
+        result["timeline"] = {"config": "pp 2 x ep 2 (dp 2), dualpipe, 4 micro-batches, 4 experts",
+                              "max_abs_diff": report.max_abs_diff,
+                              **{op: {k: v for k, v in comm_during_other_compute(report, op).items()
+                                      if k != "rows"} for op in ("all_to_all", "send")}}
     return result
 
 
@@ -774,14 +917,29 @@ def _print_fb_overlap(r):
     med = r["median_s"]
     print(f"(f3) F&B overlap on the toy ({r['ranks']} ranks, {r['cpus']} CPUs, load {r['load_average']:.1f}): "
           f"an all-to-all of {r['payload_bytes'] / 1024:.0f} KiB per rank in flight during another "
-          f"micro-batch's forward and backward, measured on the wall clock (median of {r['repeats']})")
+          f"micro-batch's forward and backward, measured on the wall clock ({r['repeats']} rounds, "
+          f"the four timings back to back in each, the slowest rank's)")
     print(_table(["all-to-all ms", "compute ms", "one after the other ms", "overlapped ms",
-                  "hidden (measured)", "same result"],
+                  "hidden (measured): median", "quartiles", "min..max", "rounds > 0", "same result"],
                  [[f"{1e3 * med['comm']:.1f}", f"{1e3 * med['compute']:.1f}",
                    f"{1e3 * med['serial']:.1f}", f"{1e3 * med['overlapped']:.1f}",
-                   f"{r['hidden_fraction']:.0%}", r["overlapped_equals_blocking"]]]))
-    print("    hidden = (one after the other - overlapped) / the shorter of the two; on cores shared "
-          "with other ranks the all-to-all's copies compete with the compute for the same cores")
+                   f"{r['hidden_fraction']:.0%}", f"{r['hidden_q1']:.0%}..{r['hidden_q3']:.0%}",
+                   f"{r['hidden_min']:.0%}..{r['hidden_max']:.0%}",
+                   f"{r['rounds_hiding']} of {r['repeats']}", r["overlapped_equals_blocking"]]]))
+    print(f"    hidden = (one after the other - overlapped) / all-to-all, per round (at most "
+          f"{r['best_possible_fraction']:.0%} here: the shorter of the two); one after the other / "
+          f"(all-to-all + compute) = {r['serial_over_sum']:.2f}; the all-to-all's CPU time (this "
+          f"process, all threads) is {r['comm_cpu_over_wall']:.0%} of its wall time")
+    print(f"    this machine {r['cores_verdict']}")
+    t = r.get("timeline")
+    if t:
+        a, s = t["all_to_all"], t["send"]
+        print(f"    the runner's own timelines ({t['config']}; counted from the records): "
+              f"{a['overlapping_other']} of {a['records']} all-to-alls overlap another micro-batch's "
+              f"compute ({a['inside_own_op']} lie inside the op that issued them: the runner runs "
+              f"each rank's ops in order and the experts' all-to-all blocks); pipeline sends "
+              f"(asynchronous) outstanding during another op's compute: {s['overlapping_other']} of "
+              f"{s['records']}; max |ours - ref| {t['max_abs_diff']:.1e}")
 
 
 def _print_dualpipe(rows):
@@ -838,11 +996,14 @@ def _print_ring(rows):
                    f"{r['ring_busbw_GBps']:.2f}", f"{r['gloo_busbw_GBps']:.2f}",
                    f"{r['ring_over_gloo_bw']:.2f}", f"{r['max_abs_err']:.1e}"] for r in rows]))
     lat, n = rows[0]["step_latency_s"], rows[0]["world_size"]
-    print(f"    latency (measured, medians): one ring step of 4 B ours {1e3 * lat['ours_step']:.2f} ms "
-          f"(bare batch_isend_irecv {1e3 * lat['bare_step']:.2f} ms), gloo's whole all-reduce of 4 B "
+    print(f"    latency (measured, medians of 20 calls back to back): one ring step of 4 B ours "
+          f"{1e3 * lat['ours_step']:.2f} ms, this thread's CPU {1e6 * lat['ours_step_cpu']:.0f} us "
+          f"(bare irecv + isend {1e3 * lat['bare_step']:.2f} ms, CPU {1e6 * lat['bare_step_cpu']:.0f} us: "
+          f"the metering costs the difference), gloo's whole all-reduce of 4 B "
           f"{1e3 * lat['gloo_all_reduce_4B']:.2f} ms; our ring's floor 2(N-1) x step = "
           f"{2 * (n - 1) * 1e3 * lat['ours_step']:.2f} ms. Gloo runs the same ring (reduce-scatter + "
-          f"all-gather, >= 2N segments, two in flight) inside C++ threads: its steps cost no Python")
+          f"all-gather, >= 2N segments, two in flight, receives posted ahead) inside C++ threads: "
+          f"its steps cost no Python, and a segment of a small tensor that is empty is not sent")
 
 
 def _print_zero(rows):
@@ -866,15 +1027,29 @@ def _print_pp(rows):
     r0 = rows[0]
     print(f"(e) pipeline parallel step time, median over the steps (slowest rank), "
           f"{r0['layers']} layers, global batch {r0['batch']}, {r0['microbatches']} micro-batches; "
-          f"torch = torch.distributed.pipelining on the same chunks")
-    print(_table(["pp", "schedule", "ours ms", "torch", "torch ms", "ours/torch", "|loss diff|"],
+          f"torch = torch.distributed.pipelining on the same chunks; messages = sends per step "
+          f"over all ranks (counted)")
+    print(_table(["pp", "schedule", "ours ms", "torch", "torch ms", "ours/torch", "|loss diff|",
+                  "messages ours/torch"],
                  [[r["pp"], r["schedule"], f"{r['ours_ms']:.1f}", r["torch_schedule"],
                    f"{r['torch_ms']:.1f}", f"{r['ours_over_torch']:.2f}",
-                   f"{r['last_loss_diff']:.1e}"] for r in rows]))
+                   f"{r['last_loss_diff']:.1e}",
+                   "{ours}/{torch}".format(**r["messages_per_step"])] for r in rows]))
+    print("    ours, where a step's wall time goes on its slowest rank (median ms, from the "
+          "runner's own timeline; other = between ops and the optimizer step)")
+    print(_table(["pp", "schedule", "compute", "send", "wait", "other"],
+                 [[r["pp"], r["schedule"], *(f"{_slowest_split(r)[k]:.1f}"
+                                             for k in ("compute", "send", "wait", "other"))]
+                  for r in rows]))
+
+
+def _slowest_split(row) -> dict:
+    """The split of the rank whose step took longest (compute + send + wait + other)."""
+    return max(row["ours_split_ms"], key=lambda s: sum(s.values()))
 
 
 def _print_bubble(rows):
-    from ..trace import GAP_PARTS
+    from .trace import GAP_PARTS
     r0 = rows[0]
     print(f"(f) pipeline bubble against the formula: measured (wall clock) and replayed (measured op "
           f"times, own-device schedule), {r0['steps']} steps, {r0['repeats']} runs each")
@@ -995,7 +1170,7 @@ def _tile_split(core, q, k, v, grad) -> dict:
     for _ in range(5):
         dist.barrier()
         t0 = time.perf_counter()
-        _, hop = core._pass(kv, 0, "kv")
+        hop = core._send(kv, 0, "kv", core._receive(kv, 0, "kv")[1])
         post.append(time.perf_counter() - t0)
         hop.wait()
         hop_ms.append(time.perf_counter() - t0)
@@ -1067,7 +1242,7 @@ def _ep_split(report, rank: int, step: int) -> dict:
 
 def bench_ep(eps=(2, 4), experts: int = 8, top_k: int = 2, steps: int = 8, batch: int = 16,
              d_model: int = 128) -> list[dict]:
-    from ..engine import run
+    from ..runtime.launch import run
     rows = []
     for n in eps:
         row = {"ranks": n, "experts": experts, "top_k": top_k}
@@ -1154,12 +1329,20 @@ def bench_wire(world_sizes=(2, 4), sizes=(4 * 1024, 64 * 1024, MB, 16 * MB), rep
     return rows
 
 
-def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
+def bench_plan(ranks: int = 8, steps: int = 6, hardware_json: str | None = None,
+               sample: int = 0) -> dict:
     """(j) Every memory class of layout the planner ranks for `ranks` ranks of the tiny GPT on this
-    machine, run live (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes
-    against the planner's prediction, and the planner's step-time order against the measured one
-    (Spearman's rank correlation; the timings are this machine's, with its cores shared)."""
+    machine (or `sample` of them, evenly spaced along the ranking), run live
+    (planner.validate_on_toy_runs): each rank's params/grads/optimizer bytes against the planner's
+    prediction, and the planner's step time, predicted with the profile "this machine" measured
+    here first (planner.measure_hardware; read from / written to `hardware_json` when given),
+    against the measured one: predicted / measured per layout, Spearman's rank correlation (the
+    timings are this machine's, with its cores shared). The assumed "cpu" profile's prediction
+    is kept beside it."""
     from . import planner
+
+    say = (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    hw = planner.measure_hardware(hardware_json, progress=say)
 
     def progress(row):
         print(f"  {row['layout']}: " + (row.get("error") or (
@@ -1167,22 +1350,55 @@ def bench_plan(ranks: int = 8, steps: int = 6) -> dict:
               f"{1e3 * row['predicted_step_s']:.1f} ms, measured {1e3 * row['measured_step_s']:.1f} ms")),
               file=sys.stderr, flush=True)
 
-    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress)
+    return planner.validate_on_toy_runs(gpus=ranks, steps=steps, progress=progress, hw=hw,
+                                        sample=sample)
+
+
+PLAN_GOAL = (0.7, 1.4)  # predicted / measured step time: issue 24's goal for most layouts
 
 
 def _print_plan(res: dict):
+    hw = res.get("hardware") or {}
     print(f"(j) the planner's {res['ranks']}-rank layouts of the tiny GPT, run here on "
           f"{res['cores']} cores: model states equal to the prediction on every rank in "
           f"{res['states_equal']} of {res['layouts'] - res['failed']} layouts"
           + (f" ({res['failed']} failed to run)" if res["failed"] else ""))
+    if hw:
+        print(f"    profile {hw['name']!r} ({hw['source']}): {hw['flops'] / 1e9:.1f} GFLOP/s per "
+              f"core, {1e3 * hw['block_overhead_s']:.2f} ms fixed per block and micro-batch, "
+              f"{1e6 * hw['latency_intra_s']:.0f} us per hop with a core per rank, "
+              f"{1e6 * hw['shared_hop_s']:.0f} us x ranks/cores when shared, "
+              f"{hw['intra_bw'] / 1e9:.2f} GB/s")
     ran = [r for r in res["rows"] if "error" not in r]
-    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms"],
+    assumed = any("predicted_assumed_step_s" in r for r in ran)
+    cpu = all("measured_cpu_s" in r for r in ran)
+    print(_table(["layout", "states = planner", "step predicted ms", "step measured ms",
+                  "predicted/measured"]
+                 + (["ops' CPU / cores ms", "predicted compute / that"] if cpu else [])
+                 + (["assumed-rates predicted ms"] if assumed else []),
                  [[r["layout"], "yes" if r["states_equal"] else "NO",
-                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}"]
+                   f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}",
+                   f"{r['predicted_step_s'] / r['measured_step_s']:.2f}"]
+                  + ([f"{1e3 * r['measured_cpu_s'] / res['cores']:.1f}",
+                      f"{r['predicted_compute_s'] * res['cores'] / r['measured_cpu_s']:.2f}"]
+                     if cpu else [])
+                  + ([f"{1e3 * r['predicted_assumed_step_s']:.1f}"] if assumed else [])
                   for r in ran]))
+    if cpu:
+        print("    ops' CPU / cores: every rank's CPU time in the step's ops (thread time, measured), "
+              "summed, over the cores: the step if our ranks had the cores to themselves and "
+              "never waited; other processes' load is not in it (the wall clock's step is)")
+    lo, hi = PLAN_GOAL
+    inside = sum(lo <= r["predicted_step_s"] / r["measured_step_s"] <= hi for r in ran)
+    print(f"predicted/measured within {lo}-{hi}: {inside} of {len(ran)} layouts")
     rho = res["spearman_step_time"]
     print("Spearman's rank correlation, predicted vs measured step time: "
           + ("n/a (fewer than 3 layouts ran)" if rho is None else f"{rho:+.2f}"))
+    if assumed and len(ran) > 2:
+        from .planner import spearman
+        rho0 = spearman([r["predicted_assumed_step_s"] for r in ran],
+                        [r["measured_step_s"] for r in ran])
+        print(f"    with the assumed rates (profile 'cpu'): {rho0:+.2f}")
 
 
 def _print_wire(rows):
@@ -1194,6 +1410,70 @@ def _print_wire(rows):
                    f"{r['written_bytes']:,}" if r["written_bytes"] is not None else "-",
                    f"{r['written_over_model']:.3f}" if r["written_over_model"] else "-"]
                   for r in rows]))
+
+
+# ---------------------------------------------------------------------------------------------
+# (m) this machine's links
+# ---------------------------------------------------------------------------------------------
+LINKS_EXAMPLE = ("all_reduce", 2 ** 30, 8)  # what one all-reduce of 1 GiB over 8 ranks takes
+
+
+def bench_links(world: int = 2, max_mib: float = 64, repeats: int = 5) -> dict:
+    from . import links
+
+    sizes = [s for s in links.DEFAULT_SIZES if s <= max_mib * MB] or [4]
+    res = links.measure_links(world, sizes, repeats=repeats, progress=lambda row: print(
+        f"  {row['op']} {row['bytes']:,} B: median {1e6 * row['median_s']:.0f} us",
+        file=sys.stderr, flush=True))
+    return links_summary(res)
+
+
+def links_summary(res: dict) -> dict:
+    """measure_links' result with its fits (to the medians, and to the fastest repeats) and the
+    LINKS_EXAMPLE all-reduce on the source material's links and on the fitted one."""
+    from . import links
+
+    res["fit"] = links.fit_alpha_beta(res)
+    res["fit_fastest"] = links.fit_alpha_beta(res, stat="min_s")
+    op, nbytes, n = LINKS_EXAMPLE
+    res["example"] = {"op": op, "bytes": nbytes, "world": n,
+                      "rows": links.interconnects(op, nbytes, n, fit=res["fit"]["all"])}
+    return res
+
+
+def _print_links(res: dict):
+    from . import links
+
+    n = res["world"]
+    print(f"(m) this machine's links: {n} local gloo ranks on {res['cores']} cores (load "
+          f"{res['load_before'][0]:.2f} -> {res['load_after'][0]:.2f}); median (fastest) of the "
+          f"slowest rank's time per repeat, us (measured)")
+    ops = list(dict.fromkeys(r["op"] for r in res["rows"]))
+    by = {(r["op"], r["bytes"]): r for r in res["rows"]}
+    sizes = sorted({r["bytes"] for r in res["rows"]})
+    print(_table(["bytes"] + ops, [[f"{b:,}"] + [
+        f"{1e6 * by[o, b]['median_s']:.0f} ({1e6 * by[o, b]['min_s']:.0f})" if (o, b) in by else "-"
+        for o in ops] for b in sizes]))
+    print("bytes: " + "; ".join(f"{o}: {links.PAYLOAD[o]}" for o in ops))
+    print(f"alpha-beta fit, t = a alpha + b bytes beta with the ring's hop counts at N = {n} "
+          "(least squares in relative error); alpha and beta are the link's, so the ops should "
+          "agree:")
+    rows = []
+    for key, label in (("fit", "medians"), ("fit_fastest", "fastest")):
+        for op, f in res[key].items():
+            rows.append([label, op, "-" if f["a"] is None else f"{f['a']:g}",
+                         "-" if f["b"] is None else f"{f['b']:.3g}", f"{1e6 * f['alpha_s']:.1f}",
+                         f"{f['bandwidth_Bps'] / 1e9:.2f}", f"{100 * f['max_rel_err']:.0f}%"])
+    print(_table(["fitted to", "op", "a", "b", "alpha us", "bandwidth GB/s", "max rel err"], rows))
+    ex = res["example"]
+    print(f"the source material's interconnect table (vendor figures, from the source material; "
+          f"latency per hop assumed, not from it) and one {ex['op'].replace('_', '-')} of "
+          f"{ex['bytes'] / 2 ** 30:g} GiB over {ex['world']} ranks on each (alpha-beta model: "
+          f"theory; this machine's row: fitted to the medians above):")
+    print(_table(["link", "as stated", "GB/s per direction", "latency us", "all-reduce ms"],
+                 [[r["link"], r["stated"], f"{r['bandwidth_Bps'] / 1e9:.3g}",
+                   f"{1e6 * r['latency_s']:.1f}", f"{1e3 * r['seconds']:.1f}"]
+                  for r in ex["rows"]]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1374,7 +1654,7 @@ def bench_async(ranks: int = 4, factor: float = 3.0, steps: int = 12, batch: int
     same updates replayed in one process without staleness (each gradient on the current
     version: what staleness cost, at equal samples). The target loss, unless given, is the
     highest final smoothed loss of the runs, so that every run reaches it."""
-    from ..engine import run
+    from ..runtime.launch import run
     from ..parallel.async_ps import worker_batch
     from ..reference import replay_updates
     # 16 sequences of 64 tokens per worker step: compute, not the 0.9 MB messages, sets the pace
@@ -1472,7 +1752,7 @@ COMPARED = {
                [("wall - formula (points)", "wall_median_points", "abs"),
                 ("replayed - formula (points)", "replayed_median_points", "abs")]),
 }
-ALL_SECTIONS = tuple(COMPARED)  # `bench all`: these (not app, warm, wire, plan, async, dualpipe)
+ALL_SECTIONS = tuple(COMPARED) + ("links",)  # `bench all` (not app, warm, wire, plan, async, dualpipe)
 WORSE_BY = 0.10  # a ratio 10 % worse (points: 3 points further from the formula) is flagged
 
 
@@ -1547,7 +1827,7 @@ def _parser() -> argparse.ArgumentParser:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("what", nargs="?", choices=["dp", "ring", "warm", "zero", "tp", "pp", "bubble",
                                                 "cp", "ep", "wire", "plan", "app", "async",
-                                                "dualpipe", "all"],
+                                                "dualpipe", "fb-overlap", "links", "all"],
                     help="all = " + ", ".join(ALL_SECTIONS) + " with fewer repeats (~10 min)")
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="dp degrees for (a)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per mode for (a)")
@@ -1555,9 +1835,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bucket-mb", type=float, default=0.25, help="ours and DDP's bucket size")
     ap.add_argument("--batch", type=int, default=16, help="global batch for (a)")
     ap.add_argument("--ring-ranks", type=int, default=4, help="world size for (b)")
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64], help="for (b)")
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[0.0625, 0.25, 1, 4, 16, 64],
+                    help="for (b): 64 KB to 64 MB")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats for (b)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pp degrees for (e)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks for fb-overlap (f3)")
+    ap.add_argument("--fb-repeats", type=int, default=15, help="interleaved rounds for fb-overlap")
     ap.add_argument("--warm-repeats", type=int, default=10, help="repeated runs for warm")
     ap.add_argument("--bubble-repeats", type=int, default=5, help="runs per schedule for (f)")
     ap.add_argument("--bubble-setups", nargs="+", default=["2x4", "4x8"], metavar="PxM",
@@ -1573,6 +1856,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--async-factor", type=float, default=3.0, help="the straggler's slowdown, (l)")
     ap.add_argument("--async-target", type=float, help="target loss for (l); default: the "
                     "highest final loss of its runs")
+    ap.add_argument("--hardware-json", metavar="PATH", help="(j) plan: read the measured "
+                    "'this machine' profile from PATH if it exists, else measure and write it")
+    ap.add_argument("--plan-sample", type=int, default=0, metavar="N", help="(j) plan: run N of "
+                    "the layout classes, evenly spaced along the ranking (default: all)")
+    ap.add_argument("--world", type=int, default=2, help="local ranks for (m) links")
+    ap.add_argument("--max-mib", type=float, default=64, help="largest message for (m) links, MiB")
     ap.add_argument("--json", metavar="PATH", help="also write the numbers as JSON ('-' = stdout only)")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="OLD.json: after the run, each "
                     "row's ratios now against OLD's; OLD.json NEW.json without a benchmark: "
@@ -1597,18 +1886,24 @@ def _sections(args) -> dict:
         "pp": [("pp", lambda: bench_pp(tuple(args.pp), warmup=least(3, 2), steps=least(10, 4)),
                 _print_pp)],
         "dualpipe": [("dualpipe", bench_dualpipe, _print_dualpipe),
-                     ("fb_overlap", bench_fb_overlap, _print_fb_overlap)],
+                     ("fb_overlap", lambda: bench_fb_overlap(args.ranks, least(args.fb_repeats, 7)),
+                      _print_fb_overlap)],
+        "fb-overlap": [("fb_overlap", lambda: bench_fb_overlap(args.ranks, args.fb_repeats),
+                        _print_fb_overlap)],
         "bubble": [("bubble", lambda: bench_bubble(tuple(args.bubble_schedules), setups,
                                                    least(args.bubble_repeats, 2)), _print_bubble)],
         "cp": [("cp", lambda: bench_cp(warmup=least(2, 1), steps=least(6, 4)), _print_cp)],
         "ep": [("ep", lambda: bench_ep(steps=least(8, 6)), _print_ep)],
         "wire": [("wire", bench_wire, _print_wire)],
-        "plan": [("plan", bench_plan, _print_plan)],
+        "plan": [("plan", lambda: bench_plan(hardware_json=args.hardware_json,
+                                             sample=args.plan_sample), _print_plan)],
         "app": [("app", lambda: bench_app(tuple(args.app_pages), args.app_repeats), _print_app)],
         "async": [("async", lambda: bench_async(4, args.async_factor, args.async_steps,
                                                 args.async_batch, target=args.async_target),
                    _print_async)],
         "warm": [("warm", lambda: bench_warm(args.warm_repeats), _print_warm)],
+        "links": [("links", lambda: bench_links(args.world, least(args.max_mib, 16),
+                                                least(args.repeats, 3)), _print_links)],
     }
 
 
@@ -1622,6 +1917,15 @@ def main(argv=None) -> int:
         old, new = (json.loads(Path(f).read_text()) for f in args.compare)
         _print_compare(compare(old, new), args.compare[0], old, new)
         return 0
+    if args.what in ("links", "all") and not 2 <= args.world <= MAX_LOCAL_RANKS:
+        print(f"bench: --world {args.world}: links need 2 to {MAX_LOCAL_RANKS} local ranks (e.g. "
+              "--world 2)",
+              file=sys.stderr)
+        return 2
+    if args.what in ("links", "all") and args.max_mib <= 0:
+        print(f"bench: --max-mib {args.max_mib:g}: give a positive size in MiB (e.g. --max-mib 64)",
+              file=sys.stderr)
+        return 2
     if args.compare and len(args.compare) != 1:
         print("bench: --compare takes OLD.json when a benchmark runs (OLD.json NEW.json without "
               "one)", file=sys.stderr)

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from .. import theory
 from ..comm import Comm, probe_input, ring_all_reduce
 from ..config import RunConfig
-from ..launch import rank_device, run_ranks
+from ..mesh import rank_device
+from ..runtime.launch import run_ranks
 from ..mesh import build_mesh
 
 

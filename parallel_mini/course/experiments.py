@@ -1,4 +1,4 @@
-"""Live experiments that are neither a training run (`engine.run`) nor a collective
+"""Live experiments that are neither a training run (`launch.run`) nor a collective
 (`collectives.py`): each starts ranks, does one small thing on them, and returns plain data that a
 page or a lesson draws. The app's pages call these and never run code on a rank themselves.
 
@@ -18,7 +18,10 @@ And what a training run's timeline says, read from a RunReport (plain data, no r
   per all-reduce, when it was launched and finished relative to the end of backward, and the share
   of all-reduce time that fell within backward's wall-clock span (`python -m parallel_mini.bench
   dp` too);
-- `bucket_overlap(report)`: the same for every rank and timed step of a data-parallel run.
+- `bucket_overlap(report)`: the same for every rank and timed step of a data-parallel run;
+- `comm_during_other_compute(report)`: per collective (DualPipe's question: the experts'
+  all-to-all), how much of its wall interval fell inside a compute op (F, B, W) of another
+  micro-batch or chunk on the same rank, counted from the timeline records.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..config import RunConfig
-from ..launch import rank_device, run_ranks
+from ..mesh import rank_device
+from ..runtime.launch import run_ranks
 from ..mesh import build_mesh
 from ..model import build_model
 from ..parallel.tensor import apply_tensor_parallel
@@ -225,6 +229,41 @@ def bucket_overlap(report, warmup: int = 1) -> list[dict]:
     return rows
 
 
+COMPUTE_OPS = ("F", "B", "W")
+
+
+def comm_during_other_compute(report, op: str = "all_to_all", warmup: int = 1) -> dict:
+    """Counted from a pipeline run's records (RunReport or its dict): for every `op` record of a
+    timed step with a wall interval, the op it was issued from (the compute op, F/B/W, on the same
+    rank whose interval holds the record's start: its own micro-batch and chunk) and the time it
+    overlapped any OTHER compute op of that rank (another micro-batch's, or the same micro-batch's
+    other chunk): DualPipe's F&B overlap, a chunk's all-to-all in flight while another computes.
+    Returns {"records": n, "inside_own_op": n, "overlapping_other": n, "comm_s": total wall time,
+    "overlapped_s": total overlap with other compute, "rows": one row per record}. A runner that
+    runs each rank's ops one after the other, its all-to-all blocking inside the op that needs it,
+    counts overlapping_other = 0 whatever the machine."""
+    d = _as_dict(report)
+    keep = set(timed_steps(d, warmup))
+    rows = []
+    for r in d["ranks"]:
+        compute = [e for e in r["events"] if e["kind"] in COMPUTE_OPS and e.get("step") in keep]
+        for c in r["comm"]:
+            if c["op"] != op or c.get("step") not in keep or "end" not in c:
+                continue
+            own = next((e for e in compute if e["start"] <= c["start"] <= e["end"]), None)
+            other = sum(max(0.0, min(c["end"], e["end"]) - max(c["start"], e["start"]))
+                        for e in compute if e is not own)
+            rows.append({"rank": r["rank"], "step": c["step"], "phase": c.get("phase"),
+                         "own_op": None if own is None else
+                         f"{own['kind']}{own.get('microbatch')}.{own.get('stage')}",
+                         "inside_own_op": own is not None and c["end"] <= own["end"],
+                         "comm_s": c["end"] - c["start"], "overlapped_other_s": other})
+    return {"records": len(rows), "inside_own_op": sum(x["inside_own_op"] for x in rows),
+            "overlapping_other": sum(x["overlapped_other_s"] > 0 for x in rows),
+            "comm_s": sum(x["comm_s"] for x in rows),
+            "overlapped_s": sum(x["overlapped_other_s"] for x in rows), "rows": rows}
+
+
 def _median(xs) -> float:
     xs = list(xs)
     return statistics.median(xs) if xs else float("nan")
@@ -245,7 +284,7 @@ def dp_overlap_experiment(dp: int = 4, batch: int = 8, bucket_mb: float = 0.25, 
     that overlapped backward, all-reduces per step and how many finished before backward ended;
     "steps": step_times rows with `mode` and `run`; "buckets": bucket_overlap rows of the bucketed
     runs; "config": what ran}."""
-    from ..engine import run  # engine imports much of the library: only when a run is asked for
+    from ..runtime.launch import run  # engine imports much of the library: only when a run is asked for
 
     base = RunConfig(dp=dp, batch=batch, steps=steps, **model).validate()
     n_params = sum(1 for _ in build_model(base).parameters())
@@ -307,7 +346,7 @@ def local_sgd_bytes(dp: int = 4, every=(1, 2, 4), steps: int = 8, batch: int = 8
     """Data parallel (gradients averaged every step) and local SGD at each H in `every`, one live
     run each on the same data: per row `mode`, `sync_every` (0: DDP), `bytes_per_sample`
     ({counted, theory, measured}), `ratio_to_ddp` (counted), and the run's `losses`."""
-    from ..engine import run  # only when a run is asked for
+    from ..runtime.launch import run  # only when a run is asked for
 
     rows = []
     for h in (0, *every):
@@ -334,7 +373,7 @@ def fedavg_rounds_to_target(target: float = 3.0, non_iid=(0.0, 10.0), local_step
     sizes and sampling. Per row `non_iid`, `local_steps`, `rounds_to_target` (None: not within
     `rounds`), the union loss per round, each round's mean client drift, and the weights' bytes
     rank 0 sent per round ({counted, theory, measured})."""
-    from ..engine import run  # only when a run is asked for
+    from ..runtime.launch import run  # only when a run is asked for
 
     rows = []
     for a in non_iid:
@@ -367,7 +406,7 @@ def straggler_runs(ranks: int = 4, factor: float = 3.0, steps: int = 8, batch: i
     """Synchronous DP and asynchronous SGD on `ranks` ranks, each without and with a straggler
     (`straggler_rank`, default the last rank, `factor` times slower): {name: RunReport}, one live
     run each on the same data and model (SMALL unless given)."""
-    from ..engine import run
+    from ..runtime.launch import run
 
     slow = f"{ranks - 1 if straggler_rank is None else straggler_rank}:{factor:g}"
     common = dict(dp=ranks, steps=steps, batch=batch, **{**SMALL, **model})

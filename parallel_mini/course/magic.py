@@ -39,7 +39,7 @@ import types
 
 import cloudpickle
 
-from ..launch import RankError, RunTimeout, run_ranks
+from ..runtime.launch import RankError, RunTimeout, run_ranks
 
 CELL_FILENAME = "<%%ranks cell>"
 DEFAULT_TIMEOUT_S = 20.0  # a cell's run; a deadlock stops after half of it (pg_timeout_for)

@@ -30,7 +30,9 @@ machine whose ranks share cores nothing overlaps and a bubble costs nothing: an 
 core); matmuls run at a fixed share of peak whatever their size; real
 models use FlashAttention (no [s, s] scores kept), sequence parallel whenever tp > 1, uniform
 expert routing; memory beyond states, activations and logits (CUDA context, NCCL buffers,
-fragmentation) is a flat reserve. None of these numbers is measured.
+fragmentation) is a flat reserve. None of these numbers is measured, except the rates of the
+profile "this machine" (measure_hardware: a matmul and forward + backward sweep of the toy, and
+course/links.py's alpha-beta fit of this machine's links), which `bench plan` predicts with.
 """
 from __future__ import annotations
 
@@ -173,6 +175,16 @@ class Hardware:
     reserve_fraction: float = 0.10
     cores: int = 0  # "cpu": ranks share this many cores (0: every rank has its own device)
     source: str = ""
+    # "cpu" only: a ring hop's seconds when ranks outnumber cores, per rank per core (the hop
+    # waits for its receiver to be scheduled): shared_hop_s x ranks / cores.
+    shared_hop_s: float = 6e-4
+    # Seconds per block per micro-batch (forward + backward) that do not scale with FLOPs: the
+    # fixed cost of each of a block's small torch ops (Python, dispatch, autograd). 0: not
+    # modelled (GPUs: their kernels are large); measure_hardware measures it on this machine.
+    block_overhead_s: float = 0.0
+    # Seconds per pipeline chunk per micro-batch (forward + backward) beyond its blocks': a chunk
+    # is its own autograd graph (detached input, backward entered with the received gradient).
+    chunk_overhead_s: float = 0.0
 
     def bandwidth(self, inside_node: bool) -> float:
         if inside_node:
@@ -197,6 +209,143 @@ def _cpu_profile() -> Hardware:
                     intra_bw=2e9, inter_bw=2e9, latency_intra_s=1e-4, latency_inter_s=1e-4,
                     matmul_efficiency=1.0, reserve_fraction=0.0, cores=max(1, cores or 1),
                     source="this machine's cores (assumed rates)")
+
+
+def _compute_sweep_rank(shape: dict, batches: list[int], repeats: int) -> dict:
+    """On one rank (one compute thread, as every rank runs): the toy's matmuls at its shapes, and
+    the whole toy's forward + backward at each micro-batch size; CPU time of this thread (the
+    rate of a core while it is ours: other processes' load does not enter), fastest of repeats."""
+    import time
+
+    import torch
+
+    from ..config import RunConfig
+    from ..model import build_model
+
+    def fastest(fn):
+        fn()
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.thread_time()
+            fn()
+            best = min(best, time.thread_time() - t0)
+        return best
+
+    h, v, s = shape["d_model"], shape["vocab"], shape["seq"]
+    mm_flops = mm_s = 0.0
+    for b in batches:
+        t = b * s
+        for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h), (h, v)):
+            a, w = torch.randn(t, k), torch.randn(k, n)
+            mm_s += fastest(lambda: a @ w)
+            mm_flops += 2 * t * k * n
+    model = build_model(RunConfig(**{**shape, "batch": max(batches)}))
+    sweep = []
+    for b in batches:
+        x, y = torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))
+
+        def fwd_bwd():
+            model(x, y).backward()
+
+        def chunked():  # as a pipeline runs it: one chunk per block, each its own graph
+            ins, outs, h_in = [], [], x
+            for i in range(len(model.blocks)):
+                h_in = h_in if i == 0 else h_in.detach().requires_grad_()
+                ins.append(h_in)
+                outs.append(model(h_in, y, blocks=(i, i + 1)))
+                h_in = outs[-1]
+            grad = None
+            for i in reversed(range(len(outs))):
+                torch.autograd.backward(outs[i], grad)
+                grad = ins[i].grad if i else None
+        sweep.append({"batch": b, "seconds": fastest(fwd_bwd), "chunked_s": fastest(chunked)})
+    return {"matmul_flops_per_s": mm_flops / mm_s, "fwd_bwd": sweep}
+
+
+def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, cores: int) -> Hardware:
+    """measure_hardware's profile from its measurements: `compute` (_compute_sweep_rank's),
+    `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores."""
+    from . import links
+
+    spec = toy_model(batch=1, **shape)
+    per_seq = model_flops_per_token(spec) * spec.seq
+    sweep = compute.get("engine_fwd_bwd") or compute["fwd_bwd"]
+    overhead, per_flop = links.fit_relative([(spec.layers, per_seq * r["batch"], r["seconds"])
+                                             for r in sweep])
+    own = [w for w in link_fits if w <= cores] or [min(link_fits)]
+    shared = [w for w in link_fits if w > cores] or own
+    near, far = link_fits[max(own)], link_fits[max(shared)]
+    return Hardware("this machine", 2 * GiB, 1.0 / per_flop if per_flop else math.inf,
+                    "loopback", "loopback", gpus_per_node=10 ** 6,
+                    intra_bw=far["bandwidth_Bps"], inter_bw=far["bandwidth_Bps"],
+                    latency_intra_s=near["alpha_s"], latency_inter_s=near["alpha_s"],
+                    matmul_efficiency=1.0, reserve_fraction=0.0, cores=cores,
+                    shared_hop_s=far["alpha_s"] * cores / max(shared),
+                    block_overhead_s=overhead, chunk_overhead_s=max(0.0, statistics.median(
+                        (r["chunked_s"] - r["seconds"]) / spec.layers for r in compute["fwd_bwd"]
+                        if "chunked_s" in r) if any("chunked_s" in r for r in compute["fwd_bwd"])
+                        else 0.0),
+                    source="measured here: matmul sweep + link fit")
+
+
+def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None = None,
+                     batches=(1, 2, 4, 8, 16), max_bytes: int = 4 * 2 ** 20, repeats: int = 5,
+                     progress=None) -> Hardware:
+    """"this machine", measured here: a Hardware profile for the tiny GPT's local runs.
+
+    Compute (one rank, one thread, CPU time): a matmul sweep at the toy's shapes (its FLOP/s is
+    recorded), the bare toy's forward + backward at micro-batches of `batches` sequences
+    (recorded), and the same through the engine (engine.run on one rank, 4 steps: the forward and
+    backward ops' CPU time of steps 1 and 2, median; the meters' hooks included, as every
+    layout's ranks run them), fitted (links' least squares in relative error) to
+    t = L x block_overhead_s + FLOPs / flops: the
+    fitted rate covers what scales with tokens (matmuls and the elementwise ops between them),
+    block_overhead_s the fixed cost of each block's small ops (embedding and head folded into the
+    blocks); the same forward + backward run as a pipeline runs it, one chunk (its own autograd
+    graph) per block, gives chunk_overhead_s (median over micro-batch sizes of the difference per
+    chunk), charged per chunk a pipeline rank runs. Links (course/links.measure_links, every op, 4 B to max_bytes, medians): at each
+    world of `worlds`, fit_alpha_beta over all ops; latency_intra_s is alpha at the largest world
+    with a core per rank, shared_hop_s alpha at the largest world beyond the cores x cores /
+    world (the planner charges shared_hop_s x ranks / cores per hop), the bandwidth that world's.
+    The optimizer step is not measured (nor modelled). With `path`: read the profile from that
+    JSON file when it exists, else measure and write it there; without, measure (no file)."""
+    import json
+
+    if path and os.path.exists(path):
+        with open(path) as fh:
+            return Hardware(**json.load(fh)["hardware"])
+    from ..config import RunConfig
+    from ..runtime.launch import run
+    from ..runtime.launch import run_ranks
+    from . import links
+
+    say = progress or (lambda msg: None)
+    shape = {k: v for k, v in {**VALIDATION_MODEL, **(model or {})}.items() if k != "batch"}
+    say("compute: matmul sweep and the toy's forward + backward, one rank")
+    comp = run_ranks(_compute_sweep_rank, 1, shape, list(batches), repeats, timeout=600,
+                     backend="gloo")[0].value
+    comp["engine_fwd_bwd"] = []
+    for b in batches:  # the toy as the engine runs it (its meters and hooks on), one rank
+        say(f"compute: the engine's forward + backward, batch {b}")
+        rep = run(RunConfig(**shape, batch=b, steps=4))
+        comp["engine_fwd_bwd"].append({"batch": b, "seconds": statistics.median(
+            sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"]
+                if e.get("step") == s and e["kind"] in ("forward", "backward"))
+            for s in (1, 2))})
+    fits = {}
+    for w in worlds:
+        say(f"links: {w} ranks")
+        res = links.measure_links(w, [x for x in links.DEFAULT_SIZES if x <= max_bytes],
+                                  repeats=repeats)
+        fits[w] = {"fit": links.fit_alpha_beta(res)["all"],
+                   "load": [res["load_before"], res["load_after"]]}
+    hw = hardware_from_measurements(comp, {w: f["fit"] for w, f in fits.items()}, shape,
+                                    _cpu_profile().cores)
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"hardware": dataclasses.asdict(hw), "compute": comp,
+                       "links": {str(w): f for w, f in fits.items()}}, fh, indent=1)
+    return hw
 
 
 # H100 SXM: 989 TFLOP/s dense bf16 (at_scale.H100_BF16_FLOPS), 80 GB HBM3, NVLink 4 inside an HGX
@@ -627,7 +776,7 @@ def _inside_node(span: int, node: int) -> bool:
 
 def _hop_time(hw: Hardware, inside: bool, ranks: int) -> float:
     if hw.cores:  # ranks sharing cores: a hop waits for the receiver to be scheduled
-        return hw.latency_intra_s if ranks <= hw.cores else 6e-4 * ranks / hw.cores
+        return hw.latency_intra_s if ranks <= hw.cores else hw.shared_hop_s * ranks / hw.cores
     return hw.latency_intra_s if inside else hw.latency_inter_s
 
 
@@ -741,17 +890,22 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
         recompute = {"full": fwd - has_head * 2 * spec.d_model * spec.vocab,
                      "selective": core}.get(lay.checkpointing, 0)
         micro_flops.append({"total": (3 * fwd + recompute) * tokens_micro / lay.tp,
-                            "attention": 3 * core * tokens_micro / lay.tp})
+                            "attention": 3 * core * tokens_micro / lay.tp,
+                            # seconds that do not scale with FLOPs (measured profiles only)
+                            "fixed": len(blocks) * hw.block_overhead_s
+                            + (len(chunks) if lay.pp > 1 else 0) * hw.chunk_overhead_s})
 
     peak = hw.flops * hw.matmul_efficiency
-    t_micro = max(f["total"] for f in micro_flops) / peak  # the slowest stage sets the pace
+    # the slowest stage sets the pace; each block also pays its ops' fixed cost (block_overhead_s)
+    t_micro = max(f["total"] / peak + f["fixed"] for f in micro_flops)
     t_attn = max(f["attention"] for f in micro_flops) / peak
     bubble = theory.bubble_fraction(lay.schedule, lay.pp, lay.microbatches, lay.virtual) \
         if lay.pp > 1 else 0.0
     shared_cores = bool(hw.cores) and lay.world > hw.cores
     if shared_cores:  # all ranks' work on the cores there are; an idle rank frees its core
-        total = sum(f["total"] for f in micro_flops) * m_rank * lay.dp * lay.cp * lay.tp
-        compute = total / (hw.cores * peak)
+        replicas = m_rank * lay.dp * lay.cp * lay.tp
+        total = sum(f["total"] / peak + f["fixed"] for f in micro_flops)
+        compute = total * replicas / hw.cores
     else:
         compute = t_micro * m_rank / (1 - bubble)
     most = {"blocks": max(len([i for c in s[2] for i in c]) for s in stages),
@@ -885,7 +1039,7 @@ def _runnable(spec, lay, global_batch, precision, optimizer) -> bool:
     """RunConfig accepts it and it fits this machine's memory (the layouts the library refuses
     are not ranked for the tiny GPT)."""
     from ..config import ConfigError
-    from ..preflight import check_fits
+    from ..runtime.preflight import check_fits
     try:
         check_fits(run_config(spec, lay, global_batch, precision, optimizer).validate())
         return True
@@ -1157,6 +1311,18 @@ def measured_step_s(report) -> float:
     return statistics.median(spans)
 
 
+def measured_cpu_s(report) -> float:
+    """Median over the same steps as measured_step_s of the CPU time (each op's thread CPU time,
+    meters.Timeline) all ranks spent in the step's ops, summed: the work the cores had to do. Over
+    the cores, a step's wall time if our ranks had the cores to themselves and never waited
+    (other processes' load and scheduling waits are not in it; gloo's own threads neither)."""
+    sums = []
+    for s in range(1, report.config["steps"] - 1):
+        sums.append(sum(e.get("cpu", 0.0) for r in report.ranks for e in r["events"]
+                        if e.get("step") == s))
+    return statistics.median(sums)
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (ties get their mean rank)."""
     def ranks(v):
@@ -1179,7 +1345,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, steps: int = 6,
-                         model: dict | None = None, progress=None) -> dict:
+                         model: dict | None = None, progress=None, hw: Hardware | None = None,
+                         sample: int = 0) -> dict:
     """Run layouts of the tiny GPT here and compare with the planner (a benchmark, not a timed test).
 
     Without `layouts`: every memory class the planner ranks for `gpus` ranks on "cpu" (layouts
@@ -1187,13 +1354,17 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
     once, as its best-ranked layout). Per layout: the predicted model states of every rank
     (pipeline rank r's) against the run's measured params/grads/optimizer bytes, to the byte; the
     predicted step time beside the measured one (measured_step_s). Returns the rows, the number
-    of byte-equal layouts, and Spearman's rank correlation of predicted and measured step times."""
-    from ..engine import run
-    from ..launch import RankError
+    of byte-equal layouts, and Spearman's rank correlation of predicted and measured step times.
+    `hw`: the profile that predicts (default "cpu", assumed rates; measure_hardware() for this
+    machine measured); with another than "cpu", each row also has the "cpu" profile's prediction
+    (predicted_assumed_step_s). `sample` > 0: that many of the classes, evenly spaced along the
+    ranking (every class without)."""
+    from ..runtime.launch import RankError, run
     cfg_model = {**VALIDATION_MODEL, **(model or {})}
     batch = cfg_model.pop("batch")
     spec = toy_model(batch=batch, **cfg_model)
-    hw = hardware("cpu")
+    assumed = hardware("cpu")
+    hw = hw or assumed
     if layouts is None:
         result = plan(spec, gpus, hw, batch, top=0)
         seen, layouts = set(), []
@@ -1202,6 +1373,9 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
             if key not in seen:
                 seen.add(key)
                 layouts.append(lay)
+        if 0 < sample < len(layouts):
+            layouts = [layouts[round(i * (len(layouts) - 1) / (sample - 1))] if sample > 1
+                       else layouts[0] for i in range(sample)]
     rows = []
     for lay in layouts:
         p = predict(spec, lay, hw, batch, precision="fp32")
@@ -1227,7 +1401,12 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
         row = {"layout": lay.describe(), "fields": dataclasses.asdict(lay),
                "states_equal": not mismatches, "mismatches": mismatches,
                "predicted_step_s": p["step_s"], "measured_step_s": measured_step_s(report),
+               "predicted_compute_s": p["compute_s"], "measured_cpu_s": measured_cpu_s(report),
+               "predicted_comm_s": {a: c["exposed_s"] for a, c in p["comm"].items()},
                "activations_theory_bytes": act_pred, "activations_measured_bytes": act_meas}
+        if hw is not assumed:
+            row["predicted_assumed_step_s"] = predict(spec, lay, assumed, batch,
+                                                      precision="fp32")["step_s"]
         rows.append(row)
         if progress:
             progress(row)
@@ -1238,7 +1417,7 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
             "states_equal": sum(r["states_equal"] for r in ran),
             "spearman_step_time": spearman(pred, meas) if len(ran) > 2 else None,
             "rows": rows, "model": {**cfg_model, "batch": batch}, "ranks": gpus,
-            "cores": hw.cores}
+            "cores": hw.cores, "hardware": dataclasses.asdict(hw)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1306,7 +1485,7 @@ def spec_from_args(args) -> ModelSpec:
 
 def _check_args(args, given: set) -> None:
     """What the parser cannot say: ranges, flags that would be ignored, where --json goes."""
-    from ..preflight import check_output
+    from ..runtime.preflight import check_output
     if args.published:
         ignored = sorted(given - {"command", "published", "json"})
         if ignored:

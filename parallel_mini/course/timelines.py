@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from ..parallel.schedules import simulate
-from ..trace import COMPUTE, pipelines
+from .trace import COMPUTE, pipelines
 
 LABELS = {"wall": "measured (wall clock)",
           "replayed": "replayed (measured op times, own-device schedule)",

@@ -7,12 +7,14 @@ app's), redrawn from the library's formulas at every slider move and from real r
     memory_explorer(model=..., gpus=2, zero=0, precision="bf16-mixed")
                                               lesson 03: memory per GPU, sliders for model size,
                                               ZeRO stage and ranks (theory at once); "Run live"
-                                              measures the toy on real ranks (engine.run)
+                                              measures the toy on real ranks (launch.run)
     bubble_explorer(pp=4, m=4, schedule="1f1b")
                                               lesson 05: the schedule planned with unit costs and
-                                              its bubble beside the formula (at once); "Run live"
-                                              runs it on pp ranks (engine.run): the bubble measured
-                                              on the wall clock and replayed, as the report says
+                                              its bubble beside the formula (at once; DualPipe's
+                                              F&B pairs one unit each, as the app's Pipeline page
+                                              plans them); "Run live" runs it on pp ranks
+                                              (launch.run): the bubble measured on the wall clock
+                                              and replayed, as the report says
     tiles_explorer(cp=4, layout="zigzag", seq=64)
                                               lesson 06: the causal tile map and the work per rank
                                               as planned (theory) for a cp size and layout; "Run
@@ -38,7 +40,9 @@ import time
 import altair as alt
 import ipywidgets as W
 
-from .. import engine, theory, trace
+from .. import theory
+from ..runtime import launch
+from . import trace
 from ..config import RunConfig
 from ..parallel import schedules as S
 from ..parallel.context import chunks_of, n_chunks
@@ -339,7 +343,7 @@ class MemoryExplorer(Explorer):
         model, gpus, zero, prec = (self.model.value, self.gpus.value, self.zero.value,
                                    self.precision.value)
         self.say(f"Training the toy at ZeRO-{zero} on {gpus} rank(s), one step…", "busy")
-        rep = engine.run(RunConfig.from_dict(memory_config(model, gpus, zero, prec))).to_dict()
+        rep = launch.run(RunConfig.from_dict(memory_config(model, gpus, zero, prec))).to_dict()
         mem = rep["ranks"][0]["memory"]
         self.runs[(model, gpus, prec, zero)] = {
             "theory": {**rep["theory"]["memory"], "activations": TOYS[model]["layers"]
@@ -381,7 +385,7 @@ def memory_explorer(model: str = MODELS[0], gpus: int = 2, zero: int = 0,
 
     Memory per GPU at ZeRO 0-3 by the formulas, redrawn at every move of the sliders for model
     size (toys and at_scale.PRESETS), ZeRO stage (highlighted) and ranks N. "Run live" trains a toy
-    one step at the chosen stage on N ≤ 4 real ranks (engine.run) and draws rank 0's measured
+    one step at the chosen stage on N ≤ 4 real ranks (launch.run) and draws rank 0's measured
     bytes beside the run's predicted ones; runs at other stages add their bars."""
     return MemoryExplorer(model, gpus, zero, precision)
 
@@ -389,7 +393,8 @@ def memory_explorer(model: str = MODELS[0], gpus: int = 2, zero: int = 0,
 # ---------------------------------------------------------------------------------------------
 # lesson 05: the pipeline bubble
 # ---------------------------------------------------------------------------------------------
-SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv"]
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev", "dualpipe"]
+DUAL = ("dualpipe", "dualpipev")  # planned with their F&B pairs as one unit, as the report counts
 PLAN_COSTS = {"F": 1.0, "B": 2.0}  # a backward costs about two forwards
 PLAN_COSTS_SPLIT = {"F": 1.0, "B": 1.0, "W": 1.0}  # zero bubble: B + W = the unsplit backward
 PIPE_MODEL = {"d_model": 64, "heads": 4, "seq": 32, "vocab": 128}  # one sequence per micro-batch
@@ -401,15 +406,20 @@ def plan(schedule: str, pp: int, m: int) -> tuple[S.Schedule, list[dict], float]
     and the formula's bubble. Raises ValueError (ConfigError) for a setting the library refuses."""
     RunConfig.from_dict(pipeline_config(schedule, pp, m))  # the library's checks first, its words
     s = S.build_schedule(schedule, pp, m, INTERLEAVED_V if schedule == "interleaved" else 0)
-    timed = timelines.replay_ops(s, PLAN_COSTS_SPLIT if s.split_backward else PLAN_COSTS)
+    if schedule in DUAL:  # each F&B pair one unit (schedules.simulate, fused); a chunk's costs
+        size = pp / s.stages  # in stages: 1 (dualpipe: whole stages), 1/2 (dualpipev's V)
+        timed = S.simulate(s, lambda r, op: PLAN_COSTS_SPLIT[op.kind] * size, fused=True)
+    else:
+        timed = timelines.replay_ops(s, PLAN_COSTS_SPLIT if s.split_backward else PLAN_COSTS)
     return s, timed, theory.bubble_fraction(schedule, pp, m, s.virtual)
 
 
 def pipeline_config(schedule: str, pp: int, m: int) -> dict:
     v = S.virtual_stages(schedule, INTERLEAVED_V if schedule == "interleaved" else 0)
     return {**PIPE_MODEL, "pp": pp, "microbatches": m, "batch": m, "schedule": schedule,
-            "virtual_stages": v if schedule == "interleaved" else 0,
-            "layers": S.pipeline_layers(pp, v), "steps": trace.PIPELINE_STEPS}
+            "virtual_stages": v if schedule == "interleaved" else 0,  # dualpipe: its 2 chunks are
+            "layers": S.pipeline_layers(pp, v // S.directions(schedule)),  # 2 copies of 1 stage
+            "steps": trace.PIPELINE_STEPS}
 
 
 class BubbleExplorer(Explorer):
@@ -447,7 +457,9 @@ class BubbleExplorer(Explorer):
             timed, f"Planned (theory): {name}{f' (v = {s.virtual})' if s.virtual > 1 else ''}, "
                    f"p = {pp}, m = {m}",
             subtitle=[f"unit costs {costs}, every rank its own device, transfers free "
-                      "(schedules.simulate); no run",
+                      "(schedules.simulate); no run"
+                      + ("; each F&B pair (an F, then a B of the rank's other chunk) one unit"
+                         if name in DUAL else ""),
                       f"idle share {planned:.1%}; in flight at most: "
                       f"{', '.join(map(str, S.in_flight(s)))} on ranks 0…{pp - 1}"],
             seconds=False, width=560)
@@ -499,8 +511,8 @@ class BubbleExplorer(Explorer):
         name, pp, m = self.key()
         self.say(f"Running {name} on {pp} ranks, {m} micro-batches, {trace.PIPELINE_STEPS} "
                  "steps…", "busy")
-        rep = engine.run(RunConfig.from_dict(pipeline_config(name, pp, m)))
-        b = rep.extra["bubble"]
+        rep = launch.run(RunConfig.from_dict(pipeline_config(name, pp, m)))
+        b = trace.bubble(rep)
         step = b["steps"][0]
         self.live = {"key": self.key(), "bubble": b}
         self.show_live(viz.pipeline_timeline(
@@ -517,9 +529,10 @@ def bubble_explorer(pp: int = 4, m: int = 4, schedule: str = "1f1b") -> BubbleEx
     """bubble_explorer(pp=4, m=4, schedule="1f1b") -> widget.
 
     Sliders for the stages p, the micro-batches m and the schedule (naive, gpipe, 1f1b,
-    interleaved with v = 2, zb, zbv): the schedule planned at once with unit costs
-    (schedules.simulate) and its idle share beside theory.bubble_fraction. "Run live" trains the
-    toy with it on p ≤ 4 ranks (engine.run) and draws the step on the wall clock and the bubble
+    interleaved with v = 2, zb, zbv, dualpipev, dualpipe): the schedule planned at once with unit
+    costs (schedules.simulate; DualPipe's F&B pairs one unit each, as the DeepSeek-V3 report
+    counts them) and its idle share beside theory.bubble_fraction. "Run live" trains the
+    toy with it on p ≤ 4 ranks (launch.run) and draws the step on the wall clock and the bubble
     measured (wall clock) and replayed, as the run's report labels them."""
     return BubbleExplorer(pp, m, schedule)
 
@@ -618,7 +631,7 @@ class TilesExplorer(Explorer):
         layout, c, seq = self.key()
         self.say(f"Running context parallel ({layout}) on {c} ranks, s = {seq}, one step…",
                  "busy")
-        rep = engine.run(RunConfig(**CP_MODEL, cp=c, cp_impl=layout, seq=seq, layers=1,
+        rep = launch.run(RunConfig(**CP_MODEL, cp=c, cp_impl=layout, seq=seq, layers=1,
                                    steps=1)).to_dict()
         recorded = {k: viz.tile_map_frame(rep).query("rank == @k")[
             ["ring_step", "from", "q_chunk", "k_chunk", "computed"]].to_dict("records")
@@ -639,6 +652,6 @@ def tiles_explorer(cp: int = 4, layout: str = "zigzag", seq: int = 64) -> TilesE
 
     Sliders for the cp size C, the layout (ring: contiguous chunks; zigzag: chunks r and 2C−1−r)
     and the sequence length: each rank's causal tile map and its work as planned (theory), at
-    once. "Run live" trains the toy one step with C ≤ 4 ranks (engine.run) and draws the tiles the
+    once. "Run live" trains the toy one step with C ≤ 4 ranks (launch.run) and draws the tiles the
     ranks recorded and their work, measured beside the formula."""
     return TilesExplorer(cp, layout, seq)

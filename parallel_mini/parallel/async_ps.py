@@ -240,7 +240,7 @@ def slow_down(runner, cfg, rank: int, timeline):
 
 def train_async(cfg, mesh, comm, timeline, model) -> dict:
     """One rank of an asynchronous run: the server on rank 0, a worker elsewhere. Returns the
-    rank's part of the report (engine.run merges them; the server's "async" is the run's)."""
+    rank's part of the report (launch.run merges them; the server's "async" is the run's)."""
     dist.barrier()  # everyone built the same model; the clock starts together
     t0 = time.perf_counter()
     n_params = sum(p.numel() for p in model.parameters())

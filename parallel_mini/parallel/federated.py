@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..comm import Comm
 from ..data import client_batch, client_mixture, client_shard, client_size, mix_seed
-from ..launch import rank_device
+from ..mesh import rank_device
 from ..meters import ActivationMeter, Timeline
 from ..optim import make_optimizer
 from .local_sgd import LocalSteps

@@ -322,6 +322,10 @@ def directions(name: str) -> int:
 # stages, and GPipe pays the slowest stage once per micro-batch in each phase: one block per chunk
 # adds ~4 points to its bubble at p = 4, m = 8. Four blocks per chunk: F +8%, B +3%, ~1.5 points.
 BLOCKS_PER_CHUNK = 4
+# A pipeline run that does not choose its steps runs this many: steps 1-4 are timed (step 0 warms
+# caches up and the last step runs under the memory meter, every op slower), 32 samples of every
+# op kind on every stage at 8 micro-batches (course/trace.py measures the bubble from them).
+PIPELINE_STEPS = 6
 
 
 def pipeline_layers(pp: int, chunks_per_rank: int = 1) -> int:

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ...launch import RankError, RunTimeout
+from ...runtime.launch import RankError, RunTimeout
 
 
 @dataclass

@@ -247,7 +247,7 @@ def check_ring_all_reduce(fn, cases=((2, 5), (3, 10), (4, 16), (4, 17))) -> Grad
     headers included), so a transfer around comm (the process group behind it called directly,
     beside decoy sendrecv calls) is refused; so is a function that is the library's ring (its
     code object, bytecode or source)."""
-    from ...launch import run_ranks
+    from ...runtime.launch import run_ranks
 
     _library_copy(fn, ("comm", "course.collectives", "course.grading.lesson01_ring"), "your")
     runs = []

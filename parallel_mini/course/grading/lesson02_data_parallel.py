@@ -119,7 +119,7 @@ def check_average_gradients(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     compared with the mean (sum instead of mean, unchanged gradients, never summed: named). The
     library's own average_gradients raises while the learner's code runs, and a deadlock stops
     after CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
-    from ...launch import run_ranks
+    from ...runtime.launch import run_ranks
     from ...report import merge_rank_results
 
     _library_copy(fn, _LIBRARY_DP, "your")
@@ -327,7 +327,7 @@ def check_bucketed_grad_sync(cls, world_sizes=BUCKETED_CHECK["world_sizes"],
     A class whose methods are the library's (code, bytecode or source) is refused; the library's
     bucketed data parallel raises while the learner's code runs, and a deadlock stops after
     CHECK_PG_TIMEOUT seconds of waiting with what every rank waited on."""
-    from ...launch import run_ranks
+    from ...runtime.launch import run_ranks
 
     _library_copy(cls, _LIBRARY_DP, "your BucketedGradSync's")
     runs = []

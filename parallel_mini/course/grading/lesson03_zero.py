@@ -44,7 +44,7 @@ def _zero1_rank(cfg_dict: dict, fn) -> dict:
 
     from ...comm import Comm, _all_gather
     from ...data import global_batch, shard
-    from ...launch import rank_device
+    from ...mesh import rank_device
     from ...mesh import build_mesh
     from ...model import build_model
     from ...optim import Adam
@@ -167,8 +167,8 @@ def check_zero1_step(fn, world_sizes=(2, 4), steps: int = 3) -> Grade:
     sockets while `fn` ran (measured) against what those recorded calls explain, so a transfer
     around comm (torch.distributed or the process group called directly, with decoy calls
     through comm) is refused; so is a function that is the library's (code, bytecode or source)."""
-    from ...engine import run  # late: engine imports the launcher stack
-    from ...launch import run_ranks
+    from ...runtime.launch import run  # late: engine imports the launcher stack
+    from ...runtime.launch import run_ranks
     from ...reference import max_abs_diff, train_reference
 
     _library_copy(fn, ("parallel.zero", "course.grading.lesson03_zero"), "your")

@@ -113,7 +113,7 @@ def check_parallel_mlp(fn, world_sizes=(2, 4)) -> Grade:
     import torch
     import torch.nn.functional as F
 
-    from ...launch import run_ranks
+    from ...runtime.launch import run_ranks
 
     h = PARALLEL_MLP_SHAPE["d_model"]
     _library_copy(fn, ("parallel.tensor", "course.grading.lesson04_tensor_parallel"), "your")

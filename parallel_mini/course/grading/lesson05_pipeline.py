@@ -70,7 +70,7 @@ def check_one_f_one_b(fn, cases=((2, 4), (4, 8), (4, 2)), run_cases=((2, 4), (4,
     bytecode or source). `fresh` more (pp, m) pairs, drawn anew every check, are checked the same
     way (no table of orders can stand in for the rule), and each call of `fn` that does not
     return within 10 s stops the check with a message."""
-    from ...engine import run
+    from ...runtime.launch import run
     from ...parallel.schedules import Op, from_ops, in_flight
 
     _library_copy(fn, ("parallel.schedules", "course.grading.lesson05_pipeline"), "your")

@@ -270,7 +270,7 @@ def check_merge(fn, cases=MERGE_CHECK_CASES, shape=MERGE_CHECK_SHAPE) -> Grade:
     that does not return within 10 s. A merge that raises on one rank only is named with that rank; one that
     never returns on a rank stops the check after CHECK_PG_TIMEOUT seconds of waiting, saying
     which rank was still in it and what the others waited on."""
-    from ...launch import run_ranks
+    from ...runtime.launch import run_ranks
 
     _library_copy(fn, ("parallel.context", "course.grading.lesson06_merge"), "your")
     try:

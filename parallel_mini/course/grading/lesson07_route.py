@@ -474,8 +474,8 @@ def check_route(fn, capacity=None, cases=ROUTE_RUN_CASES) -> Grade:
     that calls a collective is refused, and one that never returns on a rank stops the check
     after CHECK_PG_TIMEOUT seconds of waiting, saying which rank was still in it and what the
     others waited on (e.g. the MoE layer's all-to-all, with its rows per rank)."""
-    from ...engine import run
-    from ...launch import run_ranks
+    from ...runtime.launch import run
+    from ...runtime.launch import run_ranks
     from ...report import merge_rank_results
 
     for answer in (fn, capacity):

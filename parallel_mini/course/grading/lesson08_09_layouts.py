@@ -13,7 +13,7 @@ from .core import _CodeSwapped, Grade, _call_in_time, _library_copy
 
 # Both exercises are about prediction, so the library functions that would answer them are
 # disabled while the learner's code runs: theory's per-rank model (run_theory and the pieces it
-# is built from), the planner, and live runs (engine.run). Each raises an AssertionError naming
+# is built from), the planner, and live runs (launch.run). Each raises an AssertionError naming
 # itself; the checker computes its own expectations before and after, never during.
 _STATE_KEYS = ("params", "grads", "optimizer")
 
@@ -51,7 +51,7 @@ _PER_RANK_THEORY = (("theory", "run_theory"), ("theory", "_rank_theory"),
                     ("theory", "pipeline_stage_units"))
 _PLANNER = tuple(("course.planner", name) for name in (
     "plan", "predict", "stage_states", "validate_on_toy_runs", "enumerate_layouts"))
-_LIVE = (("engine", "run"),)
+_LIVE = (("runtime.launch", "run"),)
 # the checker's own rules, reachable from the learner's code as any module is: disabled too
 _RULES = tuple(("course.grading.lesson08_09_layouts", name) for name in (
     "_states_rule", "_states_from_theory", "planned_states"))
@@ -215,12 +215,12 @@ def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE, fresh: int =
     LayerNorms too, equal stages, ranks on the wrong stage, ZeRO's padding, its shard group,
     which states each stage shards). Then one live run (`live`, 16 ranks): every rank's measured
     params/grads/optimizer bytes must equal the learner's prediction, to the byte. Throughout,
-    theory's per-rank model, the planner, engine.run and this checker's own rules are disabled
+    theory's per-rank model, the planner, launch.run and this checker's own rules are disabled
     while `fn` runs, and the expected answer is computed only after `fn` has returned (no frame
     holds it meanwhile). `fresh` more layouts, drawn anew every check, are graded the same way;
     a call of `fn` that does not return within 10 s stops the check with a message; a function
     that is the library's (its code object, bytecode or source) is refused."""
-    from ...engine import run
+    from ...runtime.launch import run
 
     _library_copy(fn, ("theory", "course.planner", "course.grading.lesson08_09_layouts"), "your")
     advice = ("count the parameters of each stage on one tensor-parallel rank yourself, then "
@@ -254,7 +254,7 @@ def check_states_per_rank(fn, cases=STATES_CASES, live=STATES_LIVE, fresh: int =
                  f"{len(cases)} layouts (" + ", ".join(n for n, _ in cases) + f") and {fresh} "
                  f"drawn for this check, and what every rank of a live {_layout_name(cfg)} run "
                  f"measured, to the byte ({total:,} bytes of model states over "
-                 f"{cfg.world_size} ranks); theory's per-rank model, the planner and engine.run "
+                 f"{cfg.world_size} ranks); theory's per-rank model, the planner and launch.run "
                  f"disabled while yours ran",
                  {"config": cfg.to_dict(), "report": report, "predicted": predicted})
 
@@ -380,13 +380,13 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
     naming the mistake (does not fit, and on which pipeline stage; a larger dp fits too;
     something fits where None was returned). Then the answers for the `live` budgets run on
     real ranks: every rank's measured params + grads + optimizer bytes must be within the budget
-    and equal the planner's prediction. The planner, engine.run and this checker's own rules are
+    and equal the planner's prediction. The planner, launch.run and this checker's own rules are
     disabled while `fn` runs, and the planner's table is computed only after every answer is in
     (no frame holds it meanwhile). `fresh` more budgets, drawn anew every check between the
     smallest and the largest layout's states, are graded the same way (the [correct] message
     does not list the answers); a call of `fn` that does not return within 10 s stops the check
     with a message; a function that is the library's (code object, bytecode, source) is refused."""
-    from ...engine import run
+    from ...runtime.launch import run
 
     _library_copy(fn, ("course.planner", "course.grading.lesson08_09_layouts"), "your")
     m = {**LAYOUT_MODEL, **(model or {})}
@@ -429,6 +429,6 @@ def check_layout_choice(fn, budgets=LAYOUT_BUDGETS, live=LAYOUT_LIVE_BUDGETS,
                  f"planner's memory model (theory); live runs of "
                  + ", ".join(_layout_text(r["layout"]) for r in runs) + " measured every "
                  f"rank's model states equal to the planner's prediction and within budget; the "
-                 f"planner and engine.run disabled while yours ran",
+                 f"planner and launch.run disabled while yours ran",
                  {"answers": {b: answers[b] for b in budgets}, "runs": runs, "table": table,
                   "drawn": {b: answers[b] for b in drawn}})

@@ -192,7 +192,7 @@ def check_server_average(fn, cases=SERVER_AVERAGE_CASES) -> Grade:
     single-process simulation, computed on rank 0 after the last round. A rank that skips the
     all-reduce (no sampled client this round) leaves the others waiting: named within
     CHECK_PG_TIMEOUT seconds."""
-    from ...launch import run_ranks
+    from ...runtime.launch import run_ranks
     from ...report import merge_rank_results
 
     _library_copy(fn, ("parallel.federated", "course.grading.lesson10_barrier"), "your")

@@ -8,6 +8,8 @@ the prediction of `theory` (as carried in the data) beside it.
 One module per topic, each listing its charts in its docstring:
 
     ring.py      the collectives and the ring all-reduce        (lesson 01, Ring all-reduce page)
+    links.py     this machine's links: time vs size, the α–β fit, beside NVLink, PCIe, InfiniBand
+                                                                  (lesson 01, This machine's links page)
     run.py       one training run: loss, bytes, memory, timeline (lesson 02, Data parallel page)
     memory.py    memory per GPU by ZeRO stage, activations, disk I/O (lesson 03, Memory page)
     tensor.py    tensor and sequence parallel                    (lesson 04, Tensor parallel page)
@@ -25,6 +27,31 @@ One module per topic, each listing its charts in its docstring:
 The charts of lessons 01-06 are also here, so `viz.loss_curves(report)` works without knowing its
 module; the experts' and the planner's are imported from `viz.experts` and `viz.plan`.
 """
+import sys
+
+
+def _jsonschema_without_iri_formats() -> None:
+    """Altair validates every chart with jsonschema, which, where rfc3987_syntax is installed
+    (JupyterLab brings it, through jsonschema[format-nongpl]), imports it to check the "iri" and
+    "iri-reference" formats, and rfc3987_syntax compiles a Lark grammar as it is imported: ~1.2 s
+    of CPU in every process that draws a chart (each lesson's kernel, the app's server) for two
+    formats the Vega-Lite schema never uses (its formats: color-hex, uri, uri-reference). So
+    jsonschema is imported first here with rfc3987_syntax hidden, as where it is not installed;
+    the package is importable again afterwards, for anyone who asks for it."""
+    if "jsonschema" in sys.modules or "rfc3987_syntax" in sys.modules:
+        return
+    sys.modules["rfc3987_syntax"] = None  # `import rfc3987_syntax` raises ImportError
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if "rfc3987_syntax" in sys.modules and sys.modules["rfc3987_syntax"] is None:
+            del sys.modules["rfc3987_syntax"]
+
+
+_jsonschema_without_iri_formats()
+
 from .context import (BLOCK_COLORS, CP_COMM_COLORS, CP_COMM_KINDS, SKIPPED_COLOR,
                       cp_activation_curve, cp_bytes_chart, cp_comm_frame, cp_comm_timeline,
                       cp_ranks, cp_sent_bytes, cp_work_bars, cp_work_theory_bars, ring_kv_animation,

@@ -1,5 +1,5 @@
 """Context parallel (lesson 06, the Long sequences page): every chart drawn from a live run's
-report (`engine.run(RunConfig(cp=C, cp_impl=...))`, a RunReport or its `to_dict()`), the formula
+report (`launch.run(RunConfig(cp=C, cp_impl=...))`, a RunReport or its `to_dict()`), the formula
 that predicts it beside it.
 
     ring_kv_animation(report, frame=0)     K/V blocks going round the ring, one frame per ring step

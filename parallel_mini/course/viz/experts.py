@@ -1,5 +1,5 @@
 """Mixture of experts and expert parallel (lesson 07, the Experts page): every chart drawn from a
-live run's report (`engine.run(RunConfig(experts=E, top_k=k, ep=P, ...))`, a RunReport or its
+live run's report (`launch.run(RunConfig(experts=E, top_k=k, ep=P, ...))`, a RunReport or its
 `to_dict()`), the formula beside it where there is one.
 
     routing_heatmap(report, rank, layer, step)   tokens x experts of one micro-batch: which experts

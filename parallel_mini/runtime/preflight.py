@@ -1,6 +1,6 @@
 """Before any rank starts: what this machine and the files on disk allow a run whose values
 RunConfig.validate accepted. Torch-free, like config.py, so that the command line refuses a bad
-run in a fraction of a second; whoever launches ranks asks (the CLI, engine.run).
+run in a fraction of a second; whoever launches ranks asks (the CLI, launch.run).
 
     check(cfg)          everything below that applies (raises ConfigError: one line)
     check_fits(cfg)     theory's memory estimate against this machine's available memory
@@ -24,7 +24,7 @@ import stat
 import sys
 import tempfile
 
-from .config import GPTConfig, ConfigError, offload_file, under_torchrun
+from ..config import GPTConfig, ConfigError, offload_file, under_torchrun
 
 
 class CheckpointError(ConfigError):
@@ -40,7 +40,7 @@ class RunComplete(CheckpointError):
 def check(cfg) -> None:
     """Every check of this module that applies to `cfg` (validated already)."""
     if cfg.pp > 1 and cfg.extra.get("ops"):  # a schedule written out op by op (an exercise's)
-        from .parallel.schedules import for_config
+        from ..parallel.schedules import for_config
         try:
             for_config(cfg)
         except (ValueError, TypeError) as e:
@@ -59,7 +59,7 @@ def check(cfg) -> None:
 def check_fits(cfg) -> None:
     """Refuse a local run that would not fit in this machine's memory, with the estimate
     (theory.local_run_bytes_estimate), instead of letting it swap, die or time out."""
-    from .theory import local_run_bytes_estimate
+    from ..theory import local_run_bytes_estimate
     available = available_memory()
     if available is None:
         return
@@ -444,7 +444,7 @@ def check_offload_disk(cfg) -> None:
 
 def offload_disk_bytes(cfg) -> int:
     """Bytes every rank together keeps in --offload-disk files (theory's `disk`, per rank)."""
-    from .theory import run_theory
+    from ..theory import run_theory
     th = run_theory(cfg, 0)
     stages = th.get("stages", [th])  # a pipeline's ranks differ by stage; the others do not
     return cfg.world_size // len(stages) * sum(s["memory"]["disk"] for s in stages)

@@ -53,9 +53,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .interfaces import Piece
-from .model import GPTConfig
-from .placement import PADDING, Box, Region, held_by
+from ..interfaces import Piece
+from ..model import GPTConfig
+from ..placement import PADDING, Box, Region, held_by
 # What --resume reads before any rank starts (`latest`, meta.json) is read torch-free, without
 # trusting the files, by the CLI before it imports torch: preflight.py.
 from .preflight import CheckpointError, allowed_name, file_digests, resolve, resume_path

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import statistics
 
-from . import theory
-from .parallel.schedules import dependencies, for_config, idle_fractions, simulate
+from .. import theory
+from ..parallel.schedules import PIPELINE_STEPS, dependencies, for_config, idle_fractions, simulate
 
 COMPUTE = ("F", "B", "W")
 
@@ -38,10 +38,6 @@ def pipelines(report) -> list[list[dict]]:
     return [sorted(rs, key=lambda r: r["coords"]["pp"]) for rs in by_replica.values()]
 
 
-# A pipeline run that does not choose its steps runs this many: steps 1-4 are timed (step 0 warms
-# caches up and the last step runs under the memory meter, every op slower), 32 samples of every
-# op kind on every stage at 8 micro-batches.
-PIPELINE_STEPS = 6
 OWN_DEVICE_QUANTILE = 0.1  # see own_device_costs
 
 
@@ -113,7 +109,7 @@ def placement(report) -> dict:
     records = [r.get("placement") for r in report.ranks]
     n = len(records)
     if any(p is None for p in records):
-        from .launch import TORCHRUN_PLACEMENT, under_torchrun
+        from ..runtime.launch import TORCHRUN_PLACEMENT, under_torchrun
         how = TORCHRUN_PLACEMENT["how"] if under_torchrun() else "where the ranks ran was not recorded"
         return {"ranks_shared_cores": None, "note": how + ": whether ranks shared cores is not known"}
     if all(p["pinned"] for p in records):
@@ -286,3 +282,21 @@ def bubble(report) -> dict:
     replayed = {"overall": statistics.fmean(per_rank), "per_rank": per_rank,
                 "each_op": statistics.fmean(x for f in each for x in f)}
     return {"wall": wall, "replayed": replayed, "theory": formula, "steps": steps, "op_cpu_s": costs}
+
+
+def summary_lines(report) -> list[str]:
+    """The command line's lines for a pipeline run's bubble (none for other runs)."""
+    if report.config["pp"] == 1:
+        return []
+    b = bubble(report)
+    wall, gap = b["wall"], b["wall"]["gap_to_formula"]
+    share = wall["op_cpu_over_wall_per_rank"]
+    return [f"bubble: measured (wall clock) {wall['overall']:.1%}  replayed (measured op times, "
+            f"own-device schedule) {b['replayed']['overall']:.1%}  theory (formula) "
+            f"{b['theory']:.1%}",
+            f"  wall clock: {wall['placement']}; the ops' CPU time is {min(share):.0%}-"
+            f"{max(share):.0%} of their wall time (100%: nothing else ran on the rank's core)",
+            "  wall clock minus formula, points: " + "  ".join(
+                f"{GAP_PARTS[k]} {100 * v:+.1f}" for k, v in gap.items())
+            + (f"  (median p2p latency {1e3 * wall['p2p_latency_median_s']:.2f} ms)"
+               if wall["p2p_latency_median_s"] is not None else "")]

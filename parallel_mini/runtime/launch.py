@@ -26,6 +26,7 @@ process is gone, however it ended (SIGKILL included; see `exit_with_parent`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import io
 import multiprocessing as mp
@@ -48,7 +49,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from .config import MAX_LOCAL_RANKS, under_torchrun  # (torch-free: the CLI's checks use them)
+from ..config import MAX_LOCAL_RANKS, under_torchrun  # (torch-free: the CLI's checks use them)
+from . import preflight
 
 # Imported once by the forkserver so no rank pays for them. torch._dynamo is pulled in lazily by
 # the first TorchDispatchMode (the memory meter) and costs ~1 s per process otherwise.
@@ -108,13 +110,6 @@ def device_for(backend: str, local_rank: int) -> torch.device:
 def _bound_to(device: torch.device) -> dict:
     """NCCL groups told their device up front (else each collective guesses it from the rank)."""
     return {"device_id": device} if device.type == "cuda" else {}
-
-
-def rank_device() -> torch.device:
-    """Where this rank's tensors live: its GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class _Tee(io.TextIOBase):
@@ -769,3 +764,64 @@ def init_from_env(backend: str | None = None, pg_timeout: float = 60.0) -> torch
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout), **_bound_to(device))
     return device
+
+
+# ---------------------------------------------------------------------------------------------
+# a training run: checked, launched, merged
+# ---------------------------------------------------------------------------------------------
+def run(cfg, average_fn=None):
+    """Launch `cfg.world_size` local ranks (or join torchrun's), each running engine.train_rank, and
+    return the merged RunReport. `average_fn`: see train_rank."""
+    preflight.check(cfg.validate())  # the values, then what this machine and disk allow
+    if cfg.offload_disk:  # the ranks' working directory may not be this process's
+        cfg = dataclasses.replace(cfg, offload_disk=os.path.abspath(cfg.offload_disk))
+    try:
+        return _run(cfg, average_fn)
+    finally:  # whatever happened to the ranks, --offload-disk leaves no file (unless kept)
+        if cfg.offload_disk and not cfg.keep_offload:
+            mine = [int(os.environ["RANK"])] if under_torchrun() else range(cfg.world_size)
+            preflight.remove_offload_files(cfg.offload_disk, mine)
+
+
+def _run(cfg, average_fn=None):
+    from ..engine import train_rank  # (here: the launcher itself needs none of the library)
+    from ..parallel import federated, local_sgd
+    from ..report import merge_rank_results
+    from . import checkpoint
+    t0 = time.perf_counter()
+    backend = None if cfg.backend == "auto" else cfg.backend
+    backend = "gloo" if cfg.asynchronous else backend  # the server receives from any worker
+    if under_torchrun():
+        init_from_env(backend, cfg.timeout_s)
+        mine = train_rank(cfg.to_dict(), average_fn=average_fn, checkpoints=checkpoint)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        per_rank = gathered
+    else:
+        results = run_ranks(train_rank, cfg.world_size, cfg.to_dict(), timeout=cfg.timeout_s,
+                            pg_timeout=min(cfg.timeout_s, 60.0), backend=backend,
+                            average_fn=average_fn, checkpoints=checkpoint)
+        per_rank = [r.value for r in results]
+    start = per_rank[0]["resumed_from_step"]
+    # A resumed run's records cover the steps it trained: the report counts those (per-step
+    # bytes, the bubble's timed steps), and says where it started.
+    merged = dataclasses.replace(cfg, steps=cfg.steps - start) if start else cfg
+    report = merge_rank_results(merged, per_rank, wall_s=time.perf_counter() - t0)
+    if cfg.asynchronous:  # the server's records are the run's (parallel/async_ps.py)
+        report.extra["async"] = report.ranks[0].pop("async")
+    if cfg.resume:
+        report.extra["resumed_from_step"] = start
+        step_dir = f"step_{start}"  # (DIR/latest may name a newer one by now)
+        where = cfg.resume if os.path.basename(os.path.normpath(cfg.resume)) == step_dir \
+            else os.path.join(cfg.resume, step_dir)
+        if not under_torchrun() or dist.get_rank() == 0:  # (under torchrun every rank is here)
+            print(f"resumed from step {start} ({where}): trained steps {start + 1}-{cfg.steps}"
+                  if start else f"--resume {cfg.resume}: no checkpoint there yet; trained from "
+                  f"step 0", file=sys.stderr)
+    if cfg.sync_every:  # what the averages cost, counted, predicted and measured
+        report.extra["local_sgd"] = local_sgd.summary(report)
+    if cfg.federated:  # per round: clients' losses, drift; what crossed the network
+        report.extra["federated"] = federated.summary(report)
+    if cfg.save:
+        report.extra["saved"] = f"{cfg.save.rstrip('/')}/step_{cfg.steps}"
+    return report

@@ -1,0 +1,201 @@
+"""course/links.py: the alpha-beta fit recovers the link it was generated from (and a wrong hop
+count shows), and a real measurement over two gloo ranks returns what measure_links promises."""
+import statistics
+
+import pytest
+
+from parallel_mini.course import links
+
+ALPHA, BW = 40e-6, 1.5e9
+
+
+def _synthetic(world: int) -> dict:
+    """measure_links' shape, the times from predict() (theory) of one link (ALPHA, BW)."""
+    rows = []
+    for op in links.OPS:
+        for size in links.DEFAULT_SIZES:
+            t = links.predict(op, size, world, ALPHA, BW)
+            rows.append({"op": op, "bytes": size, "seconds": [t], "median_s": t, "min_s": t})
+    return {"world": world, "rows": rows}
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_fit_recovers_alpha_and_beta_from_the_model(world):
+    res = _synthetic(world)
+    fit = links.fit_alpha_beta(res)
+    assert set(fit) == set(links.OPS) | {"all"}
+    for op, f in fit.items():
+        assert f["alpha_s"] == pytest.approx(ALPHA, rel=1e-6), op
+        assert f["bandwidth_Bps"] == pytest.approx(BW, rel=1e-6), op
+        assert f["max_rel_err"] < 1e-6, op
+    n = world  # the ring algorithm's counts, written out independently of links.hops
+    ring = {"p2p": (1, 1), "all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+            "all_gather": (n - 1, (n - 1) / n), "reduce_scatter": (n - 1, (n - 1) / n),
+            "all_to_all": (n - 1, (n - 1) / n)}
+    assert {op: (fit[op]["a"], fit[op]["b"]) for op in links.OPS} == ring
+
+
+def test_wrong_hop_counts_give_a_clearly_wrong_fit():
+    """Sabotage: rows made with the ring's counts, fitted as if every op were one p2p step. Each
+    op alone still fits (a rescaled pair), but the ops no longer agree on the link, and one pair
+    for all of them misses by far: the agreement is the model's check."""
+    world = 4
+    res = _synthetic(world)
+    wrong = links.fit_alpha_beta(res, hop_counts=lambda op, n: (1.0, 1.0))
+    alphas = [wrong[op]["alpha_s"] for op in links.OPS]
+    assert max(alphas) / min(alphas) > 3  # all_reduce's 6 hops vs p2p's 1
+    assert wrong["all"]["max_rel_err"] > 0.3
+    right = links.fit_alpha_beta(res)
+    assert right["all"]["max_rel_err"] < 1e-6
+
+
+def test_fit_weighs_small_sizes_in_relative_error():
+    """A 10% error on the 4-byte row moves alpha; least squares in absolute seconds would let the
+    64 MiB rows drown it. The fitted pair stays within a few % of the truth either way."""
+    res = _synthetic(2)
+    for row in res["rows"]:
+        if row["op"] == "p2p" and row["bytes"] == 4:
+            row["median_s"] *= 1.1
+    f = links.fit_alpha_beta(res)["p2p"]
+    assert 0.0 < f["max_rel_err"] < 0.1
+    assert f["alpha_s"] == pytest.approx(ALPHA, rel=0.1)
+
+
+def test_predict_and_interconnects():
+    assert links.predict("all_reduce", 1e9, 8, 0.0, 1e9) == pytest.approx(2 * 7 / 8)
+    assert links.predict("p2p", 4, 8, 1e-6, 1e9) == pytest.approx(1e-6 + 4e-9)
+    rows = links.interconnects("all_reduce", links.GiB, 8,
+                               fit={"alpha_s": ALPHA, "bandwidth_Bps": BW})
+    names = [r["link"] for r in rows]
+    assert "RoCE 400G" in names and names[-1] == "this machine (fitted)"
+    nv = next(r for r in rows if r["link"] == "NVLink 4 (H100)")
+    assert nv["seconds"] == pytest.approx(14 * 1e-6 + 1.75 * links.GiB / 450e9)
+    with pytest.raises(ValueError, match="op="):
+        links.hops("broadcast", 2)
+
+
+def test_measure_links_on_two_gloo_ranks():
+    sizes = [4, 4096, 262144]
+    res = links.measure_links(world=2, sizes=sizes, ops=("p2p", "all_reduce"), repeats=3)
+    assert res["world"] == 2 and res["cores"] >= 1
+    assert len(res["load_before"]) == 3 and len(res["load_after"]) == 3
+    assert [(r["op"], r["bytes"]) for r in res["rows"]] == [
+        ("p2p", 8), ("p2p", 4096), ("p2p", 262144),
+        ("all_reduce", 8), ("all_reduce", 4096), ("all_reduce", 262144)]  # 4 B: 2 floats, one per rank
+    for r in res["rows"]:
+        assert len(r["seconds"]) == 3 and all(s > 0 for s in r["seconds"])
+        assert r["median_s"] == statistics.median(r["seconds"]) and r["min_s"] == min(r["seconds"])
+    fit = links.fit_alpha_beta(res)
+    assert fit["all"]["alpha_s"] >= 0 and fit["all"]["beta_s_per_byte"] >= 0
+
+
+def test_bench_links_prints_the_fit_beside_the_source_table(capsys):
+    """`bench links`' summary and table from predict()'s rows (no ranks): the fitted link is
+    the generating one, and the 1 GiB all-reduce on it is predict()'s."""
+    from parallel_mini.course import bench
+
+    res = dict(_synthetic(2), cores=2, load_before=[1.0] * 3, load_after=[1.0] * 3)
+    out = bench.links_summary(res)
+    assert out["fit"]["all"]["bandwidth_Bps"] == pytest.approx(BW)
+    mine = out["example"]["rows"][-1]
+    assert mine["link"] == "this machine (fitted)"
+    assert mine["seconds"] == pytest.approx(links.predict("all_reduce", 2 ** 30, 8, ALPHA, BW))
+    bench._print_links(out)
+    text = capsys.readouterr().out
+    assert "vendor figures, from the source material" in text and "RoCE 400G" in text
+    assert "this machine (fitted)" in text and "1.5" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner's "this machine" profile (planner.measure_hardware), without measuring
+# ---------------------------------------------------------------------------------------------
+def _toy_shape():
+    from parallel_mini.course import planner
+    return {k: v for k, v in planner.VALIDATION_MODEL.items() if k != "batch"}
+
+
+def test_hardware_from_measurements_recovers_the_rates():
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    block, rate = 3e-4, 50e9
+    compute = {"matmul_flops_per_s": 90e9, "fwd_bwd": [  # the bare model's: not what is fitted
+        {"batch": b, "seconds": 1.0, "chunked_s": 1.0 + spec.layers * 1e-5} for b in (1, 2, 4)],
+        "engine_fwd_bwd": [{"batch": b, "seconds": spec.layers * block + b * per_seq / rate}
+                           for b in (1, 2, 4, 8, 16)]}
+    fits = {2: {"alpha_s": 1e-4, "bandwidth_Bps": 2e9}, 8: {"alpha_s": 8e-4, "bandwidth_Bps": 1e9}}
+    hw = planner.hardware_from_measurements(compute, fits, shape, cores=2)
+    assert hw.name == "this machine" and hw.source.startswith("measured here")
+    assert hw.block_overhead_s == pytest.approx(block) and hw.flops == pytest.approx(rate)
+    assert hw.chunk_overhead_s == pytest.approx(1e-5)
+    assert hw.latency_intra_s == pytest.approx(1e-4)  # 2 ranks, a core each
+    assert hw.shared_hop_s == pytest.approx(8e-4 * 2 / 8)  # charged x ranks / cores
+    assert hw.intra_bw == pytest.approx(1e9) and hw.cores == 2
+
+
+def test_block_overhead_is_charged_per_block_micro_batch_and_replica():
+    """On shared cores every rank's blocks pay the fixed cost, all on the cores there are."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    batch = planner.VALIDATION_MODEL["batch"]
+    spec = planner.toy_model(batch=batch, **_toy_shape())
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2)
+    lay = planner.Layout(dp=8, tp=1, pp=1, cp=1, ep=1, zero=1, schedule="-", virtual=1,
+                         microbatches=2, micro_batch=1, checkpointing="none", sp=False)
+    base = planner.predict(spec, lay, hw, batch, precision="fp32")
+    more = planner.predict(spec, lay, dataclasses.replace(hw, block_overhead_s=1e-3), batch,
+                           precision="fp32")
+    extra = spec.layers * 1e-3 * lay.microbatches * lay.dp / hw.cores
+    assert more["compute_s"] - base["compute_s"] == pytest.approx(extra)
+
+
+def test_measure_hardware_reads_its_json_without_measuring(tmp_path):
+    import dataclasses
+    import json
+
+    from parallel_mini.course import planner
+
+    hw = dataclasses.replace(planner.hardware("cpu"), name="this machine", block_overhead_s=2e-4)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"hardware": dataclasses.asdict(hw)}))
+    assert planner.measure_hardware(str(path), worlds=()) == hw  # worlds=(): would fail to measure
+
+
+@pytest.mark.slow
+def test_measure_hardware_tiny_real_run_writes_its_json(tmp_path):
+    from parallel_mini.course import planner
+
+    path = tmp_path / "hw.json"
+    hw = planner.measure_hardware(str(path), worlds=(2,), batches=(1, 2), max_bytes=4096,
+                                  repeats=1)
+    assert hw.flops > 0 and hw.block_overhead_s >= 0 and hw.latency_intra_s >= 0
+    assert planner.measure_hardware(str(path)) == hw
+
+
+def test_bench_plan_prints_predicted_over_measured(capsys):
+    from parallel_mini.course import bench, planner
+
+    hw = planner.hardware("cpu")
+    rows = [{"layout": f"L{i}", "states_equal": True, "predicted_step_s": p, "measured_step_s": m,
+             "predicted_compute_s": p / 2, "measured_cpu_s": p, "predicted_assumed_step_s": 2 * p}
+            for i, (p, m) in enumerate([(0.1, 0.1), (0.2, 0.5), (0.3, 0.35)])]
+    res = {"ranks": 8, "cores": 2, "states_equal": 3, "layouts": 3, "failed": 0, "rows": rows,
+           "spearman_step_time": planner.spearman([0.1, 0.2, 0.3], [0.1, 0.5, 0.35]),
+           "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine"}}
+    bench._print_plan(res)
+    text = capsys.readouterr().out
+    assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
+    assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text
+
+
+@pytest.mark.parametrize("argv", [["links", "--world", "1"], ["links", "--max-mib", "0"]])
+def test_bench_links_bad_input_is_one_line_and_exit_2(argv, capsys):
+    from parallel_mini.course import bench
+
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and argv[1] in err
