@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel_mini import launch
+from parallel_mini.runtime import launch
 from parallel_mini.config import RunConfig
 from parallel_mini.meters import ActivationMeter, LiveBytes
 from parallel_mini.model import build_model
