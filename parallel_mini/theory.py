@@ -650,6 +650,39 @@ def _local_params(cfg) -> int:
     return one[0] + one[-1] + whole * sum(blocks) + sum(blocks[:rest])
 
 
+# An MoE block's native memory beyond its tensors: a rank's RSS rises over its first ~100-200
+# steps and levels off. Its cause is torch's own, not a log of ours: every step routes the tokens
+# anew, so each expert's matmuls see a row count they may not have seen before, and native memory
+# in use (glibc mallinfo2, not Python objects: gc and tracemalloc see nothing) grows with each new
+# shape. Bisected in one process, 2 MoE blocks: 113 KB/step in use over steps 20-59; the same with
+# every step routed alike, 0.1 KB/step; the experts' F.linear forward and backward alone on 8,192
+# rows split 4 ways at random, 51 KB/step, split evenly, 0; a dense model, 0. Measured (1 rank, 2 MoE blocks of 4 experts top-2, 4,096 tokens a
+# step, routing log off, RSS after each step): 255 -> 266 (step 25) -> 276 (100) -> 279 (200) ->
+# 282 MB (256), 0.45 -> 0.12 -> 0.03 -> 0.07 MB/step; the same dense run stays at 247 MB.
+# 27 MB over 2 blocks: 16 MB per block, and 2 KB per token a block routes (assumed: the
+# sub-threshold tensors scale with the tokens; larger runs not yet measured to their plateau).
+MOE_HEAP_BYTES_PER_BLOCK = 16 * 2 ** 20
+MOE_HEAP_BYTES_PER_TOKEN = 2 * 2 ** 10
+
+
+def moe_run_bytes(cfg, b: int) -> tuple[int, int]:
+    """(moe_activations, moe_heap) of one rank for `b` sequences per rank: what an MoE block keeps
+    for backward beyond a dense MLP's (top-k: k rows per token through a [h -> 4h -> h] expert
+    instead of one, the weighted outputs, the router's and the dispatch's [tokens, E] and
+    [tokens, k] tensors), an upper bound with nothing dropped, fp32:
+        4*s*b*h*(9(k-1) + 2k) + s*b*(40E + 64k)
+    (measured, activations_peak per block minus a dense block's, seq 128, batch 8, d_model 64:
+    3.47 MB at E4 top-2 against 3.70 from this; 0.57 at E4 top-1 against 0.75; 2.31 at E8 top-2
+    against 3.87); and the native heap it grows to (MOE_HEAP_BYTES_PER_BLOCK/_PER_TOKEN)."""
+    if not getattr(cfg, "experts", 0):
+        return 0, 0
+    blocks = -(-len(moe_blocks(cfg.layers, cfg.experts, cfg.moe_every)) // cfg.pp)  # a stage's most
+    sb, k, E = (cfg.seq // cfg.cp) * b, cfg.top_k, cfg.experts
+    acts = 4 * sb * cfg.d_model * (9 * (k - 1) + 2 * k) + sb * (40 * E + 64 * k)
+    heap = MOE_HEAP_BYTES_PER_BLOCK + MOE_HEAP_BYTES_PER_TOKEN * sb
+    return blocks * acts, blocks * heap
+
+
 def local_run_bytes_estimate(cfg) -> dict:
     """A generous estimate of what one local run needs in all, to refuse a run that cannot fit
     before any rank starts. Per rank: 20 bytes per parameter it holds (fp32 Adam plus a spare
@@ -662,7 +695,8 @@ def local_run_bytes_estimate(cfg) -> dict:
     and op events of every step, RECORDS_PER_LAYER_STEP per block and micro-batch, and the MoE
     log: its counts per forward and its bounded sample of token choices, meters.RoutingLog).
     The launching process holds every rank's logs once more in the merged report, and its JSON
-    (`report`). Returns the parts and the total over the world's ranks."""
+    (`report`). An MoE run adds `moe_activations` and `moe_heap` (moe_run_bytes). Returns the
+    parts and the total over the world's ranks."""
     local_params = _local_params(cfg)
     b = cfg.batch // cfg.dp
     acts = cfg.layers * gpt_activation_bytes_per_layer(cfg.seq, b, cfg.d_model, cfg.heads, "none",
@@ -680,10 +714,12 @@ def local_run_bytes_estimate(cfg) -> dict:
         per_token = 2 * (56 + 8 * cfg.top_k) + 3 * 8  # two lists of k, their pointers, a position
         logs += moe_layers * (cfg.steps * micro * RECORD_BYTES + 17 * tokens * per_token)
         layer_objects += -(-moe_layers // cfg.pp) * cfg.experts // cfg.ep * EXPERT_OBJECT_BYTES
+    moe_acts, moe_heap = moe_run_bytes(cfg, b)
     per_rank = {"states": 20 * local_params, "activations": int(acts), "logits": logits,
                 "data": data, "baseline": RANK_BASELINE_BYTES,
                 "transients": TRANSIENT_BYTES_PER_PARAM * local_params,
-                "layer_objects": layer_objects, "logs": logs}
+                "layer_objects": layer_objects, "logs": logs,
+                "moe_activations": moe_acts, "moe_heap": moe_heap}
     report = 2 * cfg.world_size * logs  # the merged report's dicts, and its JSON text
     return {**per_rank, "per_rank": sum(per_rank.values()), "report": report,
             "total": cfg.world_size * sum(per_rank.values()) + report}

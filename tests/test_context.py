@@ -170,3 +170,31 @@ def test_fused_tile_equals_the_written_out_tile(causal, monkeypatch):
     written_grads = context._tile_grads(do, q, k, v, out, lse, causal)
     for a, b in zip((*fused, *fused_grads), (*written, *written_grads)):
         assert a.shape == b.shape and (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_one_rectangle_per_ring_step_covers_exactly_the_visible_keys(layout):
+    """RingAttentionCore._rectangle (one fused call per ring step) against the causal mask at the
+    tokens' global positions, for every rank and ring step at C = 2, 3, 4, 8: the query x key pairs
+    the rectangle computes (with its causal mask, if any, on local indices) are exactly the pairs
+    where the key is not after the query."""
+    from parallel_mini.parallel.context import RingAttentionCore
+    seq = 48
+    for c in (2, 3, 4, 8):
+        if seq % (2 * c):
+            continue
+        for rank in range(c):
+            core = object.__new__(RingAttentionCore)  # only the layout, C and rank are read
+            core.layout, core.c, core.rank = layout, c, rank
+            mine = positions_of(layout, seq, c, rank)
+            size = len(mine) // len(chunks_of(layout, c, rank))
+            for src in range(c):
+                theirs = positions_of(layout, seq, c, src)
+                visible = theirs[None, :] <= mine[:, None]
+                computed = torch.zeros_like(visible)
+                rect = core._rectangle(src, size)
+                if rect is not None:
+                    rows, cols, causal = rect
+                    block = torch.ones_like(computed[rows, cols])
+                    computed[rows, cols] = block.tril() if causal else block
+                assert torch.equal(computed, visible), (layout, c, rank, src)

@@ -3,6 +3,7 @@ parallel_mini/runtime, the course tooling in parallel_mini/course, imported only
 runtime -> core. The command lines (`python -m parallel_mini`, `python -m parallel_mini.bench`) are
 the only doors from the top into the course."""
 import ast
+import functools
 import pathlib
 
 import parallel_mini
@@ -12,6 +13,7 @@ DOORS = {"__main__.py", "bench.py"}  # the command lines
 LAYERS = ("course", "runtime")  # above the core, highest first
 
 
+@functools.cache  # (each file parsed once for all the tests)
 def _imports(path: pathlib.Path) -> list[str]:
     """Every module `path` imports, absolute, resolving relative imports against its package."""
     pkg = ".".join(path.relative_to(PKG.parent).with_suffix("").parts[:-1])

@@ -391,20 +391,43 @@ for line in sys.stdin:
 """
 
 
+NOTEBOOK_TIMEOUT_S = 900  # hang guard: a notebook's nbval run, past its cells' own 300 s each
+
+
+def _start_job(err: Path) -> subprocess.Popen:
+    with open(err, "a") as errors:
+        return subprocess.Popen([sys.executable, "-c", _WORKER, *NBVAL_ARGS], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
+
+
+def _stop_job(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _nbval_worker(todo: queue.Queue, futures: dict, logs: Path, job: int) -> None:
     """Takes notebooks from `todo` until it is empty and runs each in this job's pytest process;
-    a notebook's future gets what a command line of its own would give (exit code and output)."""
+    a notebook's future gets what a command line of its own would give (exit code and output).
+    A notebook past NOTEBOOK_TIMEOUT_S has its job killed (it fails, saying so); a job that died
+    is replaced for the next notebook."""
     err = logs / f"job{job}.stderr"
-    with open(err, "w") as errors:
-        proc = subprocess.Popen([sys.executable, "-c", _WORKER, *NBVAL_ARGS], cwd=ROOT, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors)
+    proc = None
     try:
         while True:
             try:
                 notebook = todo.get_nowait()
             except queue.Empty:
                 return
+            if proc is None:
+                proc = _start_job(err)
             log = logs / f"{notebook.stem}.log"
+            fired = threading.Event()
+            watchdog = threading.Timer(NOTEBOOK_TIMEOUT_S, lambda p=proc: (fired.set(), p.kill()))
+            watchdog.start()
             try:
                 proc.stdin.write(f"{notebook}\t{log}\n")
                 proc.stdin.flush()
@@ -413,26 +436,24 @@ def _nbval_worker(todo: queue.Queue, futures: dict, logs: Path, job: int) -> Non
                     if not (said := proc.stdout.readline()):
                         break
                     other.append(said)
+                watchdog.cancel()
                 out = log.read_text() if log.exists() else ""
-                if not said:  # the job died: say how, for this notebook and the rest
-                    raise RuntimeError(f"the nbval job ended (exit {proc.wait()}):\n{out[-6000:]}"
+                if not said:
+                    why = (f"killed after {NOTEBOOK_TIMEOUT_S} s" if fired.is_set()
+                           else f"exit {proc.wait()}")
+                    raise RuntimeError(f"the nbval job ended ({why}):\n{out[-6000:]}"
                                        + "".join(other)[-2000:] + err.read_text()[-2000:])
                 futures[notebook].set_result(subprocess.CompletedProcess(
                     [notebook], int(said.split()[1]), out, "".join(other[:-1]) + err.read_text()))
             except BaseException as exc:
+                watchdog.cancel()
                 futures[notebook].set_exception(exc)
-                while True:  # no job left to run the others here: fail them, not hang them
-                    try:
-                        futures[todo.get_nowait()].set_exception(exc)
-                    except queue.Empty:
-                        return
+                proc.kill()  # the next notebook gets a job of its own
+                proc.wait()
+                proc = None
     finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            _stop_job(proc)
 
 
 @pytest.fixture(scope="session")

@@ -587,39 +587,46 @@ def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
     return [dict(row, step_latency_s=latency) for row in rows]
 
 
-def _step_latency(comm: Comm, repeats: int) -> dict:
+def _step_latency(comm: Comm, repeats: int, steps: int = 20) -> dict:
     """What bounds a small all-reduce: the time of one ring step with (almost) no bytes, ours
-    (Comm.sendrecv: metered and recorded) and bare (torch.distributed's batch_isend_irecv alone),
-    against gloo's whole all-reduce of one element (its ring runs in C++ on gloo's threads).
-    Medians of the slowest rank. Our ring makes 2(N-1) such steps one after the other."""
+    (Comm.sendrecv: metered and recorded) and bare (torch.distributed's irecv + isend alone, as
+    sendrecv posts them), against gloo's whole all-reduce of one element (its ring runs in C++ on
+    gloo's threads). Each sample is `steps` calls back to back after a barrier, per call: a single
+    call after a barrier mostly measures which rank left the barrier last (on a loaded machine
+    such samples of one and the same call ranged 0.3 to 10 ms). The calls alternate, sample by
+    sample. Medians of the slowest rank; `*_cpu` is this thread's CPU time per call (what the
+    metering itself costs, whatever the load). Our ring makes 2(N-1) such steps one after the other."""
     n, r = dist.get_world_size(), dist.get_rank()
     right, left = (r + 1) % n, (r - 1) % n
     one, buf = torch.ones(1), torch.empty(1)
 
     def bare():
-        ops = [dist.P2POp(dist.isend, one, right), dist.P2POp(dist.irecv, buf, left)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        receiving = dist.irecv(buf, left)
+        sending = dist.isend(one, right)
+        receiving.wait()
+        sending.wait()
 
     calls = {"ours_step": lambda: comm.sendrecv(one, right, buf, left, "dp"),
              "bare_step": bare, "gloo_all_reduce_4B": lambda: dist.all_reduce(buf)}
-    out = {}
-    for name, fn in calls.items():
-        times = []
-        for i in range(repeats + 1):
+    times = {name: [] for name in calls}
+    cpu = {name: [] for name in calls}
+    for i in range(repeats + 1):  # the first round warms up
+        for name in list(calls)[i % 3:] + list(calls)[:i % 3]:
             dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            if i:  # the first warms up
-                times.append(_slowest_rank(time.perf_counter() - t0))
-            else:
-                _slowest_rank(0.0)
-        out[name] = statistics.median(times)
-    comm.records.clear(); comm.p2p_log.clear()
-    return out
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(steps):
+                calls[name]()
+            c1 = time.thread_time()
+            dt = _slowest_rank(time.perf_counter() - t0)
+            if i:
+                times[name].append(dt / steps)
+                cpu[name].append((c1 - c0) / steps)
+        comm.records.clear(); comm.p2p_log.clear()
+    return {**{name: statistics.median(ts) for name, ts in times.items()},
+            **{f"{name}_cpu": statistics.median(cs) for name, cs in cpu.items()}}
 
 
-def bench_ring(n: int = 4, sizes_mb=(1, 16, 64), repeats: int = 5) -> list[dict]:
+def bench_ring(n: int = 4, sizes_mb=(0.0625, 0.25, 1, 4, 16, 64), repeats: int = 5) -> list[dict]:
     rows = run_ranks(_ring_rank, n, list(sizes_mb), repeats, timeout=600, backend="gloo")[0].value
     for row in rows:
         wire = theory.wire_bytes("all_reduce", int(row["mb"] * MB), n)
@@ -992,11 +999,14 @@ def _print_ring(rows):
                    f"{r['ring_busbw_GBps']:.2f}", f"{r['gloo_busbw_GBps']:.2f}",
                    f"{r['ring_over_gloo_bw']:.2f}", f"{r['max_abs_err']:.1e}"] for r in rows]))
     lat, n = rows[0]["step_latency_s"], rows[0]["world_size"]
-    print(f"    latency (measured, medians): one ring step of 4 B ours {1e3 * lat['ours_step']:.2f} ms "
-          f"(bare batch_isend_irecv {1e3 * lat['bare_step']:.2f} ms), gloo's whole all-reduce of 4 B "
+    print(f"    latency (measured, medians of 20 calls back to back): one ring step of 4 B ours "
+          f"{1e3 * lat['ours_step']:.2f} ms, this thread's CPU {1e6 * lat['ours_step_cpu']:.0f} us "
+          f"(bare irecv + isend {1e3 * lat['bare_step']:.2f} ms, CPU {1e6 * lat['bare_step_cpu']:.0f} us: "
+          f"the metering costs the difference), gloo's whole all-reduce of 4 B "
           f"{1e3 * lat['gloo_all_reduce_4B']:.2f} ms; our ring's floor 2(N-1) x step = "
           f"{2 * (n - 1) * 1e3 * lat['ours_step']:.2f} ms. Gloo runs the same ring (reduce-scatter + "
-          f"all-gather, >= 2N segments, two in flight) inside C++ threads: its steps cost no Python")
+          f"all-gather, >= 2N segments, two in flight, receives posted ahead) inside C++ threads: "
+          f"its steps cost no Python, and a segment of a small tensor that is empty is not sent")
 
 
 def _print_zero(rows):
@@ -1163,7 +1173,7 @@ def _tile_split(core, q, k, v, grad) -> dict:
     for _ in range(5):
         dist.barrier()
         t0 = time.perf_counter()
-        _, hop = core._pass(kv, 0, "kv")
+        hop = core._send(kv, 0, "kv", core._receive(kv, 0, "kv")[1])
         post.append(time.perf_counter() - t0)
         hop.wait()
         hop_ms.append(time.perf_counter() - t0)
@@ -1828,7 +1838,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bucket-mb", type=float, default=0.25, help="ours and DDP's bucket size")
     ap.add_argument("--batch", type=int, default=16, help="global batch for (a)")
     ap.add_argument("--ring-ranks", type=int, default=4, help="world size for (b)")
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64], help="for (b)")
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[0.0625, 0.25, 1, 4, 16, 64],
+                    help="for (b): 64 KB to 64 MB")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats for (b)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pp degrees for (e)")
     ap.add_argument("--pp-schedules", nargs="+", default=list(PP_SCHEDULES), choices=PP_SCHEDULES,

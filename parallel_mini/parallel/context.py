@@ -163,85 +163,124 @@ class RingAttentionCore(torch.nn.Module):
     def _neighbours(self):
         return (self.rank + 1) % self.c, (self.rank - 1) % self.c
 
-    def _pass(self, send: torch.Tensor, t: int, what: str, log: list | None = None):
-        """Post this step's hop: send what we hold to the next rank, receive from the previous.
-        Returns the receive buffer and the hop (wait on it; `log`: its times, meters.RingHop)."""
-        hop = RingHop(log, ring_step=t)
-        nxt, prev = self._neighbours()
-        buf = torch.empty_like(send)
-        hop.handles = (self.comm.isend(send, nxt, self.axis, layer="ring", ring_step=t,
-                                       carries=what, block=(self.rank - t) % self.c),
-                       self.comm.irecv(buf, prev, self.axis, layer="ring", ring_step=t,
-                                       carries=what, block=(self.rank - t - 1) % self.c))
-        return buf, hop
+    def _receive(self, like: torch.Tensor, t: int, what: str):
+        """Post hop t's receive (from the previous rank, into a new buffer shaped as `like`).
+        Posted one hop early, while the step before still computes: gloo sends a message only
+        into a receive the receiver has announced (a rendezvous, see Comm.sendrecv), so a receive
+        announced late costs the sender a round trip on the ring's critical path."""
+        buf = torch.empty_like(like)
+        return buf, self.comm.irecv(buf, self._neighbours()[1], self.axis, layer="ring",
+                                    ring_step=t, carries=what, block=(self.rank - t - 1) % self.c)
 
-    def _pairs(self, src: int):
-        """(i, j, q chunk, k chunk, mask) for this rank's query chunks against block `src`'s."""
+    def _send(self, send: torch.Tensor, t: int, what: str, receiving, log: list | None = None):
+        """Post hop t's send of what we hold to the next rank; its receive (`receiving`) was
+        posted before. Returns the hop (wait on it; `log`: its times, meters.RingHop)."""
+        hop = RingHop(log, ring_step=t)
+        hop.handles = (self.comm.isend(send, self._neighbours()[0], self.axis, layer="ring",
+                                       ring_step=t, carries=what, block=(self.rank - t) % self.c),
+                       receiving)
+        return hop
+
+    def _tiles(self, t: int, src: int) -> list[dict]:
+        """The tile map of ring step t (block `src`): every query chunk of this rank against every
+        key chunk of src's, each "computed" or skipped (fully masked)."""
         mine, theirs = chunks_of(self.layout, self.c, self.rank), chunks_of(self.layout, self.c, src)
-        return [(i, j, qc, kc) for i, qc in enumerate(mine) for j, kc in enumerate(theirs)]
+        return [{"ring_step": t, "from": src, "q_chunk": qc, "k_chunk": kc,
+                 "computed": _tile_kind(qc, kc) != "skip"} for qc in mine for kc in theirs]
+
+    def _rectangle(self, src: int, size: int):
+        """The tokens this rank computes with block `src`, as one rectangle: (query slice, key
+        slice, causal), None when every tile is skipped. Why one: a step's computed tiles always
+        form one rectangle of whole chunks (contiguous: its one tile; zigzag: both query chunks
+        against the earlier key chunk, or the later query chunk against both), and on the
+        diagonal step (its own block) one causal call covers all of them, because this rank's
+        chunks lie in increasing order, so the causal mask of the local positions is the global
+        one. One fused call per step instead of one per tile: fewer, larger kernel calls and one
+        merge (torch's ring template does the same)."""
+        if src == self.rank:
+            return slice(None), slice(None), True
+        mine, theirs = chunks_of(self.layout, self.c, self.rank), chunks_of(self.layout, self.c, src)
+        pairs = [(i, j) for i, qc in enumerate(mine) for j, kc in enumerate(theirs)
+                 if _tile_kind(qc, kc) == "full"]
+        if not pairs:
+            return None
+        rows, cols = sorted({i for i, _ in pairs}), sorted({j for _, j in pairs})
+        assert len(pairs) == len(rows) * len(cols), "a step's tiles are one rectangle"
+        return (slice(rows[0] * size, (rows[-1] + 1) * size),
+                slice(cols[0] * size, (cols[-1] + 1) * size), False)
 
     @torch.no_grad()
     def ring_forward(self, q, k, v):
-        per = len(chunks_of(self.layout, self.c, self.rank))
-        size = q.shape[2] // per  # tokens per chunk
-        qs = q.split(size, dim=2)
-        out = [torch.zeros_like(x) for x in qs]  # [b, a, size, d] per query chunk
-        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device) for x in qs]
+        size = q.shape[2] // len(chunks_of(self.layout, self.c, self.rank))  # tokens per chunk
+        out = lse = None
         kv, tiles, hops = torch.stack([k, v]), [], []  # [2, b, a, n, d]: one message per hop
+        receiving = self._receive(kv, 0, "kv") if self.c > 1 else None
         for t in range(self.c):
             src = (self.rank - t) % self.c
             if t < self.c - 1:  # the next block is on its way while this one is computed
-                nxt, hop = self._pass(kv, t, "kv", hops)
-            ks, vs = kv[0].split(size, dim=2), kv[1].split(size, dim=2)
-            for i, j, qc, kc in self._pairs(src):
-                kind = _tile_kind(qc, kc)
-                tiles.append({"ring_step": t, "from": src, "q_chunk": qc, "k_chunk": kc,
-                              "computed": kind != "skip"})
-                if kind == "skip":
-                    continue
-                o_t, lse_t = _attend_tile(qs[i], ks[j], vs[j], causal=kind == "causal")
-                out[i], lse[i] = _merge(out[i], lse[i], o_t, lse_t)
+                nxt, got = receiving
+                if t + 1 < self.c - 1:
+                    receiving = self._receive(kv, t + 1, "kv")  # one hop early (see _receive)
+                hop = self._send(kv, t, "kv", got, hops)
+            tiles += self._tiles(t, src)
+            rect = self._rectangle(src, size)
+            if rect is not None:
+                rows, cols, causal = rect
+                o_t, lse_t = _attend_tile(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                          causal=causal)
+                if out is None:  # step 0, the diagonal: every query row, nothing to merge yet
+                    # in [b, a, n, d] memory order, as the written-out tile returns it (the fused
+                    # kernel's is [b, n, a, d] seen transposed): the merges then write contiguous
+                    # rows, and what the layers after keep for backward (theory's activation
+                    # count) stays that of the written-out ring
+                    out, lse = o_t.contiguous(), lse_t
+                else:
+                    out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows],
+                                                              o_t, lse_t)
             if t < self.c - 1:
                 hop.wait()  # what it waits past the compute above is exposed transfer time
                 _release(kv)  # sent, and computed on: done with it
                 kv = nxt
         _release(kv)  # the last block received
         self.tiles, self.hops = tiles, hops
-        return torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        return out, lse
 
     @torch.no_grad()
     def ring_backward(self, q, k, v, out, lse, grad_out):
-        """FlashAttention's backward, tile by tile; dK, dV travel with their block and come home."""
-        per = len(chunks_of(self.layout, self.c, self.rank))
-        size = q.shape[2] // per
-        qs, dos, outs = q.split(size, 2), grad_out.split(size, 2), out.split(size, 2)
-        lses = [x.contiguous() for x in lse.split(size, 2)]  # the fused backward reads it flat
-        dq = [torch.zeros_like(x) for x in qs]
+        """FlashAttention's backward, a rectangle per step; dK, dV travel with their block and
+        come home."""
+        size = q.shape[2] // len(chunks_of(self.layout, self.c, self.rank))
+        lse_of = {}  # query slice -> its lse, contiguous: the fused backward reads it flat
+        dq = torch.zeros_like(q)
         # one message buffer [k, v, dk, dv]: the block travels with its gradients so far. Built
         # once; each hop sends the buffer it received (no copy per hop, as a cat would make)
         both = torch.empty(4, *k.shape, dtype=k.dtype, device=k.device)
         both[0], both[1], both[2:] = k, v, 0
+        dkv = both[2:]
         for t in range(self.c):
             src = (self.rank - t) % self.c
-            kv, dkv = both[:2], both[2:]  # views
-            ks, vs = kv[0].split(size, 2), kv[1].split(size, 2)
-            dks, dvs = dkv[0].split(size, 2), dkv[1].split(size, 2)  # views: += writes into dkv
-            for i, j, qc, kc in self._pairs(src):
-                kind = _tile_kind(qc, kc)
-                if kind == "skip":
-                    continue
-                dq_t, dk_t, dv_t = _tile_grads(dos[i], qs[i], ks[j], vs[j], outs[i], lses[i],
-                                               causal=kind == "causal")
-                dq[i].add_(dq_t)
-                dks[j].add_(dk_t)
-                dvs[j].add_(dv_t)
+            last = t == self.c - 1  # this hop's receive, posted before the compute (_receive)
+            receiving = self._receive(dkv if last else both, t, "dkv" if last else "kv+dkv")
+            rect = self._rectangle(src, size)
+            if rect is not None:
+                rows, cols, causal = rect
+                key = (rows.start, rows.stop)
+                if key not in lse_of:
+                    lse_of[key] = lse[:, :, rows].contiguous()
+                dq_t, dk_t, dv_t = _tile_grads(grad_out[:, :, rows], q[:, :, rows],
+                                               both[0][:, :, cols], both[1][:, :, cols],
+                                               out[:, :, rows], lse_of[key], causal=causal)
+                dq[:, :, rows] += dq_t
+                dkv[0][:, :, cols] += dk_t
+                dkv[1][:, :, cols] += dv_t
+            nxt, got = receiving
             if t < self.c - 1:  # block, and its gradients so far, to the next rank
-                both, hop = self._pass(both, t, "kv+dkv")
-                hop.wait()
+                self._send(both, t, "kv+dkv", got).wait()
+                both, dkv = nxt, nxt[2:]
             else:  # the last hop takes the gradients home to the block's owner
-                dkv, hop = self._pass(dkv, t, "dkv")
-                hop.wait()
-        return torch.cat(dq, dim=2), dkv[0], dkv[1]
+                self._send(dkv, t, "dkv", got).wait()
+                dkv = nxt
+        return dq, dkv[0], dkv[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 from ..comm import Comm
 from ..interfaces import GradientStrategy, Held, Piece
 from ..optim import MasterWeights, make_optimizer
-from .offload_disk import DiskOptimizer
+from .offload_disk import DiskMethods, DiskOptimizer
 from ..placement import regions
 
 
@@ -247,7 +247,7 @@ class DataParallel:
         return [bool(u) for u in used]
 
 
-class PlainDataParallel(GradientStrategy):
+class PlainDataParallel(DiskMethods, GradientStrategy):  # disk: its window, report, close
     """GradientStrategy: DataParallel (gradient averaging) plus a whole optimizer on every rank."""
 
     def __init__(self, model, comm, cfg, axis: str = "dp", average_fn=None, offload_disk: str = ""):
@@ -257,6 +257,7 @@ class PlainDataParallel(GradientStrategy):
             accumulate_grads_in_fp32(model.parameters())
         self.dp = DataParallel(model, comm, mode=cfg.dp_mode, bucket_mb=cfg.bucket_mb,
                                average_fn=average_fn, axis=axis)
+        self.disk = offload_disk
         if offload_disk:
             params = [p for p in model.parameters() if p.requires_grad]
             self.optimizer = DiskOptimizer(offload_disk, cfg.optimizer, cfg.lr, initial=params,
@@ -277,33 +278,20 @@ class PlainDataParallel(GradientStrategy):
 
     def buffers(self) -> list[torch.Tensor]:
         """The gradient buckets (and --offload-disk's window): allocated once, held across steps."""
-        window = [self.optimizer.buffer] if isinstance(self.optimizer, DiskOptimizer) else []
-        return [b.flat for b in self.dp.buckets] + window
+        return [b.flat for b in self.dp.buckets] + super().buffers()
 
     def transient_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
-
-    def disk_report(self) -> dict:
-        return self.optimizer.report() if isinstance(self.optimizer, DiskOptimizer) else {}
-
-    def close(self) -> None:
-        if isinstance(self.optimizer, DiskOptimizer):
-            self.optimizer.close()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def owned(self, held: Held) -> list[Piece]:
-        opt = self.optimizer
-        if isinstance(opt, DiskOptimizer):  # the states in RAM while a checkpoint reads them
-            opt = self.snapshot = opt.snapshot()
-        return whole_pieces(opt, held, self.optimizer.params)
+        return whole_pieces(self.owned_states(), held, self.optimizer.params)
 
     def loaded(self) -> None:
         """--offload-disk: the masters and moments back to the file; then the weights from them."""
-        if getattr(self, "snapshot", None) is not None:
-            self.optimizer.restore(self.snapshot)
-            self.snapshot = None
+        self.disk_loaded()
         copy_masters(self.optimizer)
 
 

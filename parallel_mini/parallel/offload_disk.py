@@ -280,7 +280,7 @@ class DiskOptimizer:
 
 class DiskMethods:
     """The GradientStrategy methods --offload-disk fills in, for a strategy whose `disk` names its
-    file ("" for none) and whose `optimizer` is then a DiskOptimizer."""
+    file ("" for none) and whose `optimizer` is then a DiskOptimizer (data.py, zero.py, zero3.py)."""
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.optimizer.buffer] if self.disk else []  # the window the step streams through
@@ -291,6 +291,16 @@ class DiskMethods:
     def close(self) -> None:
         if self.disk:
             self.optimizer.close()
+
+    def owned_states(self):
+        """The optimizer whose states `owned` lists: on disk, the states in RAM while a checkpoint
+        reads or fills them (`disk_loaded` writes them back)."""
+        return self.optimizer.checkpoint_states() if self.disk else self.optimizer
+
+    def disk_loaded(self) -> None:
+        """`loaded`'s part: what a checkpoint filled goes back to the file."""
+        if self.disk:
+            self.optimizer.checkpoint_loaded()
 
 
 class UnitsOnDisk(DiskOptimizer):

@@ -35,7 +35,7 @@ from ..interfaces import GradientStrategy, Held, Piece
 from ..optim import make_optimizer
 from ..placement import flat_layout, flat_owned, flat_pieces, regions
 from .data import broadcast_parameters
-from .offload_disk import DiskOptimizer
+from .offload_disk import DiskMethods, DiskOptimizer
 
 
 def refuse_unsupported(model: torch.nn.Module, who: str) -> None:
@@ -129,7 +129,7 @@ class UsedParameters:
         return {p for p, u in zip(self.params, used.tolist()) if not u}
 
 
-class ZeroDataParallel(GradientStrategy):
+class ZeroDataParallel(DiskMethods, GradientStrategy):  # disk: its window, report, close
     """ZeRO stage 1 or 2 over the mesh's dp axis; owns the optimizer.
 
     Use:  zero = ZeroDataParallel(model, comm, stage=2, optimizer="adam", lr=3e-3)
@@ -260,19 +260,10 @@ class ZeroDataParallel(GradientStrategy):
             return {"params": [self.flat_params], "grads": grads, "optimizer": [], "host": opt}
         return {"params": [self.flat_params], "grads": grads, "optimizer": opt}
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The flat buffers are model states, counted by state_tensors; --offload-disk's window."""
-        return [self.optimizer.buffer] if self.disk else []
-
+    # buffers(): --offload-disk's window (DiskMethods); the flat buffers are model states,
+    # counted by state_tensors
     def transient_bytes(self) -> int:
         return self.optimizer.buffer.nbytes if self.disk else 0
-
-    def disk_report(self) -> dict:
-        return self.optimizer.report() if self.disk else {}
-
-    def close(self) -> None:
-        if self.disk:
-            self.optimizer.close()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
@@ -282,13 +273,8 @@ class ZeroDataParallel(GradientStrategy):
         of what the other ranks own (filled on resume, saved by its owner)."""
         replicas = [Piece(regions(*held[p], 0, p.numel()), p.data.view(-1), saved=False)
                     for p in self.params]
-        opt = self.optimizer
-        if self.disk:  # the states in RAM while a checkpoint reads or fills them (loaded: back)
-            opt = self.snapshot = self.optimizer.snapshot()
-        return self.layout.owned(held, self.r, opt) + replicas
+        return self.layout.owned(held, self.r, self.owned_states()) + replicas
 
     def loaded(self) -> None:
         """--offload-disk: what a checkpoint filled goes back to the file (and the slice)."""
-        if self.disk and getattr(self, "snapshot", None) is not None:
-            self.optimizer.restore(self.snapshot)
-            self.snapshot = None
+        self.disk_loaded()

@@ -284,8 +284,7 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
     # -- what this rank owns (interfaces.GradientStrategy.owned: checkpoints read it) -----------
     def owned(self, held) -> list:
         """My slice of every unit's flat buffer, as boxes of the full tensors, in unit order."""
-        out = []  # (--offload-disk: the states in RAM while a checkpoint reads or fills them)
-        opt = self.optimizer.checkpoint_states() if self.disk else self.optimizer
+        out, opt = [], self.owned_states()  # (DiskMethods: on disk, the states read into RAM)
         for u in self.units:
             out += u.layout.owned(held, u.r, opt, first=len(out))
         return out
@@ -293,8 +292,7 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
     @torch.no_grad()
     def loaded(self) -> None:
         """After a checkpoint filled the masters: the file (--offload-disk) or the bf16 slices."""
-        if self.disk:
-            self.optimizer.checkpoint_loaded()
+        self.disk_loaded()
         for u in self.units:
             if u.shard is not u.master:  # (fp32: the same tensor; --offload-disk: neither in RAM)
                 u.shard.copy_(u.master)

@@ -75,7 +75,8 @@ def check_fits(cfg) -> None:
 
 
 # the named parts of theory.local_run_bytes_estimate a refusal lists (those over 1 MB)
-ESTIMATE_PARTS = ("activations", "logits", "states", "transients", "layer_objects", "logs", "data")
+ESTIMATE_PARTS = ("activations", "moe_activations", "logits", "states", "transients",
+                  "layer_objects", "logs", "moe_heap", "data")
 
 
 def available_memory() -> int | None:
