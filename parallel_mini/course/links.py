@@ -113,8 +113,8 @@ def _links_rank(op: str, sizes: list[int], repeats: int) -> list[dict]:
 
         calls = {"p2p": p2p,
                  "all_reduce": lambda: dist.all_reduce(full),
-                 "all_gather": lambda: dist.all_gather_single(recv, part),
-                 "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
+                 "all_gather": lambda: dist.all_gather_into_tensor(recv, part),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
                  "all_to_all": lambda: dist.all_to_all_single(recv, full)}
         call = calls[op]
         times = []
