@@ -659,8 +659,9 @@ def _local_params(cfg) -> int:
 # rows split 4 ways at random, 51 KB/step, split evenly, 0; a dense model, 0. Measured in a rank
 # (2 MoE blocks of 4 experts top-2, 4,096 tokens a step, routing log off, RSS after each step): 255 -> 266 (step 25) -> 276 (100) -> 279 (200) ->
 # 282 MB (256) -> 282 MB (298), 0.45 -> 0.12 -> 0.03 -> 0.006 MB/step; the same dense run stays
-# at 247-248 MB. At batch 64 (16,384 tokens, 4 blocks): 285 -> 315 -> 334 -> 348 MB after steps
-# 1, 20, 40, 59 (tests/test_moe_memory.py, slow), within its 192 MB; not yet followed to its plateau.
+# at 247-248 MB. At batch 64 (16,384 tokens, 4 blocks, issue 26's run): 262 -> 289 (20) -> 321
+# (60) -> 329 (100) -> 337 MB (198): malloc in use flat at 116 MB from step 60 on, its free holes
+# still growing ~0.06 MB/step at the end (75 MB against this part's 192 MB).
 # The part: 16 MB per block and 2 KB per token a block routes a step (27 MB over 2 blocks of
 # 4,096 tokens measured; that it scales with the tokens is assumed, not yet measured).
 MOE_HEAP_BYTES_PER_BLOCK = 16 * 2 ** 20
