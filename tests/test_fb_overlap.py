@@ -35,7 +35,7 @@ def test_the_cores_verdict_counts_gloo_s_worker_thread():
     busy = bench.fb_overlap_cores(ranks=2, torch_threads=1, cpus=16, load=14.0)
     assert busy["cores_enough"] and not busy["can_show"] and "may not show it" in busy["cores_verdict"]
     idle = bench.fb_overlap_cores(ranks=2, torch_threads=1, cpus=16, load=0.5)
-    assert idle["can_show"] and idle["cores_verdict"].startswith("can show it: 4 busy threads")
+    assert idle["can_show"] and idle["cores_verdict"].startswith("has the cores for it: 4 busy threads")
 
 
 def _report(events, comm, steps=3):

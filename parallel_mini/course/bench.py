@@ -865,9 +865,10 @@ def fb_overlap_summary(times: dict[str, list[float]]) -> dict:
 
 
 def fb_overlap_cores(ranks: int, torch_threads: int, cpus: int, load: float) -> dict:
-    """Can this machine show the overlap at all? Each rank needs a core for its compute (torch's
+    """Has this machine the cores to show the overlap? Each rank needs a core for its compute (torch's
     threads) and one for gloo's worker thread, which copies the all-to-all's bytes through the
-    sockets meanwhile: ranks x (threads + 1) cores, beside what other processes use (the load)."""
+    sockets meanwhile: ranks x (threads + 1) cores, beside what other processes use (the load).
+    Necessary, not sufficient: on an idle 16-core machine gloo still mostly took turns (docs/gpu.md)."""
     need = ranks * (torch_threads + 1)
     if need > cpus:
         why = (f"cannot show it: {ranks} ranks x ({torch_threads} compute thread(s) + gloo's worker) "
@@ -877,7 +878,8 @@ def fb_overlap_cores(ranks: int, torch_threads: int, cpus: int, load: float) -> 
         why = (f"may not show it: {need} busy threads fit {cpus} cores, but the load average "
                f"{load:.1f} says other processes want {load:.1f} of them")
     else:
-        why = f"can show it: {need} busy threads on {cpus} cores, load average {load:.1f}"
+        why = (f"has the cores for it: {need} busy threads on {cpus} cores, load average {load:.1f} "
+               "(whether gloo then overlaps is what the rounds measure)")
     return {"threads_needed": need, "cores_enough": need <= cpus, "can_show": need + load <= cpus,
             "cores_verdict": why}
 
