@@ -40,29 +40,31 @@ def _ring_vs_backend(sizes):
     r, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(100 + r)
     out = []
+    comm = _comm(n)  # one for every call: the landing buffers it keeps grow, shrink, change dtype
     for numel in sizes:
         if numel == 0:
             continue
         # int64: exact whatever the order of the additions
         xi = torch.randint(-2 ** 40, 2 ** 40, (numel,), generator=g, dtype=torch.int64)
         ours, ref = xi.clone(), xi.clone()
-        comm = _comm(n)
+        comm.records.clear(), comm.p2p_log.clear()
         ring_all_reduce(ours, comm)
         dist.all_reduce(ref)
         sends = [rec for rec in comm.records if rec["op"] == "send"]
+        p2p_log, recvs = len(comm.p2p_log), [rec for rec in comm.records if rec["op"] == "recv"]
         # floats: equal to fp32 rounding; a magnitude of 1e3 makes an absolute error visible
         xf = torch.randn(numel, generator=g) * 1e3
         ours_f, ref_f = xf.clone(), xf.clone()
-        ring_all_reduce(ours_f, _comm(n))
+        ring_all_reduce(ours_f, comm)
         dist.all_reduce(ref_f)
         out.append({
             "numel": numel, "int_equal": torch.equal(ours, ref),
             "float_err": (ours_f - ref_f).abs().max().item(),
             "float_scale": ref_f.abs().max().item(),
-            "sendrecv_steps": len(sends), "p2p_log": len(comm.p2p_log),
+            "sendrecv_steps": len(sends), "p2p_log": p2p_log,
             "sent_bytes": sum(rec["wire_bytes_model"] for rec in sends),
             "sent_per_step": [rec["payload_bytes"] for rec in sends],
-            "recv_wire": sum(rec["wire_bytes_model"] for rec in comm.records if rec["op"] == "recv"),
+            "recv_wire": sum(rec["wire_bytes_model"] for rec in recvs),
         })
     return out
 
