@@ -290,9 +290,12 @@ def test_merge_right_answers_equal_sdpa_on_real_ranks(right):
     assert grade.status == "correct", grade
     runs = {(r["cp"], r["layout"]): r for r in grade.details["runs"]}
     assert set(runs) == set(MERGE_CHECK_CASES)
-    # the learner's merge was what ran: once per computed tile on every rank
-    assert runs[(4, "contiguous")]["merges_per_rank"] == [1, 2, 3, 4]
-    assert runs[(4, "zigzag")]["merges_per_rank"] == [9, 9, 9, 9]
+    # the learner's merge was what ran: once per ring step after the first on every rank (a
+    # step's visible tiles are one rectangle, one fused call; the first step starts the output)
+    assert runs[(4, "contiguous")]["merges_per_rank"] == [0, 1, 2, 3]
+    assert runs[(4, "contiguous")]["tiles_computed"] == [1, 2, 3, 4]
+    assert runs[(4, "zigzag")]["merges_per_rank"] == [3, 3, 3, 3]
+    assert runs[(4, "zigzag")]["tiles_computed"] == [9, 9, 9, 9]
     assert all(r["max_abs_diff"] < 1e-5 for r in runs.values())
 
 
