@@ -185,6 +185,13 @@ class Hardware:
     # Seconds per pipeline chunk per micro-batch (forward + backward) beyond its blocks': a chunk
     # is its own autograd graph (detached input, backward entered with the received gradient).
     chunk_overhead_s: float = 0.0
+    # Measured profiles only (0: not modelled). Seconds per block per micro-batch that recomputing
+    # costs beyond its FLOPs (the checkpoint machinery: saved inputs, a second forward's small
+    # ops), for full and selective activation checkpointing; and one optimizer step over the
+    # whole model's parameters on one rank (a rank that updates a share of them pays that share).
+    full_recompute_block_s: float = 0.0
+    selective_recompute_block_s: float = 0.0
+    optimizer_s: float = 0.0
 
     def bandwidth(self, inside_node: bool) -> float:
         if inside_node:
@@ -262,6 +269,40 @@ def _compute_sweep_rank(shape: dict, batches: list[int], repeats: int) -> dict:
     return {"matmul_flops_per_s": mm_flops / mm_s, "fwd_bwd": sweep}
 
 
+class MeasurementError(RuntimeError):
+    """A measurement that cannot stand for what it claims (one line: what was seen, what to do)."""
+
+
+COMPUTE_FIT_MAX_REL_ERR = 0.25  # a compute sweep the line L x overhead + FLOPs / rate misses by more
+
+
+def fit_compute(sweep: list[dict], layers: int, flops_per_seq: float,
+                max_rel_err: float = COMPUTE_FIT_MAX_REL_ERR) -> tuple[float, float]:
+    """(block_overhead_s, seconds per FLOP) fitted (links.fit_relative, relative least squares) to
+    a forward + backward sweep, rows {"batch", "seconds"}: t = layers x overhead + batch x
+    flops_per_seq x per_flop. Refused (MeasurementError) where the time does not grow with the
+    batch (a slope of 0: the timer did not see the work, e.g. CUDA kernels launched but not run
+    on this thread) or the line misses a row by more than `max_rel_err`: never an infinite rate."""
+    from . import links
+
+    pts = [(layers, flops_per_seq * r["batch"], r["seconds"]) for r in sweep]
+    seen = ", ".join(f"{1e3 * r['seconds']:.2f} ms at batch {r['batch']}" for r in sweep)
+    if len({r["batch"] for r in sweep}) < 2 or any(t <= 0 for *_, t in pts):
+        raise MeasurementError(f"compute sweep: need positive times at 2 or more batch sizes "
+                               f"({seen or 'none'})")
+    overhead, per_flop = links.fit_relative(pts)
+    if per_flop <= 0:
+        raise MeasurementError(f"compute sweep: the forward + backward time does not grow with "
+                               f"the batch ({seen}): it did not measure the work (ran on a GPU? "
+                               f"threads other than the timed one?); measure on CPU ranks")
+    err = max(abs(layers * overhead + x * per_flop - t) / t for _, x, t in pts)
+    if err > max_rel_err:
+        raise MeasurementError(f"compute sweep: t = L x overhead + FLOPs / rate misses a row by "
+                               f"{100 * err:.0f}% (> {100 * max_rel_err:.0f}%: {seen}); a loaded "
+                               f"or throttled machine? measure again")
+    return overhead, per_flop
+
+
 def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, cores: int) -> Hardware:
     """measure_hardware's profile from its measurements: `compute` (_compute_sweep_rank's),
     `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores."""
@@ -270,12 +311,19 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
     spec = toy_model(batch=1, **shape)
     per_seq = model_flops_per_token(spec) * spec.seq
     sweep = compute.get("engine_fwd_bwd") or compute["fwd_bwd"]
-    overhead, per_flop = links.fit_relative([(spec.layers, per_seq * r["batch"], r["seconds"])
-                                             for r in sweep])
+    overhead, per_flop = fit_compute(sweep, spec.layers, per_seq)
+    recompute = {}
+    for how, rows in (compute.get("engine_recompute") or {}).items():
+        # beyond the no-checkpointing line at the same batch and the recomputed FLOPs at the rate
+        extra = [(r["seconds"] - spec.layers * overhead - r["batch"] * per_seq * per_flop
+                  - r["batch"] * _recomputed_flops(spec, how) * spec.seq * per_flop) / spec.layers
+                 for r in rows]
+        recompute[f"{how}_recompute_block_s"] = max(0.0, statistics.median(extra))
+    opt = [r["optimizer_s"] for r in sweep if "optimizer_s" in r]
     own = [w for w in link_fits if w <= cores] or [min(link_fits)]
     shared = [w for w in link_fits if w > cores] or own
     near, far = link_fits[max(own)], link_fits[max(shared)]
-    return Hardware("this machine", 2 * GiB, 1.0 / per_flop if per_flop else math.inf,
+    return Hardware("this machine", 2 * GiB, 1.0 / per_flop,
                     "loopback", "loopback", gpus_per_node=10 ** 6,
                     intra_bw=far["bandwidth_Bps"], inter_bw=far["bandwidth_Bps"],
                     latency_intra_s=near["alpha_s"], latency_inter_s=near["alpha_s"],
@@ -285,7 +333,16 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                         (r["chunked_s"] - r["seconds"]) / spec.layers for r in compute["fwd_bwd"]
                         if "chunked_s" in r) if any("chunked_s" in r for r in compute["fwd_bwd"])
                         else 0.0),
-                    source="measured here: matmul sweep + link fit")
+                    optimizer_s=statistics.median(opt) if opt else 0.0, **recompute,
+                    source="measured here: the toy's steps on one rank + link fit")
+
+
+def _recomputed_flops(spec: ModelSpec, checkpointing: str) -> float:
+    """Forward FLOPs per token that a checkpointing mode runs again in the backward: full, every
+    block's forward (not the head's); selective, the attention cores."""
+    per = [block_flops_per_token(spec, i) for i in range(spec.layers)]
+    return {"full": sum(f for f, _ in per), "selective": sum(c for _, c in per)}.get(checkpointing,
+                                                                                      0.0)
 
 
 def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None = None,
@@ -327,11 +384,25 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     comp["engine_fwd_bwd"] = []
     for b in batches:  # the toy as the engine runs it (its meters and hooks on), one rank
         say(f"compute: the engine's forward + backward, batch {b}")
-        rep = run(RunConfig(**shape, batch=b, steps=4))
-        comp["engine_fwd_bwd"].append({"batch": b, "seconds": statistics.median(
-            sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"]
-                if e.get("step") == s and e["kind"] in ("forward", "backward"))
-            for s in (1, 2))})
+        # gloo: on CPU (a run of one rank would otherwise take a GPU where there is one, and a
+        # GPU's kernels run after the host thread has queued them: its CPU time stays flat)
+        rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo"))
+        ev = rep.ranks[0]["events"]
+        row = {"batch": b}
+        for key, kinds in (("seconds", ("forward", "backward")), ("forward_s", ("forward",)),
+                           ("optimizer_s", ("optimizer",))):
+            row[key] = statistics.median(sum(e.get("cpu", 0.0) for e in ev if e.get("step") == s
+                                             and e["kind"] in kinds) for s in (1, 2))
+        comp["engine_fwd_bwd"].append(row)
+    comp["engine_recompute"] = {}
+    for how in ("full", "selective"):  # the same with activation checkpointing: what it adds
+        comp["engine_recompute"][how] = []
+        for b in batches:
+            say(f"compute: the engine's forward + backward, checkpointing {how}, batch {b}")
+            rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo", checkpointing=how))
+            comp["engine_recompute"][how].append({"batch": b, "seconds": statistics.median(
+                sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"] if e.get("step") == s
+                    and e["kind"] in ("forward", "backward")) for s in (1, 2))})
     fits = {}
     for w in worlds:
         say(f"links: {w} ranks")
@@ -892,7 +963,10 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
         micro_flops.append({"total": (3 * fwd + recompute) * tokens_micro / lay.tp,
                             "attention": 3 * core * tokens_micro / lay.tp,
                             # seconds that do not scale with FLOPs (measured profiles only)
-                            "fixed": len(blocks) * hw.block_overhead_s
+                            "fixed": len(blocks) * (hw.block_overhead_s + {
+                                "full": hw.full_recompute_block_s,
+                                "selective": hw.selective_recompute_block_s}.get(
+                                    lay.checkpointing, 0.0))
                             + (len(chunks) if lay.pp > 1 else 0) * hw.chunk_overhead_s})
 
     peak = hw.flops * hw.matmul_efficiency
@@ -902,12 +976,16 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     bubble = theory.bubble_fraction(lay.schedule, lay.pp, lay.microbatches, lay.virtual) \
         if lay.pp > 1 else 0.0
     shared_cores = bool(hw.cores) and lay.world > hw.cores
+    # the optimizer step (measured profiles): each rank pays the share of the whole model's
+    # optimizer states it holds (ZeRO and tp / pp shard them)
+    whole = theory.model_state_bytes(param_count(spec), optimizer, precision)["optimizer"]
+    opt = [hw.optimizer_s * m["optimizer"] / whole for m in per_rank]
     if shared_cores:  # all ranks' work on the cores there are; an idle rank frees its core
         replicas = m_rank * lay.dp * lay.cp * lay.tp
         total = sum(f["total"] / peak + f["fixed"] for f in micro_flops)
-        compute = total * replicas / hw.cores
+        compute = (total * replicas + sum(opt) * (lay.world // lay.pp)) / hw.cores
     else:
-        compute = t_micro * m_rank / (1 - bubble)
+        compute = t_micro * m_rank / (1 - bubble) + max(opt)
     most = {"blocks": max(len([i for c in s[2] for i in c]) for s in stages),
             "moe_blocks": max(len([i for c in s[2] for i in c if spec.is_moe(i)]) for s in stages),
             "units": max(len(s[0]) for s in stages)}
@@ -1323,6 +1401,19 @@ def measured_cpu_s(report) -> float:
     return statistics.median(sums)
 
 
+def measured_cpu_by_kind(report) -> dict:
+    """measured_cpu_s split by op kind (median over the same steps of each kind's CPU, all ranks
+    summed): which ops the cores' work went to (forward / backward / F / B / W: compute, and what
+    the collectives called inside them cost this thread; the rest: comm and the optimizer)."""
+    out = {}
+    for kind in {e["kind"] for r in report.ranks for e in r["events"]}:
+        out[kind] = statistics.median(
+            sum(e.get("cpu", 0.0) for r in report.ranks for e in r["events"]
+                if e.get("step") == s and e["kind"] == kind)
+            for s in range(1, report.config["steps"] - 1))
+    return out
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (ties get their mean rank)."""
     def ranks(v):
@@ -1402,6 +1493,7 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
                "states_equal": not mismatches, "mismatches": mismatches,
                "predicted_step_s": p["step_s"], "measured_step_s": measured_step_s(report),
                "predicted_compute_s": p["compute_s"], "measured_cpu_s": measured_cpu_s(report),
+               "measured_cpu_by_kind": measured_cpu_by_kind(report),
                "predicted_comm_s": {a: c["exposed_s"] for a, c in p["comm"].items()},
                "activations_theory_bytes": act_pred, "activations_measured_bytes": act_meas}
         if hw is not assumed:
