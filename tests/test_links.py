@@ -269,3 +269,32 @@ def test_recompute_and_optimizer_are_measured_and_charged():
         lay.dp * (spec.layers * extra + recompute_flops / hw.flops) / hw.cores)
     with_opt = planner.predict(big, lay, hw, batch, precision="fp32")["compute_s"]
     assert with_opt - base == pytest.approx(2e-3 / hw.cores, rel=0.05)  # 8 shares of 1/8 (padded)
+
+
+def test_comm_calls_cpu_is_measured_and_charged_per_call():
+    """The CPU a tp2 (cp2) run's passes add to tp1's, per comm call, is charged per call the
+    planner counts: tp's calls per micro-step are 4 per block + 5 (the count a live run makes)."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
+    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
+             "tp2_calls": 74, "cp2_fwd_bwd_cpu_s": 0.06 + 110 * 2e-5, "cp2_calls": 110}
+    hw = planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": line,
+                                             "calls": calls}, {2: {"alpha_s": 1e-4,
+                                                                   "bandwidth_Bps": 2e9}},
+                                            shape, cores=2)
+    assert hw.call_cpu_s == pytest.approx(3e-4) and hw.p2p_call_cpu_s == pytest.approx(2e-5)
+    batch = planner.VALIDATION_MODEL["batch"]
+    big = planner.toy_model(batch=batch, **shape)
+    lay = planner.Layout(dp=1, tp=2, pp=1, cp=1, ep=1, zero=0, schedule="-", virtual=1,
+                         microbatches=1, micro_batch=16, checkpointing="none", sp=False)
+    free = planner.predict(big, lay, dataclasses.replace(hw, call_cpu_s=0.0), batch,
+                           precision="fp32")
+    charged = planner.predict(big, lay, hw, batch, precision="fp32")
+    assert free["comm"]["tp"]["calls"] == 4 * spec.layers + 5  # 37, as tp2 runs them
+    assert charged["compute_s"] - free["compute_s"] == pytest.approx(37 * 3e-4)

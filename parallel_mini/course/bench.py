@@ -1372,7 +1372,11 @@ def _print_plan(res: dict):
               f"core, {1e3 * hw['block_overhead_s']:.2f} ms fixed per block and micro-batch, "
               f"{1e6 * hw['latency_intra_s']:.0f} us per hop with a core per rank, "
               f"{1e6 * hw['shared_hop_s']:.0f} us x ranks/cores when shared, "
-              f"{hw['intra_bw'] / 1e9:.2f} GB/s")
+              f"{hw['intra_bw'] / 1e9:.2f} GB/s"
+              + (f"; recompute +{1e3 * hw.get('full_recompute_block_s', 0):.2f} ms (full) / "
+                 f"+{1e3 * hw.get('selective_recompute_block_s', 0):.2f} ms (selective) per block "
+                 f"and micro-batch, optimizer step {1e3 * hw.get('optimizer_s', 0):.2f} ms over "
+                 f"the whole model" if hw.get("optimizer_s") else ""))
     ran = [r for r in res["rows"] if "error" not in r]
     assumed = any("predicted_assumed_step_s" in r for r in ran)
     cpu = all("measured_cpu_s" in r for r in ran)

@@ -192,6 +192,11 @@ class Hardware:
     full_recompute_block_s: float = 0.0
     selective_recompute_block_s: float = 0.0
     optimizer_s: float = 0.0
+    # Measured profiles only: a rank's thread CPU seconds per comm call it makes (the call, its
+    # metering, the autograd function around it), from a tp2 run beside a tp1 run of the same batch.
+    call_cpu_s: float = 0.0
+    p2p_call_cpu_s: float = 0.0  # the same for a point-to-point call (cp's ring, pp's messages),
+    # from a cp2 run beside a cp1 run
 
     def bandwidth(self, inside_node: bool) -> float:
         if inside_node:
@@ -320,6 +325,7 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                  for r in rows]
         recompute[f"{how}_recompute_block_s"] = max(0.0, statistics.median(extra))
     opt = [r["optimizer_s"] for r in sweep if "optimizer_s" in r]
+    calls = compute.get("calls") or {}
     own = [w for w in link_fits if w <= cores] or [min(link_fits)]
     shared = [w for w in link_fits if w > cores] or own
     near, far = link_fits[max(own)], link_fits[max(shared)]
@@ -334,7 +340,34 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                         if "chunked_s" in r) if any("chunked_s" in r for r in compute["fwd_bwd"])
                         else 0.0),
                     optimizer_s=statistics.median(opt) if opt else 0.0, **recompute,
+                    call_cpu_s=_per_call(calls, "tp2"), p2p_call_cpu_s=_per_call(calls, "cp2"),
                     source="measured here: the toy's steps on one rank + link fit")
+
+
+def _measure_call_cpu(shape: dict, batch: int) -> dict:
+    """The toy with tp 2 (2 ranks, a core each where there are 2) and with tp 1, same batch, on
+    CPU: the forward and backward ops' CPU time (all ranks summed, median of steps 1 and 2), and
+    the comm calls tp 2 made in them (counted from comm.py's records)."""
+    from ..config import RunConfig
+    from ..runtime.launch import run
+
+    out = {}
+    for name, degrees in (("tp1", {}), ("tp2", {"tp": 2}), ("cp2", {"cp": 2})):
+        rep = run(RunConfig(**shape, batch=batch, steps=4, backend="gloo", **degrees))
+        out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
+            sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
+                if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
+        out[f"{name}_calls"] = statistics.median(
+            len([c for r in rep.ranks for c in r["comm"] if c.get("step") == s]) for s in (1, 2))
+    return out
+
+
+def _per_call(calls: dict, name: str) -> float:
+    """Seconds of CPU per comm call: what run `name` added to tp1's passes, over its calls."""
+    if not calls.get(f"{name}_calls"):
+        return 0.0
+    return max(0.0, (calls[f"{name}_fwd_bwd_cpu_s"] - calls["tp1_fwd_bwd_cpu_s"])
+               / calls[f"{name}_calls"])
 
 
 def _recomputed_flops(spec: ModelSpec, checkpointing: str) -> float:
@@ -403,6 +436,7 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
             comp["engine_recompute"][how].append({"batch": b, "seconds": statistics.median(
                 sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"] if e.get("step") == s
                     and e["kind"] in ("forward", "backward")) for s in (1, 2))})
+    comp["calls"] = _measure_call_cpu(shape, max(batches))
     fits = {}
     for w in worlds:
         say(f"links: {w} ranks")
@@ -990,6 +1024,11 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
             "moe_blocks": max(len([i for c in s[2] for i in c if spec.is_moe(i)]) for s in stages),
             "units": max(len(s[0]) for s in stages)}
     comm = _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores, most)
+    # each comm call's own CPU (measured profiles): the busiest rank's calls, on shared cores
+    # every rank's (as many) over the cores; point-to-point calls at their own measured cost
+    calls = sum(c["calls"] * (hw.p2p_call_cpu_s if a in ("cp", "pp") else hw.call_cpu_s)
+                for a, c in comm.items())
+    compute += calls * (lay.world / hw.cores if shared_cores else 1)
     step = compute + sum(c["exposed_s"] for c in comm.values())
     tokens = global_batch * spec.seq
     mfu = model_flops_per_token(spec) * tokens / (lay.world * hw.flops * step)
@@ -1048,6 +1087,10 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
             if spec.toy and lay.zero in (1, 2):
                 hops = 2 * (n - 1)  # one flat reduce-scatter and all-gather (parallel/zero.py)
         seconds = nbytes / bw + hops * hop
+        calls = {"tp": hops / (2 * (n - 1)),  # the busiest rank's comm calls per step
+                 "cp": 2 * hops, "pp": 2 * hops,  # a send and a receive per ring step / message
+                 "ep": hops / (n - 1), "pp_copies": 2,
+                 }.get(axis, hops / (n - 1) / (2 if lay.zero == 0 else 1))
         if dual and not shared_cores and axis in ("ep", "pp"):
             exposed = seconds * (1 - share) + max(0.0, seconds * share - t_micro * m * share)
         elif shared_cores or axis in ("tp", "ep"):
@@ -1062,7 +1105,7 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
             exposed = m * max(0.0, seconds / m - t_micro)
         else:
             exposed = max(0.0, seconds - t_micro)
-        out[axis] = {"bytes": nbytes, "seconds": seconds, "exposed_s": exposed,
+        out[axis] = {"bytes": nbytes, "seconds": seconds, "exposed_s": exposed, "calls": calls,
                      "link": (hw.intra if inside else hw.inter), "group": n}
     return out
 
@@ -1414,6 +1457,18 @@ def measured_cpu_by_kind(report) -> dict:
     return out
 
 
+def measured_comm_calls(report) -> dict:
+    """Counted and measured, median over measured_step_s's steps, all ranks summed: the comm
+    calls a step made (comm.py's records, p2p and collectives) and their own thread CPU time (the
+    call and its metering; gloo's threads not included). Not modelled by predict (yet): the
+    compute term's passes hold the tp / cp / ZeRO-3 calls made inside them."""
+    steps = range(1, report.config["steps"] - 1)
+    recs = [[c for r in report.ranks for c in r["comm"] if c.get("step") == s] for s in steps]
+    return {"measured_comm_calls": statistics.median(len(x) for x in recs),
+            "measured_comm_calls_cpu_s": statistics.median(sum(c.get("cpu", 0.0) for c in x)
+                                                           for x in recs)}
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (ties get their mean rank)."""
     def ranks(v):
@@ -1494,6 +1549,7 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
                "predicted_step_s": p["step_s"], "measured_step_s": measured_step_s(report),
                "predicted_compute_s": p["compute_s"], "measured_cpu_s": measured_cpu_s(report),
                "measured_cpu_by_kind": measured_cpu_by_kind(report),
+               **measured_comm_calls(report),
                "predicted_comm_s": {a: c["exposed_s"] for a, c in p["comm"].items()},
                "activations_theory_bytes": act_pred, "activations_measured_bytes": act_meas}
         if hw is not assumed:
