@@ -78,7 +78,8 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     GPT (planner.validate_on_toy_runs; --plan-sample N: N of them) is run; each rank's model states
     against the prediction, to the byte, and the step time predicted with the profile "this
     machine" measured first (planner.measure_hardware: the toy's compute through the engine on
-    one rank, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
+    one CPU rank, with and without checkpointing, its optimizer step, a comm call's CPU from tp2
+    and cp2 runs, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
     wall-clock step: predicted / measured per layout, how many within 0.7-1.4, Spearman's rank
     correlation (and the assumed "cpu" profile's, beside); and the ranks' summed op CPU time over
     the cores, which other processes' load does not inflate.
@@ -1405,9 +1406,9 @@ def _print_plan(res: dict):
               "summed, over the cores: the step if our ranks had the cores to themselves and "
               "never waited; other processes' load is not in it (the wall clock's step is)")
     if kinds:
-        print(f"    compute ops: {', '.join(COMPUTE_OPS)} (the collectives tp and cp call inside "
-              "a pass, and the meters' hooks, included: the compute term does not model them); "
-              "gloo's own threads' CPU is in neither column")
+        print(f"    compute ops: {', '.join(COMPUTE_OPS)} (the collectives tp, cp and ZeRO-3 "
+              "call inside a pass, and the meters' hooks, included; the predicted compute holds "
+              "every comm call's measured CPU); gloo's own threads' CPU is in neither column")
     lo, hi = PLAN_GOAL
     inside = sum(lo <= r["predicted_step_s"] / r["measured_step_s"] <= hi for r in ran)
     print(f"predicted/measured within {lo}-{hi}: {inside} of {len(ran)} layouts")

@@ -385,9 +385,11 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
 
     Compute (one rank, one thread, CPU time): a matmul sweep at the toy's shapes (its FLOP/s is
     recorded), the bare toy's forward + backward at micro-batches of `batches` sequences
-    (recorded), and the same through the engine (engine.run on one rank, 4 steps: the forward and
-    backward ops' CPU time of steps 1 and 2, median; the meters' hooks included, as every
-    layout's ranks run them), fitted (links' least squares in relative error) to
+    (recorded), and the same through the engine (engine.run on one rank on CPU (gloo: where
+    there is a GPU a run of one rank would take it, and the host's CPU time would see kernel
+    launches only), 4 steps: the forward and backward ops' CPU time of steps 1 and 2, median; the
+    meters' hooks included, as every layout's ranks run them), fitted (fit_compute: links' least
+    squares in relative error, refused when flat or off by more than COMPUTE_FIT_MAX_REL_ERR) to
     t = L x block_overhead_s + FLOPs / flops: the
     fitted rate covers what scales with tokens (matmuls and the elementwise ops between them),
     block_overhead_s the fixed cost of each block's small ops (embedding and head folded into the
@@ -397,7 +399,12 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     world of `worlds`, fit_alpha_beta over all ops; latency_intra_s is alpha at the largest world
     with a core per rank, shared_hop_s alpha at the largest world beyond the cores x cores /
     world (the planner charges shared_hop_s x ranks / cores per hop), the bandwidth that world's.
-    The optimizer step is not measured (nor modelled). With `path`: read the profile from that
+    The same sweep with full and selective checkpointing gives what recomputing costs per block
+    beyond its FLOPs; its optimizer op, optimizer_s (charged per rank by its share of the
+    optimizer states); a tp2 and a cp2 run beside a tp1 one of the same batch, the CPU a comm call
+    adds to the passes (call_cpu_s, p2p_call_cpu_s; charged per call predict counts). Not in the
+    profile: the CPU ranks burn waiting for one another when they outnumber the cores, and
+    gloo's own threads. With `path`: read the profile from that
     JSON file when it exists, else measure and write it there; without, measure (no file)."""
     import json
 
