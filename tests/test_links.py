@@ -298,3 +298,7 @@ def test_comm_calls_cpu_is_measured_and_charged_per_call():
     charged = planner.predict(big, lay, hw, batch, precision="fp32")
     assert free["comm"]["tp"]["calls"] == 4 * spec.layers + 5  # 37, as tp2 runs them
     assert charged["compute_s"] - free["compute_s"] == pytest.approx(37 * 3e-4)
+    sp = planner.predict(big, dataclasses.replace(lay, sp=True), hw, batch, precision="fp32")
+    full = planner.predict(big, dataclasses.replace(lay, sp=True, checkpointing="full"), hw, batch,
+                           precision="fp32")  # tp2 runs count 122 and 146 (8 blocks)
+    assert (sp["comm"]["tp"]["calls"], full["comm"]["tp"]["calls"]) == (122, 146)

@@ -1046,6 +1046,18 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
             "tokens_per_step": tokens, "cores_shared": shared_cores}
 
 
+def _tp_calls(blocks: int, lay: Layout) -> int:
+    """A tp rank's comm calls per micro-step (parallel/tensor.py): 4 all-reduces per block (g
+    forward, f backward, attention and MLP) + 5 (the embedding's, the head's, cross-entropy's 3);
+    with sp, 4 all-gathers and 4 reduce-scatters per block + 2 each, and the replicated
+    parameters' gradients summed (6 per block: 2 norms' weight and bias, 2 output biases; + 3: the
+    positions and the final norm) beside cross-entropy's 3; full checkpointing adds 1 per block
+    (with sp 3), as tp2 runs count them. A pipeline stage is charged the whole model's fixed
+    calls (its share of the embedding's and head's is less: tp2 pp2 sp counts 63, this 66)."""
+    per_block, fixed, again = (14, 10, 3) if lay.sp else (4, 5, 1)
+    return blocks * (per_block + again * (lay.checkpointing == "full")) + fixed
+
+
 def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores,
                 most: dict) -> dict:
     """Seconds per step on each axis: the busiest rank's bytes over the axis's link, plus a
@@ -1094,7 +1106,7 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
             if spec.toy and lay.zero in (1, 2):
                 hops = 2 * (n - 1)  # one flat reduce-scatter and all-gather (parallel/zero.py)
         seconds = nbytes / bw + hops * hop
-        calls = {"tp": hops / (2 * (n - 1)),  # the busiest rank's comm calls per step
+        calls = {"tp": m * _tp_calls(blocks, lay),  # the busiest rank's comm calls per step
                  "cp": 2 * hops, "pp": 2 * hops,  # a send and a receive per ring step / message
                  "ep": hops / (n - 1), "pp_copies": 2,
                  }.get(axis, hops / (n - 1) / (2 if lay.zero == 0 else 1))
