@@ -302,3 +302,9 @@ def test_comm_calls_cpu_is_measured_and_charged_per_call():
     full = planner.predict(big, dataclasses.replace(lay, sp=True, checkpointing="full"), hw, batch,
                            precision="fp32")  # tp2 runs count 122 and 146 (8 blocks)
     assert (sp["comm"]["tp"]["calls"], full["comm"]["tp"]["calls"]) == (122, 146)
+    # with a tp2 run at batch 1 beside: the same calls, fewer bytes, give a per-byte cost too
+    both = dict(calls, tp2_wire_bytes=8e6, tp1_b1_fwd_bwd_cpu_s=0.005, tp1_b1_calls=0,
+                tp2_b1_calls=74, tp2_b1_wire_bytes=5e5)
+    both["tp2_fwd_bwd_cpu_s"] = 0.06 + 74 * 3e-4 + 8e6 * 1e-10
+    both["tp2_b1_fwd_bwd_cpu_s"] = 0.005 + 74 * 3e-4 + 5e5 * 1e-10
+    assert planner._call_cost(both) == pytest.approx((3e-4, 1e-10))

@@ -195,6 +195,7 @@ class Hardware:
     # Measured profiles only: a rank's thread CPU seconds per comm call it makes (the call, its
     # metering, the autograd function around it), from a tp2 run beside a tp1 run of the same batch.
     call_cpu_s: float = 0.0
+    call_cpu_s_per_byte: float = 0.0  # and per byte on the wire (from a tp2 run at batch 1 beside)
     p2p_call_cpu_s: float = 0.0  # the same for a point-to-point call (cp's ring, pp's messages),
     # from a cp2 run beside a cp1 run
 
@@ -340,7 +341,8 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                         if "chunked_s" in r) if any("chunked_s" in r for r in compute["fwd_bwd"])
                         else 0.0),
                     optimizer_s=statistics.median(opt) if opt else 0.0, **recompute,
-                    call_cpu_s=_per_call(calls, "tp2"), p2p_call_cpu_s=_per_call(calls, "cp2"),
+                    call_cpu_s=_call_cost(calls)[0], call_cpu_s_per_byte=_call_cost(calls)[1],
+                    p2p_call_cpu_s=_per_call(calls, "cp2"),
                     source="measured here: the toy's steps on one rank + link fit")
 
 
@@ -352,14 +354,32 @@ def _measure_call_cpu(shape: dict, batch: int) -> dict:
     from ..runtime.launch import run
 
     out = {}
-    for name, degrees in (("tp1", {}), ("tp2", {"tp": 2}), ("cp2", {"cp": 2})):
-        rep = run(RunConfig(**shape, batch=batch, steps=4, backend="gloo", **degrees))
+    for name, degrees, b in (("tp1", {}, batch), ("tp2", {"tp": 2}, batch), ("cp2", {"cp": 2}, batch),
+                             ("tp1_b1", {}, 1), ("tp2_b1", {"tp": 2}, 1)):
+        rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo", **degrees))
         out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
             sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
                 if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
         out[f"{name}_calls"] = statistics.median(
             len([c for r in rep.ranks for c in r["comm"] if c.get("step") == s]) for s in (1, 2))
+        out[f"{name}_wire_bytes"] = statistics.median(
+            sum(c.get("wire_bytes_model", 0) for r in rep.ranks for c in r["comm"]
+                if c.get("step") == s) for s in (1, 2))
     return out
+
+
+def _call_cost(calls: dict) -> tuple[float, float]:
+    """(seconds per call, seconds per wire byte) a tp2 run's passes add to tp1's, from the runs
+    at the sweep's largest batch and at batch 1 (the same calls, fewer bytes): two equations."""
+    if not calls.get("tp2_b1_calls"):
+        return _per_call(calls, "tp2"), 0.0
+    rows = [(calls[f"tp2{t}_calls"], calls[f"tp2{t}_wire_bytes"],
+             calls[f"tp2{t}_fwd_bwd_cpu_s"] - calls[f"tp1{t}_fwd_bwd_cpu_s"]) for t in ("", "_b1")]
+    (n1, b1, d1), (n2, b2, d2) = rows
+    det = n1 * b2 - n2 * b1
+    per_byte = max(0.0, (n1 * d2 - n2 * d1) / det) if det else 0.0
+    per_call = max(0.0, statistics.mean((d - b * per_byte) / n for n, b, d in rows))
+    return per_call, per_byte
 
 
 def _per_call(calls: dict, name: str) -> float:
@@ -1033,7 +1053,8 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     comm = _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores, most)
     # each comm call's own CPU (measured profiles): the busiest rank's calls, on shared cores
     # every rank's (as many) over the cores; point-to-point calls at their own measured cost
-    calls = sum(c["calls"] * (hw.p2p_call_cpu_s if a in ("cp", "pp") else hw.call_cpu_s)
+    calls = sum(c["calls"] * hw.p2p_call_cpu_s if a in ("cp", "pp") else
+                c["calls"] * hw.call_cpu_s + c["bytes"] * hw.call_cpu_s_per_byte
                 for a, c in comm.items())
     compute += calls * (lay.world / hw.cores if shared_cores else 1)
     step = compute + sum(c["exposed_s"] for c in comm.values())
