@@ -1039,8 +1039,10 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     shared_cores = bool(hw.cores) and lay.world > hw.cores
     # the optimizer step (measured profiles): each rank pays the share of the whole model's
     # optimizer states it holds (ZeRO and tp / pp shard them)
-    whole = theory.model_state_bytes(param_count(spec), optimizer, precision)["optimizer"]
-    opt = [hw.optimizer_s * m["optimizer"] / whole for m in per_rank]
+    opt = [0.0]
+    if hw.optimizer_s:
+        whole = theory.model_state_bytes(param_count(spec), optimizer, precision)["optimizer"]
+        opt = [hw.optimizer_s * m["optimizer"] / whole for m in per_rank]
     if shared_cores:  # all ranks' work on the cores there are; an idle rank frees its core
         replicas = m_rank * lay.dp * lay.cp * lay.tp
         total = sum(f["total"] / peak + f["fixed"] for f in micro_flops)
