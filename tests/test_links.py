@@ -1,5 +1,6 @@
 """course/links.py: the alpha-beta fit recovers the link it was generated from (and a wrong hop
 count shows), and a real measurement over two gloo ranks returns what measure_links promises."""
+import math
 import statistics
 
 import pytest
@@ -170,9 +171,10 @@ def test_measure_hardware_tiny_real_run_writes_its_json(tmp_path):
     from parallel_mini.course import planner
 
     path = tmp_path / "hw.json"
-    hw = planner.measure_hardware(str(path), worlds=(2,), batches=(1, 2), max_bytes=4096,
+    hw = planner.measure_hardware(str(path), worlds=(2,), batches=(1, 16), max_bytes=4096,
                                   repeats=1)
-    assert hw.flops > 0 and hw.block_overhead_s >= 0 and hw.latency_intra_s >= 0
+    assert 0 < hw.flops < math.inf and hw.block_overhead_s >= 0 and hw.latency_intra_s >= 0
+    assert hw.optimizer_s > 0 and hw.full_recompute_block_s >= 0
     assert planner.measure_hardware(str(path)) == hw
 
 
@@ -199,3 +201,110 @@ def test_bench_links_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and argv[1] in err
+
+
+# The lead's idle 2-core run (torch 2.11, /tmp/team/device/2/hw.json): the bare toy's forward +
+# backward on a CPU rank grew with the batch; the engine's, on the machine's GPU (a run of one rank
+# took it), stayed flat: the host thread's CPU time saw kernel launches, not the work.
+DEVICE_BARE = [(1, 0.010011333), (2, 0.011923134), (4, 0.01660259), (8, 0.0318527), (16, 0.074899977)]
+DEVICE_ENGINE_ON_GPU = [(1, 0.006864161), (2, 0.0068482785), (4, 0.0073637195), (8, 0.0085043745),
+                        (16, 0.0064180715)]
+
+
+def _rows(pairs):
+    return [{"batch": b, "seconds": t} for b, t in pairs]
+
+
+def test_compute_fit_refuses_a_flat_sweep_and_fits_a_real_one():
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    with pytest.raises(planner.MeasurementError, match="does not grow with the batch"):
+        planner.fit_compute(_rows(DEVICE_ENGINE_ON_GPU), spec.layers, per_seq)
+    fits = {2: {"alpha_s": 1.6e-4, "bandwidth_Bps": 1.9e9}, 8: {"alpha_s": 1.4e-3,
+                                                                "bandwidth_Bps": 5.3e8}}
+    with pytest.raises(planner.MeasurementError):  # never an infinite rate
+        planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": _rows(
+            DEVICE_ENGINE_ON_GPU)}, fits, shape, cores=2)
+    hw = planner.hardware_from_measurements({"fwd_bwd": _rows(DEVICE_BARE)}, fits, shape, cores=2)
+    assert 1e9 < hw.flops < 1e12 and 0 <= hw.block_overhead_s < 1e-2  # finite, of a CPU's order
+    # a sweep the line misses by far (it fell with the batch, then jumped) is refused too
+    with pytest.raises(planner.MeasurementError, match="misses a row"):
+        planner.fit_compute(_rows([(1, 0.02), (2, 0.005), (4, 0.03), (16, 0.04)]), spec.layers,
+                            per_seq)
+
+
+def test_recompute_and_optimizer_are_measured_and_charged():
+    """Checkpointing's fixed cost per block is recovered from its sweep; the optimizer step is
+    charged to each rank for the share of the optimizer states it holds."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    block, rate, extra = 3e-4, 50e9, 2e-4
+    line = [{"batch": b, "seconds": spec.layers * block + b * per_seq / rate, "optimizer_s": 2e-3}
+            for b in (1, 2, 4, 8)]
+    full = [{"batch": r["batch"], "seconds": r["seconds"] + spec.layers * extra + r["batch"]
+             * planner._recomputed_flops(spec, "full") * spec.seq / rate} for r in line]
+    fits = {2: {"alpha_s": 1e-4, "bandwidth_Bps": 2e9}}
+    hw = planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": line,
+                                             "engine_recompute": {"full": full}}, fits, shape,
+                                            cores=2)
+    assert hw.full_recompute_block_s == pytest.approx(extra) and hw.optimizer_s == 2e-3
+    batch = planner.VALIDATION_MODEL["batch"]
+    big = planner.toy_model(batch=batch, **shape)
+    lay = planner.Layout(dp=8, tp=1, pp=1, cp=1, ep=1, zero=1, schedule="-", virtual=1,
+                         microbatches=1, micro_batch=2, checkpointing="full", sp=False)
+    no_opt = dataclasses.replace(hw, optimizer_s=0.0)
+    base = planner.predict(big, lay, no_opt, batch, precision="fp32")["compute_s"]
+    none = planner.predict(big, dataclasses.replace(lay, checkpointing="none"), no_opt, batch,
+                           precision="fp32")["compute_s"]
+    recompute_flops = planner._recomputed_flops(spec, "full") * lay.micro_batch * spec.seq
+    assert base - none == pytest.approx(
+        lay.dp * (spec.layers * extra + recompute_flops / hw.flops) / hw.cores)
+    with_opt = planner.predict(big, lay, hw, batch, precision="fp32")["compute_s"]
+    assert with_opt - base == pytest.approx(2e-3 / hw.cores, rel=0.05)  # 8 shares of 1/8 (padded)
+
+
+def test_comm_calls_cpu_is_measured_and_charged_per_call():
+    """The CPU a tp2 (cp2) run's passes add to tp1's, per comm call, is charged per call the
+    planner counts: tp's calls per micro-step are 4 per block + 5 (the count a live run makes)."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
+    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
+             "tp2_calls": 74, "cp2_fwd_bwd_cpu_s": 0.06 + 110 * 2e-5, "cp2_calls": 110}
+    hw = planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": line,
+                                             "calls": calls}, {2: {"alpha_s": 1e-4,
+                                                                   "bandwidth_Bps": 2e9}},
+                                            shape, cores=2)
+    assert hw.call_cpu_s == pytest.approx(3e-4) and hw.p2p_call_cpu_s == pytest.approx(2e-5)
+    batch = planner.VALIDATION_MODEL["batch"]
+    big = planner.toy_model(batch=batch, **shape)
+    lay = planner.Layout(dp=1, tp=2, pp=1, cp=1, ep=1, zero=0, schedule="-", virtual=1,
+                         microbatches=1, micro_batch=16, checkpointing="none", sp=False)
+    free = planner.predict(big, lay, dataclasses.replace(hw, call_cpu_s=0.0), batch,
+                           precision="fp32")
+    charged = planner.predict(big, lay, hw, batch, precision="fp32")
+    assert free["comm"]["tp"]["calls"] == 4 * spec.layers + 5  # 37, as tp2 runs them
+    assert charged["compute_s"] - free["compute_s"] == pytest.approx(37 * 3e-4)
+    sp = planner.predict(big, dataclasses.replace(lay, sp=True), hw, batch, precision="fp32")
+    full = planner.predict(big, dataclasses.replace(lay, sp=True, checkpointing="full"), hw, batch,
+                           precision="fp32")  # tp2 runs count 122 and 146 (8 blocks)
+    assert (sp["comm"]["tp"]["calls"], full["comm"]["tp"]["calls"]) == (122, 146)
+    # with a tp2 run at batch 1 beside: the same calls, fewer bytes, give a per-byte cost too
+    both = dict(calls, tp2_wire_bytes=8e6, tp1_b1_fwd_bwd_cpu_s=0.005, tp1_b1_calls=0,
+                tp2_b1_calls=74, tp2_b1_wire_bytes=5e5)
+    both["tp2_fwd_bwd_cpu_s"] = 0.06 + 74 * 3e-4 + 8e6 * 1e-10
+    both["tp2_b1_fwd_bwd_cpu_s"] = 0.005 + 74 * 3e-4 + 5e5 * 1e-10
+    assert planner._call_cost(both) == pytest.approx((3e-4, 1e-10))

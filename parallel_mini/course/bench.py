@@ -78,7 +78,8 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     GPT (planner.validate_on_toy_runs; --plan-sample N: N of them) is run; each rank's model states
     against the prediction, to the byte, and the step time predicted with the profile "this
     machine" measured first (planner.measure_hardware: the toy's compute through the engine on
-    one rank, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
+    one CPU rank, with and without checkpointing, its optimizer step, a comm call's CPU from tp2
+    and cp2 runs, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
     wall-clock step: predicted / measured per layout, how many within 0.7-1.4, Spearman's rank
     correlation (and the assumed "cpu" profile's, beside); and the ranks' summed op CPU time over
     the cores, which other processes' load does not inflate.
@@ -1359,6 +1360,7 @@ def bench_plan(ranks: int = 8, steps: int = 6, hardware_json: str | None = None,
                                         sample=sample)
 
 
+COMPUTE_OPS = ("forward", "backward", "F", "B", "W", "optimizer")  # timeline kinds: (j)'s compute
 PLAN_GOAL = (0.7, 1.4)  # predicted / measured step time: issue 24's goal for most layouts
 
 
@@ -1373,13 +1375,22 @@ def _print_plan(res: dict):
               f"core, {1e3 * hw['block_overhead_s']:.2f} ms fixed per block and micro-batch, "
               f"{1e6 * hw['latency_intra_s']:.0f} us per hop with a core per rank, "
               f"{1e6 * hw['shared_hop_s']:.0f} us x ranks/cores when shared, "
-              f"{hw['intra_bw'] / 1e9:.2f} GB/s")
+              f"{hw['intra_bw'] / 1e9:.2f} GB/s"
+              + (f"; recompute +{1e3 * hw.get('full_recompute_block_s', 0):.2f} ms (full) / "
+                 f"+{1e3 * hw.get('selective_recompute_block_s', 0):.2f} ms (selective) per block "
+                 f"and micro-batch, optimizer step {1e3 * hw.get('optimizer_s', 0):.2f} ms over "
+                 f"the whole model" if hw.get("optimizer_s") else ""))
     ran = [r for r in res["rows"] if "error" not in r]
     assumed = any("predicted_assumed_step_s" in r for r in ran)
     cpu = all("measured_cpu_s" in r for r in ran)
+    kinds = all("measured_cpu_by_kind" in r for r in ran)
+
+    def compute_cpu(r):  # the ops the compute term models: passes and optimizer steps
+        return sum(v for k, v in r["measured_cpu_by_kind"].items() if k in COMPUTE_OPS)
     print(_table(["layout", "states = planner", "step predicted ms", "step measured ms",
                   "predicted/measured"]
                  + (["ops' CPU / cores ms", "predicted compute / that"] if cpu else [])
+                 + (["compute ops' CPU / cores ms", "predicted compute / that"] if kinds else [])
                  + (["assumed-rates predicted ms"] if assumed else []),
                  [[r["layout"], "yes" if r["states_equal"] else "NO",
                    f"{1e3 * r['predicted_step_s']:.1f}", f"{1e3 * r['measured_step_s']:.1f}",
@@ -1387,12 +1398,19 @@ def _print_plan(res: dict):
                   + ([f"{1e3 * r['measured_cpu_s'] / res['cores']:.1f}",
                       f"{r['predicted_compute_s'] * res['cores'] / r['measured_cpu_s']:.2f}"]
                      if cpu else [])
+                  + ([f"{1e3 * compute_cpu(r) / res['cores']:.1f}",
+                      f"{r['predicted_compute_s'] * res['cores'] / compute_cpu(r):.2f}"]
+                     if kinds else [])
                   + ([f"{1e3 * r['predicted_assumed_step_s']:.1f}"] if assumed else [])
                   for r in ran]))
     if cpu:
         print("    ops' CPU / cores: every rank's CPU time in the step's ops (thread time, measured), "
               "summed, over the cores: the step if our ranks had the cores to themselves and "
               "never waited; other processes' load is not in it (the wall clock's step is)")
+    if kinds:
+        print(f"    compute ops: {', '.join(COMPUTE_OPS)} (the collectives tp, cp and ZeRO-3 "
+              "call inside a pass, and the meters' hooks, included; the predicted compute holds "
+              "every comm call's measured CPU); gloo's own threads' CPU is in neither column")
     lo, hi = PLAN_GOAL
     inside = sum(lo <= r["predicted_step_s"] / r["measured_step_s"] <= hi for r in ran)
     print(f"predicted/measured within {lo}-{hi}: {inside} of {len(ran)} layouts")
@@ -1916,6 +1934,7 @@ def _sections(args) -> dict:
 
 
 def main(argv=None) -> int:
+    from .planner import MeasurementError
     args = _parser().parse_args(argv)
     if args.what is None:
         if len(args.compare or []) != 2:
@@ -1955,7 +1974,11 @@ def main(argv=None) -> int:
             before, t1 = _load(), time.perf_counter()
             say(f"[{name}] load average before {before[0]:.2f} {before[1]:.2f} {before[2]:.2f} "
                 f"on {out['cpus']} CPUs", flush=True)
-            out[name] = run_it()
+            try:
+                out[name] = run_it()
+            except MeasurementError as e:  # a measurement that cannot stand: said, not used
+                print(f"bench {name}: {e}", file=sys.stderr)
+                return 1
             after = _load()
             out["load_average"][name] = {"before": before, "after": after}
             out["seconds"][name] = time.perf_counter() - t1

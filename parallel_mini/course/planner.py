@@ -185,6 +185,19 @@ class Hardware:
     # Seconds per pipeline chunk per micro-batch (forward + backward) beyond its blocks': a chunk
     # is its own autograd graph (detached input, backward entered with the received gradient).
     chunk_overhead_s: float = 0.0
+    # Measured profiles only (0: not modelled). Seconds per block per micro-batch that recomputing
+    # costs beyond its FLOPs (the checkpoint machinery: saved inputs, a second forward's small
+    # ops), for full and selective activation checkpointing; and one optimizer step over the
+    # whole model's parameters on one rank (a rank that updates a share of them pays that share).
+    full_recompute_block_s: float = 0.0
+    selective_recompute_block_s: float = 0.0
+    optimizer_s: float = 0.0
+    # Measured profiles only: a rank's thread CPU seconds per comm call it makes (the call, its
+    # metering, the autograd function around it), from a tp2 run beside a tp1 run of the same batch.
+    call_cpu_s: float = 0.0
+    call_cpu_s_per_byte: float = 0.0  # and per byte on the wire (from a tp2 run at batch 1 beside)
+    p2p_call_cpu_s: float = 0.0  # the same for a point-to-point call (cp's ring, pp's messages),
+    # from a cp2 run beside a cp1 run
 
     def bandwidth(self, inside_node: bool) -> float:
         if inside_node:
@@ -262,6 +275,40 @@ def _compute_sweep_rank(shape: dict, batches: list[int], repeats: int) -> dict:
     return {"matmul_flops_per_s": mm_flops / mm_s, "fwd_bwd": sweep}
 
 
+class MeasurementError(RuntimeError):
+    """A measurement that cannot stand for what it claims (one line: what was seen, what to do)."""
+
+
+COMPUTE_FIT_MAX_REL_ERR = 0.25  # a compute sweep the line L x overhead + FLOPs / rate misses by more
+
+
+def fit_compute(sweep: list[dict], layers: int, flops_per_seq: float,
+                max_rel_err: float = COMPUTE_FIT_MAX_REL_ERR) -> tuple[float, float]:
+    """(block_overhead_s, seconds per FLOP) fitted (links.fit_relative, relative least squares) to
+    a forward + backward sweep, rows {"batch", "seconds"}: t = layers x overhead + batch x
+    flops_per_seq x per_flop. Refused (MeasurementError) where the time does not grow with the
+    batch (a slope of 0: the timer did not see the work, e.g. CUDA kernels launched but not run
+    on this thread) or the line misses a row by more than `max_rel_err`: never an infinite rate."""
+    from . import links
+
+    pts = [(layers, flops_per_seq * r["batch"], r["seconds"]) for r in sweep]
+    seen = ", ".join(f"{1e3 * r['seconds']:.2f} ms at batch {r['batch']}" for r in sweep)
+    if len({r["batch"] for r in sweep}) < 2 or any(t <= 0 for *_, t in pts):
+        raise MeasurementError(f"compute sweep: need positive times at 2 or more batch sizes "
+                               f"({seen or 'none'})")
+    overhead, per_flop = links.fit_relative(pts)
+    if per_flop <= 0:
+        raise MeasurementError(f"compute sweep: the forward + backward time does not grow with "
+                               f"the batch ({seen}): it did not measure the work (ran on a GPU? "
+                               f"threads other than the timed one?); measure on CPU ranks")
+    err = max(abs(layers * overhead + x * per_flop - t) / t for _, x, t in pts)
+    if err > max_rel_err:
+        raise MeasurementError(f"compute sweep: t = L x overhead + FLOPs / rate misses a row by "
+                               f"{100 * err:.0f}% (> {100 * max_rel_err:.0f}%: {seen}); a loaded "
+                               f"or throttled machine? measure again")
+    return overhead, per_flop
+
+
 def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, cores: int) -> Hardware:
     """measure_hardware's profile from its measurements: `compute` (_compute_sweep_rank's),
     `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores."""
@@ -270,12 +317,20 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
     spec = toy_model(batch=1, **shape)
     per_seq = model_flops_per_token(spec) * spec.seq
     sweep = compute.get("engine_fwd_bwd") or compute["fwd_bwd"]
-    overhead, per_flop = links.fit_relative([(spec.layers, per_seq * r["batch"], r["seconds"])
-                                             for r in sweep])
+    overhead, per_flop = fit_compute(sweep, spec.layers, per_seq)
+    recompute = {}
+    for how, rows in (compute.get("engine_recompute") or {}).items():
+        # beyond the no-checkpointing line at the same batch and the recomputed FLOPs at the rate
+        extra = [(r["seconds"] - spec.layers * overhead - r["batch"] * per_seq * per_flop
+                  - r["batch"] * _recomputed_flops(spec, how) * spec.seq * per_flop) / spec.layers
+                 for r in rows]
+        recompute[f"{how}_recompute_block_s"] = max(0.0, statistics.median(extra))
+    opt = [r["optimizer_s"] for r in sweep if "optimizer_s" in r]
+    calls = compute.get("calls") or {}
     own = [w for w in link_fits if w <= cores] or [min(link_fits)]
     shared = [w for w in link_fits if w > cores] or own
     near, far = link_fits[max(own)], link_fits[max(shared)]
-    return Hardware("this machine", 2 * GiB, 1.0 / per_flop if per_flop else math.inf,
+    return Hardware("this machine", 2 * GiB, 1.0 / per_flop,
                     "loopback", "loopback", gpus_per_node=10 ** 6,
                     intra_bw=far["bandwidth_Bps"], inter_bw=far["bandwidth_Bps"],
                     latency_intra_s=near["alpha_s"], latency_inter_s=near["alpha_s"],
@@ -285,7 +340,62 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                         (r["chunked_s"] - r["seconds"]) / spec.layers for r in compute["fwd_bwd"]
                         if "chunked_s" in r) if any("chunked_s" in r for r in compute["fwd_bwd"])
                         else 0.0),
-                    source="measured here: matmul sweep + link fit")
+                    optimizer_s=statistics.median(opt) if opt else 0.0, **recompute,
+                    call_cpu_s=_call_cost(calls)[0], call_cpu_s_per_byte=_call_cost(calls)[1],
+                    p2p_call_cpu_s=_per_call(calls, "cp2"),
+                    source="measured here: the toy's steps on one rank + link fit")
+
+
+def _measure_call_cpu(shape: dict, batch: int) -> dict:
+    """The toy with tp 2 (2 ranks, a core each where there are 2) and with tp 1, same batch, on
+    CPU: the forward and backward ops' CPU time (all ranks summed, median of steps 1 and 2), and
+    the comm calls tp 2 made in them (counted from comm.py's records)."""
+    from ..config import RunConfig
+    from ..runtime.launch import run
+
+    out = {}
+    for name, degrees, b in (("tp1", {}, batch), ("tp2", {"tp": 2}, batch), ("cp2", {"cp": 2}, batch),
+                             ("tp1_b1", {}, 1), ("tp2_b1", {"tp": 2}, 1)):
+        rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo", **degrees))
+        out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
+            sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
+                if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
+        out[f"{name}_calls"] = statistics.median(
+            len([c for r in rep.ranks for c in r["comm"] if c.get("step") == s]) for s in (1, 2))
+        out[f"{name}_wire_bytes"] = statistics.median(
+            sum(c.get("wire_bytes_model", 0) for r in rep.ranks for c in r["comm"]
+                if c.get("step") == s) for s in (1, 2))
+    return out
+
+
+def _call_cost(calls: dict) -> tuple[float, float]:
+    """(seconds per call, seconds per wire byte) a tp2 run's passes add to tp1's, from the runs
+    at the sweep's largest batch and at batch 1 (the same calls, fewer bytes): two equations."""
+    if not calls.get("tp2_b1_calls"):
+        return _per_call(calls, "tp2"), 0.0
+    rows = [(calls[f"tp2{t}_calls"], calls[f"tp2{t}_wire_bytes"],
+             calls[f"tp2{t}_fwd_bwd_cpu_s"] - calls[f"tp1{t}_fwd_bwd_cpu_s"]) for t in ("", "_b1")]
+    (n1, b1, d1), (n2, b2, d2) = rows
+    det = n1 * b2 - n2 * b1
+    per_byte = max(0.0, (n1 * d2 - n2 * d1) / det) if det else 0.0
+    per_call = max(0.0, statistics.mean((d - b * per_byte) / n for n, b, d in rows))
+    return per_call, per_byte
+
+
+def _per_call(calls: dict, name: str) -> float:
+    """Seconds of CPU per comm call: what run `name` added to tp1's passes, over its calls."""
+    if not calls.get(f"{name}_calls"):
+        return 0.0
+    return max(0.0, (calls[f"{name}_fwd_bwd_cpu_s"] - calls["tp1_fwd_bwd_cpu_s"])
+               / calls[f"{name}_calls"])
+
+
+def _recomputed_flops(spec: ModelSpec, checkpointing: str) -> float:
+    """Forward FLOPs per token that a checkpointing mode runs again in the backward: full, every
+    block's forward (not the head's); selective, the attention cores."""
+    per = [block_flops_per_token(spec, i) for i in range(spec.layers)]
+    return {"full": sum(f for f, _ in per), "selective": sum(c for _, c in per)}.get(checkpointing,
+                                                                                      0.0)
 
 
 def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None = None,
@@ -295,9 +405,11 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
 
     Compute (one rank, one thread, CPU time): a matmul sweep at the toy's shapes (its FLOP/s is
     recorded), the bare toy's forward + backward at micro-batches of `batches` sequences
-    (recorded), and the same through the engine (engine.run on one rank, 4 steps: the forward and
-    backward ops' CPU time of steps 1 and 2, median; the meters' hooks included, as every
-    layout's ranks run them), fitted (links' least squares in relative error) to
+    (recorded), and the same through the engine (engine.run on one rank on CPU (gloo: where
+    there is a GPU a run of one rank would take it, and the host's CPU time would see kernel
+    launches only), 4 steps: the forward and backward ops' CPU time of steps 1 and 2, median; the
+    meters' hooks included, as every layout's ranks run them), fitted (fit_compute: links' least
+    squares in relative error, refused when flat or off by more than COMPUTE_FIT_MAX_REL_ERR) to
     t = L x block_overhead_s + FLOPs / flops: the
     fitted rate covers what scales with tokens (matmuls and the elementwise ops between them),
     block_overhead_s the fixed cost of each block's small ops (embedding and head folded into the
@@ -307,7 +419,12 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     world of `worlds`, fit_alpha_beta over all ops; latency_intra_s is alpha at the largest world
     with a core per rank, shared_hop_s alpha at the largest world beyond the cores x cores /
     world (the planner charges shared_hop_s x ranks / cores per hop), the bandwidth that world's.
-    The optimizer step is not measured (nor modelled). With `path`: read the profile from that
+    The same sweep with full and selective checkpointing gives what recomputing costs per block
+    beyond its FLOPs; its optimizer op, optimizer_s (charged per rank by its share of the
+    optimizer states); a tp2 and a cp2 run beside a tp1 one of the same batch, the CPU a comm call
+    adds to the passes (call_cpu_s, p2p_call_cpu_s; charged per call predict counts). Not in the
+    profile: the CPU ranks burn waiting for one another when they outnumber the cores, and
+    gloo's own threads. With `path`: read the profile from that
     JSON file when it exists, else measure and write it there; without, measure (no file)."""
     import json
 
@@ -327,11 +444,26 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     comp["engine_fwd_bwd"] = []
     for b in batches:  # the toy as the engine runs it (its meters and hooks on), one rank
         say(f"compute: the engine's forward + backward, batch {b}")
-        rep = run(RunConfig(**shape, batch=b, steps=4))
-        comp["engine_fwd_bwd"].append({"batch": b, "seconds": statistics.median(
-            sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"]
-                if e.get("step") == s and e["kind"] in ("forward", "backward"))
-            for s in (1, 2))})
+        # gloo: on CPU (a run of one rank would otherwise take a GPU where there is one, and a
+        # GPU's kernels run after the host thread has queued them: its CPU time stays flat)
+        rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo"))
+        ev = rep.ranks[0]["events"]
+        row = {"batch": b}
+        for key, kinds in (("seconds", ("forward", "backward")), ("forward_s", ("forward",)),
+                           ("optimizer_s", ("optimizer",))):
+            row[key] = statistics.median(sum(e.get("cpu", 0.0) for e in ev if e.get("step") == s
+                                             and e["kind"] in kinds) for s in (1, 2))
+        comp["engine_fwd_bwd"].append(row)
+    comp["engine_recompute"] = {}
+    for how in ("full", "selective"):  # the same with activation checkpointing: what it adds
+        comp["engine_recompute"][how] = []
+        for b in batches:
+            say(f"compute: the engine's forward + backward, checkpointing {how}, batch {b}")
+            rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo", checkpointing=how))
+            comp["engine_recompute"][how].append({"batch": b, "seconds": statistics.median(
+                sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"] if e.get("step") == s
+                    and e["kind"] in ("forward", "backward")) for s in (1, 2))})
+    comp["calls"] = _measure_call_cpu(shape, max(batches))
     fits = {}
     for w in worlds:
         say(f"links: {w} ranks")
@@ -892,7 +1024,10 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
         micro_flops.append({"total": (3 * fwd + recompute) * tokens_micro / lay.tp,
                             "attention": 3 * core * tokens_micro / lay.tp,
                             # seconds that do not scale with FLOPs (measured profiles only)
-                            "fixed": len(blocks) * hw.block_overhead_s
+                            "fixed": len(blocks) * (hw.block_overhead_s + {
+                                "full": hw.full_recompute_block_s,
+                                "selective": hw.selective_recompute_block_s}.get(
+                                    lay.checkpointing, 0.0))
                             + (len(chunks) if lay.pp > 1 else 0) * hw.chunk_overhead_s})
 
     peak = hw.flops * hw.matmul_efficiency
@@ -902,16 +1037,28 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     bubble = theory.bubble_fraction(lay.schedule, lay.pp, lay.microbatches, lay.virtual) \
         if lay.pp > 1 else 0.0
     shared_cores = bool(hw.cores) and lay.world > hw.cores
+    # the optimizer step (measured profiles): each rank pays the share of the whole model's
+    # optimizer states it holds (ZeRO and tp / pp shard them)
+    opt = [0.0]
+    if hw.optimizer_s:
+        whole = theory.model_state_bytes(param_count(spec), optimizer, precision)["optimizer"]
+        opt = [hw.optimizer_s * m["optimizer"] / whole for m in per_rank]
     if shared_cores:  # all ranks' work on the cores there are; an idle rank frees its core
         replicas = m_rank * lay.dp * lay.cp * lay.tp
         total = sum(f["total"] / peak + f["fixed"] for f in micro_flops)
-        compute = total * replicas / hw.cores
+        compute = (total * replicas + sum(opt) * (lay.world // lay.pp)) / hw.cores
     else:
-        compute = t_micro * m_rank / (1 - bubble)
+        compute = t_micro * m_rank / (1 - bubble) + max(opt)
     most = {"blocks": max(len([i for c in s[2] for i in c]) for s in stages),
             "moe_blocks": max(len([i for c in s[2] for i in c if spec.is_moe(i)]) for s in stages),
             "units": max(len(s[0]) for s in stages)}
     comm = _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores, most)
+    # each comm call's own CPU (measured profiles): the busiest rank's calls, on shared cores
+    # every rank's (as many) over the cores; point-to-point calls at their own measured cost
+    calls = sum(c["calls"] * hw.p2p_call_cpu_s if a in ("cp", "pp") else
+                c["calls"] * hw.call_cpu_s + c["bytes"] * hw.call_cpu_s_per_byte
+                for a, c in comm.items())
+    compute += calls * (lay.world / hw.cores if shared_cores else 1)
     step = compute + sum(c["exposed_s"] for c in comm.values())
     tokens = global_batch * spec.seq
     mfu = model_flops_per_token(spec) * tokens / (lay.world * hw.flops * step)
@@ -920,6 +1067,18 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
             "memory_peak_stage": worst, "fits": per_rank[worst]["total"] <= hw.usable_bytes,
             "compute_s": compute, "bubble": bubble, "comm": comm, "step_s": step, "mfu": mfu,
             "tokens_per_step": tokens, "cores_shared": shared_cores}
+
+
+def _tp_calls(blocks: int, lay: Layout) -> int:
+    """A tp rank's comm calls per micro-step (parallel/tensor.py): 4 all-reduces per block (g
+    forward, f backward, attention and MLP) + 5 (the embedding's, the head's, cross-entropy's 3);
+    with sp, 4 all-gathers and 4 reduce-scatters per block + 2 each, and the replicated
+    parameters' gradients summed (6 per block: 2 norms' weight and bias, 2 output biases; + 3: the
+    positions and the final norm) beside cross-entropy's 3; full checkpointing adds 1 per block
+    (with sp 3), as tp2 runs count them. A pipeline stage is charged the whole model's fixed
+    calls (its share of the embedding's and head's is less: tp2 pp2 sp counts 63, this 66)."""
+    per_block, fixed, again = (14, 10, 3) if lay.sp else (4, 5, 1)
+    return blocks * (per_block + again * (lay.checkpointing == "full")) + fixed
 
 
 def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores,
@@ -970,6 +1129,10 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
             if spec.toy and lay.zero in (1, 2):
                 hops = 2 * (n - 1)  # one flat reduce-scatter and all-gather (parallel/zero.py)
         seconds = nbytes / bw + hops * hop
+        calls = {"tp": m * _tp_calls(blocks, lay),  # the busiest rank's comm calls per step
+                 "cp": 2 * hops, "pp": 2 * hops,  # a send and a receive per ring step / message
+                 "ep": hops / (n - 1), "pp_copies": 2,
+                 }.get(axis, hops / (n - 1) / (2 if lay.zero == 0 else 1))
         if dual and not shared_cores and axis in ("ep", "pp"):
             exposed = seconds * (1 - share) + max(0.0, seconds * share - t_micro * m * share)
         elif shared_cores or axis in ("tp", "ep"):
@@ -984,7 +1147,7 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
             exposed = m * max(0.0, seconds / m - t_micro)
         else:
             exposed = max(0.0, seconds - t_micro)
-        out[axis] = {"bytes": nbytes, "seconds": seconds, "exposed_s": exposed,
+        out[axis] = {"bytes": nbytes, "seconds": seconds, "exposed_s": exposed, "calls": calls,
                      "link": (hw.intra if inside else hw.inter), "group": n}
     return out
 
@@ -1323,6 +1486,31 @@ def measured_cpu_s(report) -> float:
     return statistics.median(sums)
 
 
+def measured_cpu_by_kind(report) -> dict:
+    """measured_cpu_s split by op kind (median over the same steps of each kind's CPU, all ranks
+    summed): which ops the cores' work went to (forward / backward / F / B / W: compute, and what
+    the collectives called inside them cost this thread; the rest: comm and the optimizer)."""
+    out = {}
+    for kind in {e["kind"] for r in report.ranks for e in r["events"]}:
+        out[kind] = statistics.median(
+            sum(e.get("cpu", 0.0) for r in report.ranks for e in r["events"]
+                if e.get("step") == s and e["kind"] == kind)
+            for s in range(1, report.config["steps"] - 1))
+    return out
+
+
+def measured_comm_calls(report) -> dict:
+    """Counted and measured, median over measured_step_s's steps, all ranks summed: the comm
+    calls a step made (comm.py's records, p2p and collectives) and their own thread CPU time (the
+    call and its metering; gloo's threads not included). Not modelled by predict (yet): the
+    compute term's passes hold the tp / cp / ZeRO-3 calls made inside them."""
+    steps = range(1, report.config["steps"] - 1)
+    recs = [[c for r in report.ranks for c in r["comm"] if c.get("step") == s] for s in steps]
+    return {"measured_comm_calls": statistics.median(len(x) for x in recs),
+            "measured_comm_calls_cpu_s": statistics.median(sum(c.get("cpu", 0.0) for c in x)
+                                                           for x in recs)}
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (ties get their mean rank)."""
     def ranks(v):
@@ -1402,6 +1590,8 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
                "states_equal": not mismatches, "mismatches": mismatches,
                "predicted_step_s": p["step_s"], "measured_step_s": measured_step_s(report),
                "predicted_compute_s": p["compute_s"], "measured_cpu_s": measured_cpu_s(report),
+               "measured_cpu_by_kind": measured_cpu_by_kind(report),
+               **measured_comm_calls(report),
                "predicted_comm_s": {a: c["exposed_s"] for a, c in p["comm"].items()},
                "activations_theory_bytes": act_pred, "activations_measured_bytes": act_meas}
         if hw is not assumed:
