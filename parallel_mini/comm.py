@@ -113,10 +113,10 @@ class Comm:
         """A buffer of `numel` elements of `like`'s dtype and device to receive into, kept between
         calls (grown when too small); `which` tells apart buffers that must not overlap; one ring
         at a time per Comm. Why keep it: a fresh tensor of many MB is memory the OS maps and
-        zeroes page by page when it is first written. Measured, a 64 MB ring all-reduce on 4
-        ranks, CPU summed over the ranks: 187-207 ms with fresh buffers, 140-149 ms with kept
-        ones, gloo's all_reduce 164-173 ms (gloo's ring allocates only two segments of at most
-        1 MiB: gloo/allreduce.cc, ring())."""
+        zeroes page by page when it is first written. `python -m parallel_mini.bench ring` on two
+        idle cores, 4 ranks: 0.55-1.02 of gloo's bus bandwidth with fresh buffers, 0.86-1.06 with
+        kept ones (docs/gpu.md, section 4). gloo's ring, too, allocates only two segments of at
+        most 1 MiB (gloo/allreduce.cc, ring())."""
         key = (like.dtype, like.device, which)
         if key not in self._landing or self._landing[key].numel() < numel:
             self._landing[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
