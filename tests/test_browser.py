@@ -78,6 +78,16 @@ def _svg_texts(chart) -> list[str]:
     return chart.locator("svg text").all_text_contents()
 
 
+def wait_for_the_run(page, drawn, timeout: float = 180_000) -> None:
+    """After Run live: wait until `drawn` (what the run draws) is on the page, or the page shows
+    an error, and fail naming the error. A refused run (the memory check on a busy machine) draws
+    no chart; waiting for the chart alone then spends the whole guard and says nothing of why.
+    The timeout is a guard against a hang, not a duration the run is expected to take."""
+    error = page.locator('[data-testid="stAlertContentError"]')
+    drawn.or_(error).first.wait_for(timeout=timeout)
+    assert error.count() == 0, error.first.inner_text()
+
+
 def wait_for_the_rerun(page) -> None:
     """Streamlit keeps the previous run's elements (stale) on the page until a rerun ends, and
     draws the new ones as the script reaches them: wait for the run to end before reading them."""
@@ -136,7 +146,7 @@ def test_ring_page_runs_live_and_the_animation_moves(app_url):
             # the animation: the first chart on the page, drawn once the run returned; it plays
             # by itself in the browser (viz.animate): the step it shows changes with no click
             chart = page.locator('[data-testid="stVegaLiteChart"]').first
-            chart.locator("svg text", has_text=f" of {steps} · ").first.wait_for(timeout=90_000)
+            wait_for_the_run(page, chart.locator("svg text", has_text=f" of {steps} · ").first)
             expect(page.get_by_text("Bytes sent by each rank: counted")).to_be_visible()
             expect(page.get_by_text("Written to sockets by each rank: measured")).to_be_visible()
             slider = chart.locator('input[type="range"]')

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import wait_for_the_run
 
 pytestmark = pytest.mark.browser
 CONTROLS = ("Straggler rank", "Straggler factor (× slower)", "Max staleness K (async)",
@@ -51,7 +52,7 @@ def test_barrier_page_runs_live_and_draws_its_charts(app_url):  # noqa: F811
                 return charts.filter(has=page.locator("svg text", has_text=title))
 
             hist = chart("Staleness of the applied updates")
-            hist.locator("svg text", has_text="updates (counted)").first.wait_for(timeout=120_000)
+            wait_for_the_run(page, hist.locator("svg text", has_text="updates (counted)").first)
             for title, texts in (
                     ("Staleness of the applied updates",
                      ("theory mean 2 (W − 1)", "staleness (versions the gradient did not see)")),

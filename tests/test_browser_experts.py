@@ -10,7 +10,7 @@ import pytest
 
 from parallel_mini.moe import capacity
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
-                          screenshot_whole_page)
+                          screenshot_whole_page, wait_for_the_run)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/experts_page.png"
@@ -32,7 +32,7 @@ def test_experts_page_runs_live_and_draws_the_routing(app_url):  # noqa: F811
                 return charts.filter(has=page.locator("svg text", has_text=title))
 
             heat = chart("Routing of rank 0's tokens, layer 0, step 3 (measured)")
-            heat.locator("svg text", has_text="step 3").first.wait_for(timeout=90_000)
+            wait_for_the_run(page, heat.locator("svg text", has_text="step 3").first)
             heat.scroll_into_view_if_needed()
             texts = heat.locator("svg text").all_text_contents()
             for label in ("1st choice", "2nd choice", "dropped (over capacity)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import wait_for_the_run
 
 pytestmark = pytest.mark.browser
 
@@ -31,7 +32,7 @@ def test_memory_page_runs_all_zero_stages_live(app_url):  # noqa: F811
             page.get_by_role("button", name="Run live").click(timeout=30_000)
             measured = charts.filter(has=page.locator(
                 "svg text", has_text="Memory per GPU: measured"))
-            measured.wait_for(timeout=40_000)
+            wait_for_the_run(page, measured)
             bars = measured.locator('path[aria-roledescription="bar"]')
             expect(bars.first).to_be_visible()
             assert bars.count() >= 4 * 2 * 4  # 4 stages x (measured, predicted) x categories
@@ -63,7 +64,7 @@ def test_disk_choice_runs_live_and_its_charts_fit(app_url):  # noqa: F811
             stages_chart.first.wait_for(timeout=30_000)
             page.get_by_role("button", name="Run live").click(timeout=30_000)
             io = charts.filter(has=page.locator("svg text", has_text="Bytes to and from disk"))
-            io.wait_for(timeout=120_000)
+            wait_for_the_run(page, io)
             expect(io.locator('path[aria-roledescription="bar"]').first).to_be_visible()
             expect(page.get_by_text("equal to the byte")).to_be_visible()
             assert chart_overflows(page) == []

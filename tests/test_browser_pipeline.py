@@ -15,7 +15,7 @@ import re
 import pytest
 
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
-                          wait_for_the_rerun)
+                          wait_for_the_rerun, wait_for_the_run)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/pipeline_page.png"
@@ -89,7 +89,7 @@ def test_pipeline_page_runs_live_and_draws_the_timelines(app_url):  # noqa: F811
             page.get_by_role("button", name="Run live").click(timeout=30_000)
             wall = charts.filter(has=page.locator(
                 "svg text", has_text="gpipe: measured (wall clock)"))
-            wall.wait_for(timeout=60_000)
+            wait_for_the_run(page, wall)
             wait_for_the_rerun(page)
             wall.scroll_into_view_if_needed()
             texts = wall.locator("svg text").all_text_contents()

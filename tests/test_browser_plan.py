@@ -11,7 +11,7 @@ import pytest
 
 from parallel_mini.course import guide, planner
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
-                          screenshot_whole_page)
+                          screenshot_whole_page, wait_for_the_run)
 
 pytestmark = pytest.mark.browser
 SCREENSHOT = "/tmp/plan_page.png"
@@ -49,7 +49,7 @@ def test_plan_page_guide_and_toy_run(app_url):  # noqa: F811
 
             page.get_by_role("button", name="Run live (toy version)").click()
             measured = metric("Step time: measured")
-            expect(measured).to_be_visible(timeout=90_000)
+            wait_for_the_run(page, measured)
             theory = metric("Step time: theory (planner)")
             value = measured.locator('[data-testid="stMetricValue"]').inner_text()
             assert float(value.split()[0]) > 0 and value.split()[1] in ("s", "ms"), value

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from test_browser import CHROMIUM, CHROMIUM_ARGS, app_url  # noqa: F401  (app_url: the fixture)
+from test_browser import wait_for_the_run
 
 pytestmark = pytest.mark.browser
 
@@ -22,7 +23,7 @@ def test_tensor_page_runs_live_and_draws_the_shards(app_url):  # noqa: F811
             charts = page.locator('[data-testid="stVegaLiteChart"]')
             shards = charts.filter(has=page.locator("svg text", has_text="MLP weight shards"))
             page.get_by_role("button", name="Run live").click(timeout=30_000)
-            shards.wait_for(timeout=40_000)
+            wait_for_the_run(page, shards)
             shards.scroll_into_view_if_needed()
             texts = shards.locator("svg text").all_text_contents()
             # tp = 2 by default, d64: fc.weight [256, 64] split by rows, proj [64, 256] by columns
