@@ -124,14 +124,18 @@ def presentation_on(page) -> None:
     expect(page.get_by_text("Topics", exact=True)).to_be_visible(timeout=30_000)
 
 
-def _open(page, app_url_: str, path: str) -> None:
+def open_page(page, path: str, title: str) -> None:
     """Go to a page through the navigation (a new URL would start a new session: presentation
-    mode and the runs' results are the session's)."""
-    link = page.locator(f'a[href$="/{path}"]')
-    if not link.first.is_visible():
+    mode and the runs' results are the session's). First wait for the script run to end: just
+    after presentation mode is turned on, the sidebar's links stay on the page until its rerun
+    removes them (a soak round clicked one as it went, then waited 30 s for the same link inside
+    the closed Topics menu)."""
+    wait_for_the_rerun(page)
+    link = page.locator(f'a[href$="/{path}"]:visible')
+    if link.count() == 0:  # presentation mode: the links are in the Topics menu
         page.get_by_text("Topics", exact=True).first.click()
     link.first.click()
-    page.locator("h1", has_text=TITLES[path]).wait_for(timeout=30_000)
+    page.locator("h1", has_text=title).wait_for(timeout=30_000)
     wait_for_the_rerun(page)
 
 
@@ -198,7 +202,7 @@ def walk(app_url_: str, viewport: dict, presentation: bool, pages=tuple(TITLES),
             if presentation:
                 presentation_on(page)
             for path in pages:
-                _open(page, app_url_, path)
+                open_page(page, path, TITLES[path])
                 try:
                     run_largest(page, path)
                 except AssertionError as err:  # the run failed: said, the walk goes on

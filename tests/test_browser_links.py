@@ -9,7 +9,8 @@ import pytest
 
 from test_browser import (ALL_DRAWN, CHROMIUM, CHROMIUM_ARGS,  # noqa: F401  (app_url: the fixture)
                           app_url, wait_for_the_rerun)
-from test_browser_fit import MIN_TEXT_PX, SMALL_TEXTS, chart_overflows, presentation_on
+from test_browser_fit import (MIN_TEXT_PX, SMALL_TEXTS, chart_overflows, open_page,
+                              presentation_on)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -42,12 +43,7 @@ def test_the_links_page_fits_at_every_comparison_setting(app_url, presentation):
             page.get_by_role("switch", name="Presentation mode").wait_for(timeout=90_000)
             if presentation:
                 presentation_on(page)
-            link = page.locator('a[href$="/links"]')
-            if not link.first.is_visible():
-                page.get_by_text("Topics", exact=True).first.click()
-            link.first.click()
-            page.locator("h1", has_text="This machine's links").wait_for(timeout=30_000)
-            wait_for_the_rerun(page)
+            open_page(page, "links", "This machine's links")
             page.get_by_role("button", name="Run live").first.click(timeout=30_000)
             page.mouse.move(1, 1)
             done = page.locator('[data-testid="stExpanderIconCheck"], '

@@ -12,7 +12,7 @@ import pytest
 
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, app_url,  # noqa: F401  (app_url: the fixture)
                           wait_for_the_rerun)
-from test_browser_fit import presentation_on
+from test_browser_fit import open_page, presentation_on
 
 pytestmark = pytest.mark.browser
 
@@ -29,17 +29,6 @@ CHART_TEXT_PX = """() => [...document.querySelectorAll('[data-testid="stVegaLite
 SIDEBAR_BOTTOM = """() => Math.max(...[...document.querySelectorAll(
     '[data-testid="stSidebarUserContent"] [data-testid="stElementContainer"]')]
     .map(e => e.getBoundingClientRect().bottom))"""
-
-
-def _open(page, path: str, title: str):
-    """Go to a page through the top navigation (a new URL would start a new session)."""
-    link = page.locator(f'a[href$="/{path}"]')
-    if not link.first.is_visible():
-        page.get_by_text("Topics", exact=True).first.click()
-    link.first.click()
-    page.locator("h1", has_text=title).wait_for(timeout=30_000)
-    page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]').wait_for(
-        timeout=30_000)
 
 
 def _on_first_screen(box) -> bool:
@@ -72,7 +61,7 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
             expect(page.locator('[data-testid="stSidebarNav"]')).to_have_count(0)
             sidebar_bottoms = {}
             for path, (title, has_chart) in PAGES.items():
-                _open(page, path, title)
+                open_page(page, path, title)
                 button = page.locator('[data-testid="stSidebar"]').get_by_role(
                     "button", name="Run live")
                 expect(button).to_be_visible()
@@ -111,7 +100,7 @@ def test_presentation_mode_puts_controls_and_chart_on_one_screen_with_large_text
             assert max(sidebar_bottoms.values()) <= SCREEN["height"], sidebar_bottoms
 
             # the control kept its value while four other pages were shown
-            _open(page, "memory", "Memory per GPU")
+            open_page(page, "memory", "Memory per GPU")
             expect(page.get_by_text("ZeRO-2 model states (highlighted)")).to_be_visible()
         finally:
             browser.close()

@@ -52,22 +52,35 @@ messages = exp.get("messages_per_rank") or [0] * n
 
 # After a press, in normal mode: once the script run has ended (no stale element left to move the
 # layout) and the browser has drawn the animation (its bound controls included), scroll the page
-# so that its top is under the header, if its bottom is below the screen (at N = 8 the controls
+# so that its top is under the header, if it is not whole on the screen (at N = 8 the controls
 # above push it past the first screen). Presentation mode lays it on the first screen: no script
 # (one measured while a loaded browser was still laying the page out scrolled it to y = -1465).
-# NONCE: each press's script is new, so the browser runs it again. The 2 min of tries are a guard.
+# A loaded browser may still move the layout after that scroll (a soak round found the chart at
+# y = -1348): until the reader scrolls, clicks or types (or 60 s pass), the chart is put back
+# whenever it has left the screen. NONCE: each press's script is new, so the browser runs it again.
+# The 2 min of tries are a guard.
 _SCROLL_TO_THE_RING = """<script>/* NONCE */
 (() => {
-  let tries = 0;
+  let tries = 0, reader = false;
+  for (const kind of ["wheel", "touchstart", "keydown", "pointerdown"])
+    window.addEventListener(kind, () => { reader = true; }, {capture: true, once: true});
+  const chart = () => [...document.querySelectorAll('[data-testid="stMain"] [data-testid="stVegaLiteChart"]')]
+      .find(e => e.querySelector('.vega-bindings') && e.querySelector('.marks'));
+  const place = (el) => {
+    const header = document.querySelector('header[data-testid="stHeader"]');
+    const top = header ? header.getBoundingClientRect().height : 0;
+    const r = el.getBoundingClientRect();
+    if (reader || (r.top >= top - 1 && r.bottom <= window.innerHeight)) return;
+    el.style.scrollMarginTop = `${top}px`;
+    el.scrollIntoView({block: "start"});
+  };
   const go = () => {
     const idle = document.querySelector('[data-testid="stApp"][data-test-script-state="notRunning"]');
-    const el = [...document.querySelectorAll('[data-testid="stMain"] [data-testid="stVegaLiteChart"]')]
-        .find(e => e.querySelector('.vega-bindings') && e.querySelector('.marks'));
+    const el = chart();
     if (!idle || !el) { if (++tries < 2400) setTimeout(go, 50); return; }
-    if (el.getBoundingClientRect().bottom <= window.innerHeight) return;
-    const header = document.querySelector('header[data-testid="stHeader"]');
-    el.style.scrollMarginTop = `${header ? header.getBoundingClientRect().height : 0}px`;
-    el.scrollIntoView({block: "start"});
+    place(el);
+    const keep = setInterval(() => { const now = chart(); if (now) place(now); }, 100);
+    setTimeout(() => clearInterval(keep), 60000);
   };
   go();
 })();
