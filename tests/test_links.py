@@ -187,9 +187,11 @@ def test_bench_plan_prints_predicted_over_measured(capsys):
             for i, (p, m) in enumerate([(0.1, 0.1), (0.2, 0.5), (0.3, 0.35)])]
     res = {"ranks": 8, "cores": 2, "states_equal": 3, "layouts": 3, "failed": 0, "rows": rows,
            "spearman_step_time": planner.spearman([0.1, 0.2, 0.3], [0.1, 0.5, 0.35]),
-           "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine"}}
+           "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine",
+                        "links": [[2, "p2p", 1e-4, 5e-10], [8, "p2p", 1e-3, 2e-9]]}}
     bench._print_plan(res)
     text = capsys.readouterr().out
+    assert "2 ranks: p2p 100 (2.00); 8 ranks: p2p 1000 (0.50)" in text
     assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
     assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text
 
@@ -308,3 +310,98 @@ def test_comm_calls_cpu_is_measured_and_charged_per_call():
     both["tp2_fwd_bwd_cpu_s"] = 0.06 + 74 * 3e-4 + 8e6 * 1e-10
     both["tp2_b1_fwd_bwd_cpu_s"] = 0.005 + 74 * 3e-4 + 5e5 * 1e-10
     assert planner._call_cost(both) == pytest.approx((3e-4, 1e-10))
+
+
+# ---------------------------------------------------------------------------------------------
+# the links table: each op fitted at each world measured, a layout charged at its own world's
+# ---------------------------------------------------------------------------------------------
+def _two_worlds() -> tuple:
+    """Fits at 2 and 8 ranks from synthetic links (8 ranks: 10x the latency, half the bandwidth)."""
+    fits = {}
+    for world, alpha, bw in ((2, ALPHA, BW), (8, 10 * ALPHA, BW / 2)):
+        res = _synthetic(world)
+        for row in res["rows"]:
+            row["median_s"] = links.predict(row["op"], row["bytes"], world, alpha, bw)
+        fits[world] = links.fit_alpha_beta(res)
+    return fits, links.fit_table(fits)
+
+
+def test_link_at_takes_the_nearest_measured_world_and_the_ops_own_fit():
+    fits, table = _two_worlds()
+    assert links.nearest_world([2, 8], 2) == 2 and links.nearest_world([2, 8], 8) == 8
+    assert links.nearest_world([2, 8], 4) == 8  # as near in ratio: the one sharing more
+    assert links.nearest_world([2, 4, 8], 3) == 4 and links.nearest_world([], 4) is None
+    alpha, beta, w = links.link_at(table, "all_gather", 8)
+    assert w == 8 and alpha == pytest.approx(10 * ALPHA) and beta == pytest.approx(2 / BW)
+    assert links.link_at(table, "p2p", 2)[:2] == pytest.approx((ALPHA, 1 / BW))
+    only_all = tuple(r for r in table if r[1] == "all")
+    assert links.link_at(only_all, "p2p", 8)[0] == fits[8]["all"]["alpha_s"]
+    assert links.link_at((), "p2p", 8) is None
+
+
+def _toy_and_tp(tp: int, sp: bool = True, checkpointing: str = "none"):
+    from parallel_mini.course import planner
+
+    batch = planner.VALIDATION_MODEL["batch"]
+    spec = planner.toy_model(batch=batch, **_toy_shape())
+    lay = planner.Layout(dp=1, tp=tp, pp=1, cp=1, ep=1, zero=0, schedule="-", virtual=1,
+                         microbatches=2, micro_batch=batch // 2, checkpointing=checkpointing, sp=sp)
+    return spec, lay, batch
+
+
+def test_predict_charges_each_call_at_its_op_and_the_layouts_world():
+    """A tp8 layout's tp seconds: every all-gather, reduce-scatter and all-reduce at the 8-rank
+    fit (hops x alpha + bytes x beta); tp2's at the 2-rank fit; no table: the old latency."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    _, table = _two_worlds()
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2, links=table)
+    for tp, alpha, bw in ((8, 10 * ALPHA, BW / 2), (2, ALPHA, BW)):
+        spec, lay, batch = _toy_and_tp(tp)
+        tp_comm = planner.predict(spec, lay, hw, batch, precision="fp32")["comm"]["tp"]
+        ar, agrs = planner._tp_collectives(spec.layers, lay, spec.toy)
+        hops = lay.microbatches * (ar * 2 + agrs) * (tp - 1)
+        assert tp_comm["hops"] == hops
+        assert tp_comm["seconds"] == pytest.approx(hops * alpha + tp_comm["bytes"] / bw, rel=1e-6)
+    plain = planner.predict(spec, lay, planner.hardware("cpu"), batch, precision="fp32")
+    cpu = planner.hardware("cpu")
+    assert plain["comm"]["tp"]["seconds"] == pytest.approx(
+        hops * cpu.latency_intra_s + plain["comm"]["tp"]["bytes"] / cpu.intra_bw)
+
+
+def test_tp_collectives_by_kind_are_what_a_tp2_sp_run_calls():
+    """With sp the toy's tp rank makes, per micro-step, all-gathers and reduce-scatters for the
+    sequence shards and all-reduces for the replicated parameters' gradients and cross-entropy:
+    counted from a live tp2 run's records (2 blocks, full checkpointing: its recompute's calls too)."""
+    import collections
+    import dataclasses
+
+    from parallel_mini.config import RunConfig
+    from parallel_mini.course import planner
+    from parallel_mini.runtime.launch import run
+
+    spec, lay, _ = _toy_and_tp(2, checkpointing="full")
+    rep = run(RunConfig(layers=2, d_model=32, heads=4, seq=16, vocab=64, batch=2, steps=1, tp=2,
+                        sp=True, checkpointing="full", backend="gloo"))
+    got = collections.Counter(r["op"] for r in rep.ranks[0]["comm"])
+    ar, agrs = planner._tp_collectives(2, lay, toy=True)
+    assert (got["all_reduce"], got["all_gather"] + got["reduce_scatter"]) == (ar, agrs)
+    assert ar + agrs == planner._tp_calls(2, lay)
+    plain = dataclasses.replace(lay, sp=False, checkpointing="none")
+    assert planner._tp_collectives(2, plain, toy=True) == (planner._tp_calls(2, plain), 0)
+
+
+def test_the_links_table_survives_the_profiles_json(tmp_path):
+    import dataclasses
+    import json
+
+    from parallel_mini.course import planner
+
+    _, table = _two_worlds()
+    hw = dataclasses.replace(planner.hardware("cpu"), name="this machine", links=table)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"hardware": dataclasses.asdict(hw)}))
+    back = planner.measure_hardware(str(path), worlds=())
+    assert back == hw and hash(back) == hash(hw)

@@ -1380,6 +1380,9 @@ def _print_plan(res: dict):
                  f"+{1e3 * hw.get('selective_recompute_block_s', 0):.2f} ms (selective) per block "
                  f"and micro-batch, optimizer step {1e3 * hw.get('optimizer_s', 0):.2f} ms over "
                  f"the whole model" if hw.get("optimizer_s") else ""))
+    if hw.get("links"):
+        print("    links fitted per op at each world measured, alpha us per hop (GB/s), charged "
+              "to a layout at its world's: " + _links_table_line(hw["links"]))
     ran = [r for r in res["rows"] if "error" not in r]
     assumed = any("predicted_assumed_step_s" in r for r in ran)
     cpu = all("measured_cpu_s" in r for r in ran)
@@ -1422,6 +1425,15 @@ def _print_plan(res: dict):
         rho0 = spearman([r["predicted_assumed_step_s"] for r in ran],
                         [r["measured_step_s"] for r in ran])
         print(f"    with the assumed rates (profile 'cpu'): {rho0:+.2f}")
+
+
+def _links_table_line(table) -> str:
+    """A profile's links table (links.fit_table rows) as one line: per world, each op's alpha
+    in us per hop and its bandwidth."""
+    worlds = sorted({int(r[0]) for r in table})
+    return "; ".join(f"{w} ranks: " + ", ".join(
+        f"{op} {1e6 * a:.0f} ({1e-9 / b:.2f})" if b > 0 else f"{op} {1e6 * a:.0f} (inf)"
+        for ww, op, a, b in table if int(ww) == w) for w in worlds)
 
 
 def _print_wire(rows):

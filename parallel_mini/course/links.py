@@ -231,6 +231,35 @@ def fit_alpha_beta(result: dict, hop_counts=None, stat: str = "median_s") -> dic
     return out
 
 
+def fit_table(fits_by_world: dict) -> tuple:
+    """{world: fit_alpha_beta(...)} as flat rows (world, op, alpha_s, beta_s_per_byte), sorted: the
+    form a Hardware profile keeps (hashable, JSON-able). `op` is one of OPS or "all"."""
+    return tuple(sorted((int(w), op, f["alpha_s"], f["beta_s_per_byte"])
+                        for w, fit in fits_by_world.items() for op, f in fit.items()))
+
+
+def nearest_world(worlds, world: int) -> int:
+    """The measured world that stands for `world` ranks: itself when measured, else the nearest in
+    ratio (2 and 8 measured: 4 takes 8, the tie going to the larger, where more ranks share the
+    cores), else None when nothing was measured."""
+    worlds = sorted(set(worlds))
+    if not worlds:
+        return None
+    return min(worlds, key=lambda w: (abs(math.log(w / world)), -w))
+
+
+def link_at(table: tuple, op: str, world: int) -> tuple[float, float, int] | None:
+    """(alpha_s, beta_s_per_byte, the world they were fitted at) for `op` among `world` ranks, from
+    fit_table's rows: the fit at nearest_world(world), the op's own fit, or the "all" fit where the
+    op was not fitted there. None when the table is empty."""
+    w = nearest_world({row[0] for row in table}, world)
+    if w is None:
+        return None
+    at = {row[1]: row for row in table if row[0] == w}
+    row = at.get(op) or at["all"]
+    return row[2], row[3], w
+
+
 # ---------------------------------------------------------------------------------------------
 # the source material's links beside this machine's
 # ---------------------------------------------------------------------------------------------

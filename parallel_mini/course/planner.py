@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .. import theory
-from . import at_scale
+from . import at_scale, links
 from ..parallel.schedules import build_schedule, chunk_owner, directions, in_flight
 
 GiB = 2 ** 30
@@ -198,6 +198,14 @@ class Hardware:
     call_cpu_s_per_byte: float = 0.0  # and per byte on the wire (from a tp2 run at batch 1 beside)
     p2p_call_cpu_s: float = 0.0  # the same for a point-to-point call (cp's ring, pp's messages),
     # from a cp2 run beside a cp1 run
+    # Measured profiles only: this machine's links fitted per op at each world size measured
+    # (links.fit_table rows: world, op, alpha_s, beta_s_per_byte). With ranks sharing cores a
+    # hop's alpha holds the wait for the receiver to get a core, so a layout's calls are charged
+    # at the fit of the world it runs (links.link_at). Empty: latency_*_s and the bandwidths.
+    links: tuple = ()
+
+    def __post_init__(self):  # read back from JSON the rows are lists: keep them hashable
+        object.__setattr__(self, "links", tuple(tuple(row) for row in self.links))
 
     def bandwidth(self, inside_node: bool) -> float:
         if inside_node:
@@ -289,8 +297,6 @@ def fit_compute(sweep: list[dict], layers: int, flops_per_seq: float,
     flops_per_seq x per_flop. Refused (MeasurementError) where the time does not grow with the
     batch (a slope of 0: the timer did not see the work, e.g. CUDA kernels launched but not run
     on this thread) or the line misses a row by more than `max_rel_err`: never an infinite rate."""
-    from . import links
-
     pts = [(layers, flops_per_seq * r["batch"], r["seconds"]) for r in sweep]
     seen = ", ".join(f"{1e3 * r['seconds']:.2f} ms at batch {r['batch']}" for r in sweep)
     if len({r["batch"] for r in sweep}) < 2 or any(t <= 0 for *_, t in pts):
@@ -309,11 +315,12 @@ def fit_compute(sweep: list[dict], layers: int, flops_per_seq: float,
     return overhead, per_flop
 
 
-def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, cores: int) -> Hardware:
+def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, cores: int,
+                               op_fits: dict | None = None) -> Hardware:
     """measure_hardware's profile from its measurements: `compute` (_compute_sweep_rank's),
-    `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores."""
-    from . import links
-
+    `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores;
+    `op_fits` {world: fit_alpha_beta(...)} (every op's fit and "all"): the profile's links table,
+    which predict charges each call by (without it, the "all" fits' alpha per hop)."""
     spec = toy_model(batch=1, **shape)
     per_seq = model_flops_per_token(spec) * spec.seq
     sweep = compute.get("engine_fwd_bwd") or compute["fwd_bwd"]
@@ -343,6 +350,7 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                     optimizer_s=statistics.median(opt) if opt else 0.0, **recompute,
                     call_cpu_s=_call_cost(calls)[0], call_cpu_s_per_byte=_call_cost(calls)[1],
                     p2p_call_cpu_s=_per_call(calls, "cp2"),
+                    links=links.fit_table(op_fits) if op_fits else (),
                     source="measured here: the toy's steps on one rank + link fit")
 
 
@@ -398,7 +406,7 @@ def _recomputed_flops(spec: ModelSpec, checkpointing: str) -> float:
                                                                                       0.0)
 
 
-def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None = None,
+def measure_hardware(path: str | None = None, worlds=(2, 4, 8), model: dict | None = None,
                      batches=(1, 2, 4, 8, 16), max_bytes: int = 4 * 2 ** 20, repeats: int = 5,
                      progress=None) -> Hardware:
     """"this machine", measured here: a Hardware profile for the tiny GPT's local runs.
@@ -416,9 +424,12 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     blocks); the same forward + backward run as a pipeline runs it, one chunk (its own autograd
     graph) per block, gives chunk_overhead_s (median over micro-batch sizes of the difference per
     chunk), charged per chunk a pipeline rank runs. Links (course/links.measure_links, every op, 4 B to max_bytes, medians): at each
-    world of `worlds`, fit_alpha_beta over all ops; latency_intra_s is alpha at the largest world
-    with a core per rank, shared_hop_s alpha at the largest world beyond the cores x cores /
-    world (the planner charges shared_hop_s x ranks / cores per hop), the bandwidth that world's.
+    world of `worlds`, fit_alpha_beta per op and over all ops (the rows and fits are kept in the
+    JSON): the per-op fits become the profile's links table, and predict charges each call of a
+    layout of N ranks at the fit of the measured world nearest N (links.link_at); the older
+    summary stays beside it: latency_intra_s is alpha at the largest world with a core per rank,
+    shared_hop_s alpha at the largest world beyond the cores x cores / world, the bandwidth that
+    world's.
     The same sweep with full and selective checkpointing gives what recomputing costs per block
     beyond its FLOPs; its optimizer op, optimizer_s (charged per rank by its share of the
     optimizer states); a tp2 and a cp2 run beside a tp1 one of the same batch, the CPU a comm call
@@ -434,7 +445,6 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     from ..config import RunConfig
     from ..runtime.launch import run
     from ..runtime.launch import run_ranks
-    from . import links
 
     say = progress or (lambda msg: None)
     shape = {k: v for k, v in {**VALIDATION_MODEL, **(model or {})}.items() if k != "batch"}
@@ -469,10 +479,11 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
         say(f"links: {w} ranks")
         res = links.measure_links(w, [x for x in links.DEFAULT_SIZES if x <= max_bytes],
                                   repeats=repeats)
-        fits[w] = {"fit": links.fit_alpha_beta(res)["all"],
+        by_op = links.fit_alpha_beta(res)
+        fits[w] = {"fit": by_op["all"], "by_op": by_op, "rows": res["rows"],
                    "load": [res["load_before"], res["load_after"]]}
     hw = hardware_from_measurements(comp, {w: f["fit"] for w, f in fits.items()}, shape,
-                                    _cpu_profile().cores)
+                                    _cpu_profile().cores, {w: f["by_op"] for w, f in fits.items()})
     if path:
         with open(path, "w") as fh:
             json.dump({"hardware": dataclasses.asdict(hw), "compute": comp,
@@ -1110,25 +1121,12 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
         if not nbytes:
             continue
         inside = _inside_node(spans[axis], node)
-        bw, n = hw.bandwidth(inside), sizes[axis]
-        hop = _hop_time(hw, inside, lay.world)
-        if axis == "tp":  # per micro-step: 4 per block + embedding + head + 3 (cross-entropy), rings
-            hops = m * (4 * blocks + 5 + blocks * (lay.checkpointing == "full")) * 2 * (n - 1)
-        elif axis == "cp":  # ring: (c-1) forward, c backward (+ c-1 recomputed) per block
-            hops = m * blocks * ((n - 1) * (2 + (lay.checkpointing != "none")) + 1)
-        elif axis == "ep":  # 4 all-to-alls and a counts exchange per MoE block
-            hops = m * most["moe_blocks"] * 5 * (n - 1)
-        elif axis == "pp":  # every message the busiest rank sends (each a boundary tensor)
-            hops = round(nbytes / boundary)
-        elif axis == "pp_copies":  # one exchange with the mirror rank
-            hops = 1
-        else:  # buckets of 25 MiB (0.25 MiB on the toy, RunConfig's), one ring each way
-            bucket = (0.25 if spec.toy else 25) * 2 ** 20
-            calls = most["units"] * m if lay.zero == 3 else math.ceil(nbytes / 2 / bucket)
-            hops = calls * (3 if lay.zero == 3 else 2) * (n - 1)
-            if spec.toy and lay.zero in (1, 2):
-                hops = 2 * (n - 1)  # one flat reduce-scatter and all-gather (parallel/zero.py)
-        seconds = nbytes / bw + hops * hop
+        n = sizes[axis]
+        # (op, ring hops, share of the bytes) of the busiest rank's calls on this axis
+        parts = _axis_parts(axis, spec, lay, n, m, blocks, most, nbytes, boundary)
+        hops = sum(h for _, h, _ in parts)
+        fits = {op: _link(hw, op, lay.world, inside) for op, _, _ in parts}
+        seconds = sum(h * fits[op][0] + s * nbytes * fits[op][1] for op, h, s in parts)
         calls = {"tp": m * _tp_calls(blocks, lay),  # the busiest rank's comm calls per step
                  "cp": 2 * hops, "pp": 2 * hops,  # a send and a receive per ring step / message
                  "ep": hops / (n - 1), "pp_copies": 2,
@@ -1140,7 +1138,8 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
         elif axis == "cp":
             exposed = max(0.0, seconds - t_attn * m)
         elif axis == "pp":
-            exposed = 2 * (lay.pp * lay.virtual - 1) * (boundary / bw + hop)
+            alpha, beta = fits["p2p"]
+            exposed = 2 * (lay.pp * lay.virtual - 1) * (boundary * beta + alpha)
         elif axis == "pp_copies":
             exposed = max(0.0, seconds - t_micro)
         elif lay.zero == 3:
@@ -1148,8 +1147,64 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
         else:
             exposed = max(0.0, seconds - t_micro)
         out[axis] = {"bytes": nbytes, "seconds": seconds, "exposed_s": exposed, "calls": calls,
-                     "link": (hw.intra if inside else hw.inter), "group": n}
+                     "link": (hw.intra if inside else hw.inter), "group": n, "hops": hops}
     return out
+
+
+def _link(hw: Hardware, op: str, ranks: int, inside: bool) -> tuple[float, float]:
+    """(seconds per ring hop, seconds per byte on the wire) of `op` in a layout of `ranks` ranks:
+    the profile's links fitted per op at the measured world nearest `ranks` (measured profiles:
+    with ranks sharing cores every hop waits for ranks to be scheduled, which depends on how
+    many processes share them, not on the group's size), else its latency and bandwidth."""
+    got = links.link_at(hw.links, op, ranks) if hw.links else None
+    if got:
+        return got[0], got[1]
+    return _hop_time(hw, inside, ranks), 1.0 / hw.bandwidth(inside)
+
+
+def _tp_collectives(blocks: int, lay: Layout, toy: bool) -> tuple[float, float]:
+    """(all-reduces, all-gathers + reduce-scatters) a tp rank makes per micro-step (_tp_calls'
+    count, by kind). Without sp: all-reduces only. With sp on the toy: 4 all-gathers and 4
+    reduce-scatters per block + 2 each (embedding, head), 3 more per block recomputed under full
+    checkpointing; all-reduces: 6 per block and 3 for the replicated parameters' gradients
+    (parallel/tensor.py's sum_gradients_over_tp, every backward) and cross-entropy's 3. Real
+    models (Megatron) reduce those gradients once per step, beside the data-parallel sync: there
+    an all-gather + reduce-scatter pair is counted as the all-reduce it replaces."""
+    full = lay.checkpointing == "full"
+    if lay.sp and toy:
+        return 6 * blocks + 6, 8 * blocks + 4 + 3 * blocks * full
+    return 4 * blocks + 5 + blocks * full, 0
+
+
+def _axis_parts(axis, spec, lay, n, m, blocks, most, nbytes, boundary) -> list[tuple]:
+    """The busiest rank's calls on one axis per step, by op: [(op, ring hops, share of the
+    axis's bytes)]; hops as links.hops counts them (all-reduce 2(n-1), all-gather,
+    reduce-scatter and all-to-all n-1, a point-to-point message 1)."""
+    if axis == "tp":
+        ar, agrs = _tp_collectives(blocks, lay, spec.toy)
+        if not agrs:
+            return [("all_reduce", m * ar * 2 * (n - 1), 1.0)]
+        half = m * agrs / 2 * (n - 1)  # as many all-gathers as reduce-scatters
+        return [("all_gather", half, 0.5), ("reduce_scatter", half, 0.5),
+                ("all_reduce", m * ar * 2 * (n - 1), 0.0)]  # (their bytes: norms and biases)
+    if axis == "cp":  # ring: (c-1) forward, c backward (+ c-1 recomputed) per block
+        return [("p2p", m * blocks * ((n - 1) * (2 + (lay.checkpointing != "none")) + 1), 1.0)]
+    if axis == "ep":  # 4 all-to-alls and a counts exchange per MoE block
+        return [("all_to_all", m * most["moe_blocks"] * 5 * (n - 1), 1.0)]
+    if axis == "pp":  # every message the busiest rank sends (each a boundary tensor)
+        return [("p2p", round(nbytes / boundary), 1.0)]
+    if axis == "pp_copies":  # one exchange with the mirror rank
+        return [("p2p", 1, 1.0)]
+    # dp / edp: buckets of 25 MiB (0.25 MiB on the toy, RunConfig's), one ring each way
+    bucket = (0.25 if spec.toy else 25) * 2 ** 20
+    if lay.zero == 3:  # per unit and micro-step: gathered for forward and backward, grads scattered
+        calls = most["units"] * m
+        return [("all_gather", 2 * calls * (n - 1), 2 / 3), ("reduce_scatter", calls * (n - 1), 1 / 3)]
+    calls = math.ceil(nbytes / 2 / bucket)
+    if lay.zero in (1, 2):  # the toy: one flat reduce-scatter and all-gather (parallel/zero.py)
+        calls = 1 if spec.toy else calls
+        return [("reduce_scatter", calls * (n - 1), 0.5), ("all_gather", calls * (n - 1), 0.5)]
+    return [("all_reduce", calls * 2 * (n - 1), 1.0)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1593,6 +1648,9 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
                "measured_cpu_by_kind": measured_cpu_by_kind(report),
                **measured_comm_calls(report),
                "predicted_comm_s": {a: c["exposed_s"] for a, c in p["comm"].items()},
+               "predicted_comm": {a: {k: c[k] for k in ("group", "hops", "calls", "bytes",
+                                                        "seconds", "exposed_s")}
+                                  for a, c in p["comm"].items()},
                "activations_theory_bytes": act_pred, "activations_measured_bytes": act_meas}
         if hw is not assumed:
             row["predicted_assumed_step_s"] = predict(spec, lay, assumed, batch,
