@@ -86,6 +86,7 @@ def test_measure_links_on_two_gloo_ranks():
     for r in res["rows"]:
         assert len(r["seconds"]) == 3 and all(s > 0 for s in r["seconds"])
         assert r["median_s"] == statistics.median(r["seconds"]) and r["min_s"] == min(r["seconds"])
+        assert r["cpu_all_ranks_s"] > 0  # both ranks' threads ran the call
     fit = links.fit_alpha_beta(res)
     assert fit["all"]["alpha_s"] >= 0 and fit["all"]["beta_s_per_byte"] >= 0
 

@@ -1490,6 +1490,12 @@ def _print_links(res: dict):
         f"{1e6 * by[o, b]['median_s']:.0f} ({1e6 * by[o, b]['min_s']:.0f})" if (o, b) in by else "-"
         for o in ops] for b in sizes]))
     print("bytes: " + "; ".join(f"{o}: {links.PAYLOAD[o]}" for o in ops))
+    small = [by[o, min(b for oo, b in by if oo == o)] for o in ops]
+    if all("cpu_all_ranks_s" in r for r in small):
+        print(f"the smallest message, median wall us beside every rank's CPU (gloo's threads "
+              f"included) / {res['cores']} cores: " + ", ".join(
+                  f"{r['op']} {1e6 * r['median_s']:.0f} / {1e6 * r['cpu_all_ranks_s'] / res['cores']:.0f}"
+                  for r in small))
     print(f"alpha-beta fit, t = a alpha + b bytes beta with the ring's hop counts at N = {n} "
           "(least squares in relative error); alpha and beta are the link's, so the ops should "
           "agree:")

@@ -117,19 +117,24 @@ def _links_rank(op: str, sizes: list[int], repeats: int) -> list[dict]:
                  "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
                  "all_to_all": lambda: dist.all_to_all_single(recv, full)}
         call = calls[op]
-        times = []
+        times, cpus = [], []
         for i in range(repeats + 1):  # the first warms the connections and buffers up
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             call()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if i:
                 times.append(dt)
+                cpus.append(dc)
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # max over ranks, per repeat
+        # every thread of every rank (gloo's own included), summed over ranks, per repeat
+        cpu = torch.tensor(cpus, dtype=torch.float64)
+        dist.all_reduce(cpu)
         seconds = slowest.tolist()
         rows.append({"op": op, "bytes": numel * 4, "seconds": seconds,
-                     "median_s": statistics.median(seconds), "min_s": min(seconds)})
+                     "median_s": statistics.median(seconds), "min_s": min(seconds),
+                     "cpu_all_ranks_s": statistics.median(cpu.tolist())})
     return rows
 
 
@@ -147,7 +152,10 @@ def measure_links(world: int = 2, sizes: list[int] | None = None, ops=OPS, repea
     slowest rank's (max over ranks), the row's median_s the median over repeats. One launch of
     `world` ranks per op; `progress(row)` is called for each row as its op finishes.
     Returns {"world", "cores", "load_before", "load_after", "payload", "rows": [{"op", "bytes",
-    "seconds", "median_s", "min_s"}]}; JSON-able. (On a shared machine a repeat that lost its core
+    "seconds", "median_s", "min_s", "cpu_all_ranks_s"}]}; JSON-able. cpu_all_ranks_s: the CPU
+    time every thread of every rank spent from the call's start to its return (gloo's own
+    threads included), summed over the ranks, median over repeats: over the cores, the least
+    wall time the call can take when the ranks share them. (On a shared machine a repeat that lost its core
     takes a scheduler quantum, milliseconds, instead of ~0.1 ms: min_s, the fastest repeat, is
     the time with the cores free; median_s what a call takes under the load that was there.)"""
     from ..runtime.launch import run_ranks
