@@ -192,7 +192,7 @@ def test_bench_plan_prints_predicted_over_measured(capsys):
                         "links": [[2, "p2p", 1e-4, 5e-10], [8, "p2p", 1e-3, 2e-9]]}}
     bench._print_plan(res)
     text = capsys.readouterr().out
-    assert "2 ranks: p2p 100 (2.00); 8 ranks: p2p 1000 (0.50)" in text
+    assert "2 ranks: p2p 100 (2.00); 8 ranks: p2p 1000 (0.50)" in text  # (rows without groups)
     assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
     assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text
 
@@ -332,10 +332,10 @@ def test_link_at_takes_the_nearest_measured_world_and_the_ops_own_fit():
     assert links.nearest_world([2, 8], 2) == 2 and links.nearest_world([2, 8], 8) == 8
     assert links.nearest_world([2, 8], 4) == 8  # as near in ratio: the one sharing more
     assert links.nearest_world([2, 4, 8], 3) == 4 and links.nearest_world([], 4) is None
-    alpha, beta, w = links.link_at(table, "all_gather", 8)
-    assert w == 8 and alpha == pytest.approx(10 * ALPHA) and beta == pytest.approx(2 / BW)
+    alpha, beta, w, g = links.link_at(table, "all_gather", 8)
+    assert (w, g) == (8, 8) and alpha == pytest.approx(10 * ALPHA) and beta == pytest.approx(2 / BW)
     assert links.link_at(table, "p2p", 2)[:2] == pytest.approx((ALPHA, 1 / BW))
-    only_all = tuple(r for r in table if r[1] == "all")
+    only_all = tuple(r for r in table if r[2] == "all")
     assert links.link_at(only_all, "p2p", 8)[0] == fits[8]["all"]["alpha_s"]
     assert links.link_at((), "p2p", 8) is None
 
@@ -406,3 +406,102 @@ def test_the_links_table_survives_the_profiles_json(tmp_path):
     path.write_text(json.dumps({"hardware": dataclasses.asdict(hw)}))
     back = planner.measure_hardware(str(path), worlds=())
     assert back == hw and hash(back) == hash(hw)
+
+
+def test_link_at_takes_the_group_measured_nearest_within_the_world():
+    """Measured in groups: a tp2 call among 8 ranks is charged at the fit of 8 ranks in groups
+    of 2 (four pairs at once), not at 8 ranks in one ring nor at 2 ranks alone."""
+    fits = {}
+    for key, alpha in (((2, 2), ALPHA), ((8, 2), 3 * ALPHA), ((8, 8), 10 * ALPHA)):
+        res = _synthetic(key[1])
+        for row in res["rows"]:
+            row["median_s"] = links.predict(row["op"], row["bytes"], key[1], alpha, BW)
+        fits[key] = links.fit_alpha_beta(res)
+    table = links.fit_table(fits)
+    assert links.link_at(table, "all_gather", 8, 2)[0] == pytest.approx(3 * ALPHA)
+    assert links.link_at(table, "all_gather", 8, 8)[0] == pytest.approx(10 * ALPHA)
+    assert links.link_at(table, "all_gather", 8, 4)[2:] == (8, 8)  # nearest group, the larger
+    assert links.link_at(table, "all_gather", 8)[2:] == (8, 8)  # no group: the world's
+    assert links.link_at(table, "p2p", 2, 2)[0] == pytest.approx(ALPHA)
+
+
+def test_measure_links_in_groups_spans_the_group():
+    """2 ranks in groups of 1 are refused; 4 ranks in 2 groups of 2 time each group's own op:
+    the payload rounds to the group's size and the fit counts the group's hops."""
+    with pytest.raises(ValueError, match="divisor"):
+        links.measure_links(world=4, group=3, sizes=[4])
+    res = links.measure_links(world=4, group=2, sizes=[4, 4096], ops=("all_gather",), repeats=1)
+    assert res["group"] == 2 and [r["bytes"] for r in res["rows"]] == [8, 4096]
+    assert links.fit_alpha_beta(res)["all_gather"]["a"] == 1.0  # 2 - 1 hops
+
+
+def test_sp_calls_are_charged_at_their_own_measured_cost():
+    """A tp2 + sp run beside tp1 gives the CPU of a call with sequence parallel (sp_call_cpu_s),
+    charged per call for sp layouts instead of the plain tp calls' cost."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
+    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
+             "tp2_calls": 74, "tp2sp_fwd_bwd_cpu_s": 0.06 + 244 * 1e-4, "tp2sp_calls": 244}
+    hw = planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": line,
+                                             "calls": calls}, {2: {"alpha_s": 1e-4,
+                                                                   "bandwidth_Bps": 2e9}},
+                                            shape, cores=2)
+    assert hw.sp_call_cpu_s == pytest.approx(1e-4) and hw.call_cpu_s == pytest.approx(3e-4)
+    spec16, lay, batch = _toy_and_tp(2)  # sp, 2 micro-batches
+    free = planner.predict(spec16, lay, dataclasses.replace(hw, sp_call_cpu_s=0.0, call_cpu_s=0.0),
+                           batch, precision="fp32")
+    charged = planner.predict(spec16, lay, hw, batch, precision="fp32")
+    assert charged["compute_s"] - free["compute_s"] == pytest.approx(
+        charged["comm"]["tp"]["calls"] * 1e-4)
+
+
+def test_pipeline_fill_and_drain_chain_is_charged_on_shared_cores():
+    """pp8 with 2 micro-batches on 2 cores: each rank sends 4 messages, but the fill and drain
+    are 14 messages one after another (2 (pp - 1)); nothing overlaps on shared cores."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    batch = planner.VALIDATION_MODEL["batch"]
+    spec = planner.toy_model(batch=batch, **_toy_shape())
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2)
+    lay = planner.Layout(dp=1, tp=1, pp=8, cp=1, ep=1, zero=0, schedule="1f1b", virtual=1,
+                         microbatches=2, micro_batch=8, checkpointing="none", sp=False)
+    pp = planner.predict(spec, lay, hw, batch, precision="fp32")["comm"]["pp"]
+    boundary = lay.micro_batch * spec.seq * spec.d_model * 4
+    hop = hw.shared_hop_s * lay.world / hw.cores
+    assert pp["hops"] == 4 and pp["seconds"] == pytest.approx(4 * (hop + boundary / hw.intra_bw))
+    assert pp["exposed_s"] == pytest.approx(14 * (hop + boundary / hw.intra_bw))
+
+
+def test_calls_cpu_measured_on_shared_cores_is_charged_where_ranks_share_them():
+    """Runs of 8 ranks on the cores (dp x tp2 / tp2 + sp / cp2 beside dp alone) give the calls'
+    CPU with the cores shared; a layout of 8 ranks on 2 cores is charged those, one of 2 ranks
+    the figures measured with a core each."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    shared = {"world": 8, "dp_fwd_bwd_cpu_s": 0.1, "dp_calls": 0,
+              "tp2_fwd_bwd_cpu_s": 0.1 + 100 * 5e-4, "tp2_calls": 100,
+              "tp2sp_fwd_bwd_cpu_s": 0.1 + 300 * 2e-4, "tp2sp_calls": 300,
+              "cp2_fwd_bwd_cpu_s": 0.1 + 200 * 3e-4, "cp2_calls": 200}
+    costs = planner._shared_costs(shared)
+    assert costs["shared_world"] == 8 and costs["shared_call_cpu_s"] == pytest.approx(5e-4)
+    assert costs["shared_sp_call_cpu_s"] == pytest.approx(2e-4)
+    assert costs["shared_p2p_call_cpu_s"] == pytest.approx(3e-4)
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2, sp_call_cpu_s=1e-5, **costs)
+    spec, lay8, batch = _toy_and_tp(8)
+    p8 = planner.predict(spec, lay8, hw, batch, precision="fp32")
+    assert planner._calls_cpu(hw, lay8, p8["comm"], True) == pytest.approx(
+        p8["comm"]["tp"]["calls"] * 2e-4)
+    spec, lay2, batch = _toy_and_tp(2)
+    p2 = planner.predict(spec, lay2, hw, batch, precision="fp32")
+    assert planner._calls_cpu(hw, lay2, p2["comm"], False) == pytest.approx(
+        p2["comm"]["tp"]["calls"] * 1e-5)

@@ -1381,8 +1381,9 @@ def _print_plan(res: dict):
                  f"and micro-batch, optimizer step {1e3 * hw.get('optimizer_s', 0):.2f} ms over "
                  f"the whole model" if hw.get("optimizer_s") else ""))
     if hw.get("links"):
-        print("    links fitted per op at each world measured, alpha us per hop (GB/s), charged "
-              "to a layout at its world's: " + _links_table_line(hw["links"]))
+        print("    links fitted per op at each world and group size measured, alpha us per hop "
+              "(GB/s), charged to each call at its layout's world and its group's size: "
+              + _links_table_line(hw["links"]))
     ran = [r for r in res["rows"] if "error" not in r]
     assumed = any("predicted_assumed_step_s" in r for r in ran)
     cpu = all("measured_cpu_s" in r for r in ran)
@@ -1428,12 +1429,13 @@ def _print_plan(res: dict):
 
 
 def _links_table_line(table) -> str:
-    """A profile's links table (links.fit_table rows) as one line: per world, each op's alpha
-    in us per hop and its bandwidth."""
-    worlds = sorted({int(r[0]) for r in table})
-    return "; ".join(f"{w} ranks: " + ", ".join(
+    """A profile's links table (links.fit_table rows) as one line: per world and group size, each
+    op's alpha in us per hop and its bandwidth."""
+    rows = [r if len(r) == 5 else (r[0], r[0], *r[1:]) for r in table]
+    keys = sorted({(int(r[0]), int(r[1])) for r in rows})
+    return "; ".join(f"{w} ranks" + (f" in groups of {g}" if g < w else "") + ": " + ", ".join(
         f"{op} {1e6 * a:.0f} ({1e-9 / b:.2f})" if b > 0 else f"{op} {1e6 * a:.0f} (inf)"
-        for ww, op, a, b in table if int(ww) == w) for w in worlds)
+        for ww, gg, op, a, b in rows if (int(ww), int(gg)) == (w, g)) for w, g in keys)
 
 
 def _print_wire(rows):

@@ -198,6 +198,17 @@ class Hardware:
     call_cpu_s_per_byte: float = 0.0  # and per byte on the wire (from a tp2 run at batch 1 beside)
     p2p_call_cpu_s: float = 0.0  # the same for a point-to-point call (cp's ring, pp's messages),
     # from a cp2 run beside a cp1 run
+    sp_call_cpu_s: float = 0.0  # the same for a tp call with sequence parallel (its all-gathers,
+    # reduce-scatters and the small all-reduces of the replicated parameters' gradients), from a
+    # tp2 + sp run beside the tp1 run (0: call_cpu_s and call_cpu_s_per_byte stand for them)
+    # The same three where ranks outnumber the cores (a call's CPU grows there: its waits are
+    # spent switching between ranks), from runs of `shared_world` ranks: dp x tp2, dp x tp2 + sp
+    # and dp x cp2 beside dp alone, the same batch; charged to layouts whose ranks share the
+    # cores (0: not measured, the figures above stand for them).
+    shared_world: int = 0
+    shared_call_cpu_s: float = 0.0
+    shared_sp_call_cpu_s: float = 0.0
+    shared_p2p_call_cpu_s: float = 0.0
     # Measured profiles only: this machine's links fitted per op at each world size measured
     # (links.fit_table rows: world, op, alpha_s, beta_s_per_byte). With ranks sharing cores a
     # hop's alpha holds the wait for the receiver to get a core, so a layout's calls are charged
@@ -319,8 +330,9 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                                op_fits: dict | None = None) -> Hardware:
     """measure_hardware's profile from its measurements: `compute` (_compute_sweep_rank's),
     `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores;
-    `op_fits` {world: fit_alpha_beta(...)} (every op's fit and "all"): the profile's links table,
-    which predict charges each call by (without it, the "all" fits' alpha per hop)."""
+    `op_fits` {world or (world, group): fit_alpha_beta(...)} (every op's fit and "all"): the
+    profile's links table, which predict charges each call by (without it, the "all" fits' alpha
+    per hop)."""
     spec = toy_model(batch=1, **shape)
     per_seq = model_flops_per_token(spec) * spec.seq
     sweep = compute.get("engine_fwd_bwd") or compute["fwd_bwd"]
@@ -349,9 +361,19 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                         else 0.0),
                     optimizer_s=statistics.median(opt) if opt else 0.0, **recompute,
                     call_cpu_s=_call_cost(calls)[0], call_cpu_s_per_byte=_call_cost(calls)[1],
-                    p2p_call_cpu_s=_per_call(calls, "cp2"),
+                    p2p_call_cpu_s=_per_call(calls, "cp2"), sp_call_cpu_s=_per_call(calls, "tp2sp"),
+                    **_shared_costs(compute.get("shared_calls") or {}),
                     links=links.fit_table(op_fits) if op_fits else (),
                     source="measured here: the toy's steps on one rank + link fit")
+
+
+def _shared_costs(shared: dict) -> dict:
+    """Hardware's shared_* fields from _measure_shared_call_cpu's result ({}: none measured)."""
+    if not shared:
+        return {}
+    return {"shared_world": shared["world"], "shared_call_cpu_s": _shared_per_call(shared, "tp2"),
+            "shared_sp_call_cpu_s": _shared_per_call(shared, "tp2sp"),
+            "shared_p2p_call_cpu_s": _shared_per_call(shared, "cp2")}
 
 
 def _measure_call_cpu(shape: dict, batch: int) -> dict:
@@ -363,6 +385,7 @@ def _measure_call_cpu(shape: dict, batch: int) -> dict:
 
     out = {}
     for name, degrees, b in (("tp1", {}, batch), ("tp2", {"tp": 2}, batch), ("cp2", {"cp": 2}, batch),
+                             ("tp2sp", {"tp": 2, "sp": True}, batch),
                              ("tp1_b1", {}, 1), ("tp2_b1", {"tp": 2}, 1)):
         rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo", **degrees))
         out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
@@ -374,6 +397,36 @@ def _measure_call_cpu(shape: dict, batch: int) -> dict:
             sum(c.get("wire_bytes_model", 0) for r in rep.ranks for c in r["comm"]
                 if c.get("step") == s) for s in (1, 2))
     return out
+
+
+def _measure_shared_call_cpu(shape: dict, batch: int, world: int) -> dict:
+    """`world` ranks on the cores (more ranks than cores): dp x tp2, dp x tp2 + sp and dp x cp2
+    beside dp alone, the same batch (the same tokens and blocks per rank): the forward and
+    backward ops' CPU (all ranks summed, median of steps 1 and 2) and the tp / cp calls made."""
+    from ..config import RunConfig
+    from ..runtime.launch import run
+
+    out = {"world": world}
+    for name, degrees, axis in (("dp", {}, None), ("tp2", {"tp": 2}, "tp"),
+                                ("tp2sp", {"tp": 2, "sp": True}, "tp"), ("cp2", {"cp": 2}, "cp")):
+        dp = world // (2 if axis else 1)
+        rep = run(RunConfig(**shape, batch=batch, steps=4, backend="gloo", dp=dp, **degrees))
+        out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
+            sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
+                if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
+        out[f"{name}_calls"] = statistics.median(
+            len([c for r in rep.ranks for c in r["comm"] if c.get("step") == s
+                 and c.get("group") == axis and (axis != "cp" or c["op"] in ("send", "recv"))])
+            for s in (1, 2))  # (cp's gradient all-reduce runs after the passes)
+    return out
+
+
+def _shared_per_call(shared: dict, name: str) -> float:
+    """Seconds of CPU per tp / cp call with the cores shared: what run `name` added to dp's."""
+    if not shared.get(f"{name}_calls"):
+        return 0.0
+    return max(0.0, (shared[f"{name}_fwd_bwd_cpu_s"] - shared["dp_fwd_bwd_cpu_s"])
+               / shared[f"{name}_calls"])
 
 
 def _call_cost(calls: dict) -> tuple[float, float]:
@@ -424,16 +477,18 @@ def measure_hardware(path: str | None = None, worlds=(2, 4, 8), model: dict | No
     blocks); the same forward + backward run as a pipeline runs it, one chunk (its own autograd
     graph) per block, gives chunk_overhead_s (median over micro-batch sizes of the difference per
     chunk), charged per chunk a pipeline rank runs. Links (course/links.measure_links, every op, 4 B to max_bytes, medians): at each
-    world of `worlds`, fit_alpha_beta per op and over all ops (the rows and fits are kept in the
+    world of `worlds`, with the op run in groups of every power of 2 from 2 to the world (all
+    groups at once), fit_alpha_beta per op and over all ops (the rows and fits are kept in the
     JSON): the per-op fits become the profile's links table, and predict charges each call of a
-    layout of N ranks at the fit of the measured world nearest N (links.link_at); the older
+    group of n ranks in a layout of N at the fit measured nearest (N, n) (links.link_at); the older
     summary stays beside it: latency_intra_s is alpha at the largest world with a core per rank,
     shared_hop_s alpha at the largest world beyond the cores x cores / world, the bandwidth that
     world's.
     The same sweep with full and selective checkpointing gives what recomputing costs per block
     beyond its FLOPs; its optimizer op, optimizer_s (charged per rank by its share of the
-    optimizer states); a tp2 and a cp2 run beside a tp1 one of the same batch, the CPU a comm call
-    adds to the passes (call_cpu_s, p2p_call_cpu_s; charged per call predict counts). Not in the
+    optimizer states); a tp2, a tp2 + sp and a cp2 run beside a tp1 one of the same batch, the
+    CPU a comm call adds to the passes (call_cpu_s, sp_call_cpu_s, p2p_call_cpu_s; charged per
+    call predict counts). Not in the
     profile: the CPU ranks burn waiting for one another when they outnumber the cores, and
     gloo's own threads. With `path`: read the profile from that
     JSON file when it exists, else measure and write it there; without, measure (no file)."""
@@ -474,20 +529,27 @@ def measure_hardware(path: str | None = None, worlds=(2, 4, 8), model: dict | No
                 sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"] if e.get("step") == s
                     and e["kind"] in ("forward", "backward")) for s in (1, 2))})
     comp["calls"] = _measure_call_cpu(shape, max(batches))
+    cores = _cpu_profile().cores
+    shared = [w for w in worlds if w > cores]
+    if shared:  # the calls' own CPU again, with more ranks than cores
+        say(f"compute: comm calls' CPU, {max(shared)} ranks on {cores} cores")
+        comp["shared_calls"] = _measure_shared_call_cpu(shape, max(batches), max(shared))
     fits = {}
     for w in worlds:
-        say(f"links: {w} ranks")
-        res = links.measure_links(w, [x for x in links.DEFAULT_SIZES if x <= max_bytes],
-                                  repeats=repeats)
-        by_op = links.fit_alpha_beta(res)
-        fits[w] = {"fit": by_op["all"], "by_op": by_op, "rows": res["rows"],
-                   "load": [res["load_before"], res["load_after"]]}
-    hw = hardware_from_measurements(comp, {w: f["fit"] for w, f in fits.items()}, shape,
-                                    _cpu_profile().cores, {w: f["by_op"] for w, f in fits.items()})
+        for g in _powers_of_two_dividing(w, w)[1:]:  # groups of 2 .. w ranks, all at once
+            say(f"links: {w} ranks" + (f" in groups of {g}" if g < w else ""))
+            res = links.measure_links(w, [x for x in links.DEFAULT_SIZES if x <= max_bytes],
+                                      repeats=repeats, group=g)
+            by_op = links.fit_alpha_beta(res)
+            fits[w, g] = {"fit": by_op["all"], "by_op": by_op, "rows": res["rows"],
+                          "load": [res["load_before"], res["load_after"]]}
+    hw = hardware_from_measurements(comp, {w: f["fit"] for (w, g), f in fits.items() if g == w},
+                                    shape, _cpu_profile().cores,
+                                    {k: f["by_op"] for k, f in fits.items()})
     if path:
         with open(path, "w") as fh:
             json.dump({"hardware": dataclasses.asdict(hw), "compute": comp,
-                       "links": {str(w): f for w, f in fits.items()}}, fh, indent=1)
+                       "links": {f"{w}/{g}": f for (w, g), f in fits.items()}}, fh, indent=1)
     return hw
 
 
@@ -1066,9 +1128,7 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     comm = _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores, most)
     # each comm call's own CPU (measured profiles): the busiest rank's calls, on shared cores
     # every rank's (as many) over the cores; point-to-point calls at their own measured cost
-    calls = sum(c["calls"] * hw.p2p_call_cpu_s if a in ("cp", "pp") else
-                c["calls"] * hw.call_cpu_s + c["bytes"] * hw.call_cpu_s_per_byte
-                for a, c in comm.items())
+    calls = _calls_cpu(hw, lay, comm, shared_cores)
     compute += calls * (lay.world / hw.cores if shared_cores else 1)
     step = compute + sum(c["exposed_s"] for c in comm.values())
     tokens = global_batch * spec.seq
@@ -1078,6 +1138,21 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
             "memory_peak_stage": worst, "fits": per_rank[worst]["total"] <= hw.usable_bytes,
             "compute_s": compute, "bubble": bubble, "comm": comm, "step_s": step, "mfu": mfu,
             "tokens_per_step": tokens, "cores_shared": shared_cores}
+
+
+def _calls_cpu(hw: Hardware, lay: Layout, comm: dict, shared_cores: bool) -> float:
+    """The busiest rank's comm calls' own CPU per step (measured profiles): point-to-point calls
+    (cp, pp) at p2p_call_cpu_s, tp's with sp at sp_call_cpu_s, the rest at call_cpu_s and per
+    byte; where ranks share the cores, the costs measured with them shared, where measured."""
+    shared = shared_cores and hw.shared_world
+    p2p = hw.shared_p2p_call_cpu_s if shared else hw.p2p_call_cpu_s
+    sp = hw.shared_sp_call_cpu_s if shared else hw.sp_call_cpu_s
+    per_call, per_byte = ((hw.shared_call_cpu_s, 0.0) if shared else
+                          (hw.call_cpu_s, hw.call_cpu_s_per_byte))
+    return sum(c["calls"] * p2p if a in ("cp", "pp") else
+               c["calls"] * sp if a == "tp" and lay.sp and sp else
+               c["calls"] * per_call + c["bytes"] * per_byte
+               for a, c in comm.items())
 
 
 def _tp_calls(blocks: int, lay: Layout) -> int:
@@ -1102,7 +1177,7 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
     dp / ZeRO-1/2: what one micro-batch's compute cannot hide (the gradients' reduce during the
     last backward, ZeRO's parameter all-gather during the next forward); ZeRO-3: per micro-step
     what that micro-step's compute cannot hide. On cores shared by more ranks than cores,
-    nothing overlaps.
+    nothing overlaps (pp: the busiest rank's messages, or the fill and drain chain where longer).
     DualPipe (DeepSeek-V3): in its F&B pairs one micro-batch's all-to-all and pipeline sends run
     while the other computes, so of the ep and pp seconds the paired share (dual_paired_share) is
     hidden up to the paired compute, the rest exposed; the two copies of each stage exchange their
@@ -1125,21 +1200,26 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
         # (op, ring hops, share of the bytes) of the busiest rank's calls on this axis
         parts = _axis_parts(axis, spec, lay, n, m, blocks, most, nbytes, boundary)
         hops = sum(h for _, h, _ in parts)
-        fits = {op: _link(hw, op, lay.world, inside) for op, _, _ in parts}
+        fits = {op: _link(hw, op, lay.world, n, inside) for op, _, _ in parts}
         seconds = sum(h * fits[op][0] + s * nbytes * fits[op][1] for op, h, s in parts)
         calls = {"tp": m * _tp_calls(blocks, lay),  # the busiest rank's comm calls per step
                  "cp": 2 * hops, "pp": 2 * hops,  # a send and a receive per ring step / message
                  "ep": hops / (n - 1), "pp_copies": 2,
                  }.get(axis, hops / (n - 1) / (2 if lay.zero == 0 else 1))
+        chain = 0.0
+        if axis == "pp":  # fill and drain: 2 (chunks - 1) boundary messages one after another
+            alpha, beta = fits["p2p"]
+            chain = 2 * (lay.pp * lay.virtual - 1) * (boundary * beta + alpha)
         if dual and not shared_cores and axis in ("ep", "pp"):
             exposed = seconds * (1 - share) + max(0.0, seconds * share - t_micro * m * share)
+        elif shared_cores and axis == "pp":  # nothing overlaps, and the chain is serial anyway
+            exposed = max(seconds, chain)
         elif shared_cores or axis in ("tp", "ep"):
             exposed = seconds
         elif axis == "cp":
             exposed = max(0.0, seconds - t_attn * m)
         elif axis == "pp":
-            alpha, beta = fits["p2p"]
-            exposed = 2 * (lay.pp * lay.virtual - 1) * (boundary * beta + alpha)
+            exposed = chain
         elif axis == "pp_copies":
             exposed = max(0.0, seconds - t_micro)
         elif lay.zero == 3:
@@ -1151,12 +1231,14 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
     return out
 
 
-def _link(hw: Hardware, op: str, ranks: int, inside: bool) -> tuple[float, float]:
-    """(seconds per ring hop, seconds per byte on the wire) of `op` in a layout of `ranks` ranks:
-    the profile's links fitted per op at the measured world nearest `ranks` (measured profiles:
-    with ranks sharing cores every hop waits for ranks to be scheduled, which depends on how
-    many processes share them, not on the group's size), else its latency and bandwidth."""
-    got = links.link_at(hw.links, op, ranks) if hw.links else None
+def _link(hw: Hardware, op: str, ranks: int, group: int, inside: bool) -> tuple[float, float]:
+    """(seconds per ring hop, seconds per byte on the wire) of `op` in groups of `group` ranks in
+    a layout of `ranks` ranks: the profile's links fitted per op with the op run in groups of that
+    size, all at once, among the measured world nearest `ranks` (measured profiles: with ranks
+    sharing cores a hop waits for its ranks to be scheduled, which depends both on how many
+    processes share the cores and on how many of them one call spans), else its latency and
+    bandwidth."""
+    got = links.link_at(hw.links, op, ranks, group) if hw.links else None
     if got:
         return got[0], got[1]
     return _hop_time(hw, inside, ranks), 1.0 / hw.bandwidth(inside)
