@@ -189,10 +189,14 @@ def test_bench_plan_prints_predicted_over_measured(capsys):
     res = {"ranks": 8, "cores": 2, "states_equal": 3, "layouts": 3, "failed": 0, "rows": rows,
            "spearman_step_time": planner.spearman([0.1, 0.2, 0.3], [0.1, 0.5, 0.35]),
            "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine",
-                        "links": [[2, "p2p", 1e-4, 5e-10], [8, "p2p", 1e-3, 2e-9]]}}
+                        "links": [[2, "p2p", 1e-4, 5e-10], [8, "p2p", 1e-3, 2e-9]],
+                        "call_cpu_s": 2e-4, "sp_call_cpu_s": 1e-4, "p2p_call_cpu_s": 5e-5,
+                        "shared_world": 8, "shared_call_cpu_s": 3e-4, "shared_sp_call_cpu_s": 2e-4,
+                        "shared_p2p_call_cpu_s": 1e-4}}
     bench._print_plan(res)
     text = capsys.readouterr().out
     assert "2 ranks: p2p 100 (2.00); 8 ranks: p2p 1000 (0.50)" in text  # (rows without groups)
+    assert "tp 200, tp+sp 100, p2p 50 with a core per rank; with 8 ranks on the cores: tp 300" in text
     assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
     assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text
 

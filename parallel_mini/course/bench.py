@@ -1380,6 +1380,13 @@ def _print_plan(res: dict):
                  f"+{1e3 * hw.get('selective_recompute_block_s', 0):.2f} ms (selective) per block "
                  f"and micro-batch, optimizer step {1e3 * hw.get('optimizer_s', 0):.2f} ms over "
                  f"the whole model" if hw.get("optimizer_s") else ""))
+    if hw.get("call_cpu_s"):
+        shared = (f"; with {hw['shared_world']} ranks on the cores: tp {1e6 * hw['shared_call_cpu_s']:.0f}"
+                  f", tp+sp {1e6 * hw['shared_sp_call_cpu_s']:.0f}, p2p "
+                  f"{1e6 * hw['shared_p2p_call_cpu_s']:.0f}" if hw.get("shared_world") else "")
+        print(f"    a comm call's own CPU, us (measured): tp {1e6 * hw['call_cpu_s']:.0f}, tp+sp "
+              f"{1e6 * hw.get('sp_call_cpu_s', 0):.0f}, p2p {1e6 * hw['p2p_call_cpu_s']:.0f} with a "
+              f"core per rank{shared}")
     if hw.get("links"):
         print("    links fitted per op at each world and group size measured, alpha us per hop "
               "(GB/s), charged to each call at its layout's world and its group's size: "

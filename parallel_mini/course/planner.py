@@ -31,8 +31,9 @@ core); matmuls run at a fixed share of peak whatever their size; real
 models use FlashAttention (no [s, s] scores kept), sequence parallel whenever tp > 1, uniform
 expert routing; memory beyond states, activations and logits (CUDA context, NCCL buffers,
 fragmentation) is a flat reserve. None of these numbers is measured, except the rates of the
-profile "this machine" (measure_hardware: a matmul and forward + backward sweep of the toy, and
-course/links.py's alpha-beta fit of this machine's links), which `bench plan` predicts with.
+profile "this machine" (measure_hardware: a matmul and forward + backward sweep of the toy, the
+comm calls' own CPU, and course/links.py's alpha-beta fit of this machine's links per op, world
+and group size), which `bench plan` predicts with.
 """
 from __future__ import annotations
 
