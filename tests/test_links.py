@@ -86,6 +86,7 @@ def test_measure_links_on_two_gloo_ranks():
     for r in res["rows"]:
         assert len(r["seconds"]) == 3 and all(s > 0 for s in r["seconds"])
         assert r["median_s"] == statistics.median(r["seconds"]) and r["min_s"] == min(r["seconds"])
+        assert r["cpu_all_ranks_s"] > 0  # both ranks' threads ran the call
     fit = links.fit_alpha_beta(res)
     assert fit["all"]["alpha_s"] >= 0 and fit["all"]["beta_s_per_byte"] >= 0
 
@@ -187,9 +188,15 @@ def test_bench_plan_prints_predicted_over_measured(capsys):
             for i, (p, m) in enumerate([(0.1, 0.1), (0.2, 0.5), (0.3, 0.35)])]
     res = {"ranks": 8, "cores": 2, "states_equal": 3, "layouts": 3, "failed": 0, "rows": rows,
            "spearman_step_time": planner.spearman([0.1, 0.2, 0.3], [0.1, 0.5, 0.35]),
-           "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine"}}
+           "hardware": {**planner.dataclasses.asdict(hw), "name": "this machine",
+                        "links": [[2, "p2p", 1e-4, 5e-10], [8, "p2p", 1e-3, 2e-9]],
+                        "call_cpu_s": 2e-4, "sp_call_cpu_s": 1e-4, "p2p_call_cpu_s": 5e-5,
+                        "shared_world": 8, "shared_call_cpu_s": 3e-4, "shared_sp_call_cpu_s": 2e-4,
+                        "shared_p2p_call_cpu_s": 1e-4}}
     bench._print_plan(res)
     text = capsys.readouterr().out
+    assert "2 ranks: p2p 100 (2.00); 8 ranks: p2p 1000 (0.50)" in text  # (rows without groups)
+    assert "tp 200, tp+sp 100, p2p 50 with a core per rank; with 8 ranks on the cores: tp 300" in text
     assert "predicted/measured within 0.7-1.4: 2 of 3 layouts" in text  # 1.0, 0.4, 0.86
     assert "0.40" in text and "+0.50" in text and "with the assumed rates" in text
 
@@ -308,3 +315,197 @@ def test_comm_calls_cpu_is_measured_and_charged_per_call():
     both["tp2_fwd_bwd_cpu_s"] = 0.06 + 74 * 3e-4 + 8e6 * 1e-10
     both["tp2_b1_fwd_bwd_cpu_s"] = 0.005 + 74 * 3e-4 + 5e5 * 1e-10
     assert planner._call_cost(both) == pytest.approx((3e-4, 1e-10))
+
+
+# ---------------------------------------------------------------------------------------------
+# the links table: each op fitted at each world measured, a layout charged at its own world's
+# ---------------------------------------------------------------------------------------------
+def _two_worlds() -> tuple:
+    """Fits at 2 and 8 ranks from synthetic links (8 ranks: 10x the latency, half the bandwidth)."""
+    fits = {}
+    for world, alpha, bw in ((2, ALPHA, BW), (8, 10 * ALPHA, BW / 2)):
+        res = _synthetic(world)
+        for row in res["rows"]:
+            row["median_s"] = links.predict(row["op"], row["bytes"], world, alpha, bw)
+        fits[world] = links.fit_alpha_beta(res)
+    return fits, links.fit_table(fits)
+
+
+def test_link_at_takes_the_nearest_measured_world_and_the_ops_own_fit():
+    fits, table = _two_worlds()
+    assert links.nearest_world([2, 8], 2) == 2 and links.nearest_world([2, 8], 8) == 8
+    assert links.nearest_world([2, 8], 4) == 8  # as near in ratio: the one sharing more
+    assert links.nearest_world([2, 4, 8], 3) == 4 and links.nearest_world([], 4) is None
+    alpha, beta, w, g = links.link_at(table, "all_gather", 8)
+    assert (w, g) == (8, 8) and alpha == pytest.approx(10 * ALPHA) and beta == pytest.approx(2 / BW)
+    assert links.link_at(table, "p2p", 2)[:2] == pytest.approx((ALPHA, 1 / BW))
+    only_all = tuple(r for r in table if r[2] == "all")
+    assert links.link_at(only_all, "p2p", 8)[0] == fits[8]["all"]["alpha_s"]
+    assert links.link_at((), "p2p", 8) is None
+
+
+def _toy_and_tp(tp: int, sp: bool = True, checkpointing: str = "none"):
+    from parallel_mini.course import planner
+
+    batch = planner.VALIDATION_MODEL["batch"]
+    spec = planner.toy_model(batch=batch, **_toy_shape())
+    lay = planner.Layout(dp=1, tp=tp, pp=1, cp=1, ep=1, zero=0, schedule="-", virtual=1,
+                         microbatches=2, micro_batch=batch // 2, checkpointing=checkpointing, sp=sp)
+    return spec, lay, batch
+
+
+def test_predict_charges_each_call_at_its_op_and_the_layouts_world():
+    """A tp8 layout's tp seconds: every all-gather, reduce-scatter and all-reduce at the 8-rank
+    fit (hops x alpha + bytes x beta); tp2's at the 2-rank fit; no table: the old latency."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    _, table = _two_worlds()
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2, links=table)
+    for tp, alpha, bw in ((8, 10 * ALPHA, BW / 2), (2, ALPHA, BW)):
+        spec, lay, batch = _toy_and_tp(tp)
+        tp_comm = planner.predict(spec, lay, hw, batch, precision="fp32")["comm"]["tp"]
+        ar, agrs = planner._tp_collectives(spec.layers, lay, spec.toy)
+        hops = lay.microbatches * (ar * 2 + agrs) * (tp - 1)
+        assert tp_comm["hops"] == hops
+        assert tp_comm["seconds"] == pytest.approx(hops * alpha + tp_comm["bytes"] / bw, rel=1e-6)
+    plain = planner.predict(spec, lay, planner.hardware("cpu"), batch, precision="fp32")
+    cpu = planner.hardware("cpu")
+    assert plain["comm"]["tp"]["seconds"] == pytest.approx(
+        hops * cpu.latency_intra_s + plain["comm"]["tp"]["bytes"] / cpu.intra_bw)
+
+
+def test_tp_collectives_by_kind_are_what_a_tp2_sp_run_calls():
+    """With sp the toy's tp rank makes, per micro-step, all-gathers and reduce-scatters for the
+    sequence shards and all-reduces for the replicated parameters' gradients and cross-entropy:
+    counted from a live tp2 run's records (2 blocks, full checkpointing: its recompute's calls too)."""
+    import collections
+    import dataclasses
+
+    from parallel_mini.config import RunConfig
+    from parallel_mini.course import planner
+    from parallel_mini.runtime.launch import run
+
+    spec, lay, _ = _toy_and_tp(2, checkpointing="full")
+    rep = run(RunConfig(layers=2, d_model=32, heads=4, seq=16, vocab=64, batch=2, steps=1, tp=2,
+                        sp=True, checkpointing="full", backend="gloo"))
+    got = collections.Counter(r["op"] for r in rep.ranks[0]["comm"])
+    ar, agrs = planner._tp_collectives(2, lay, toy=True)
+    assert (got["all_reduce"], got["all_gather"] + got["reduce_scatter"]) == (ar, agrs)
+    assert ar + agrs == planner._tp_calls(2, lay)
+    plain = dataclasses.replace(lay, sp=False, checkpointing="none")
+    assert planner._tp_collectives(2, plain, toy=True) == (planner._tp_calls(2, plain), 0)
+
+
+def test_the_links_table_survives_the_profiles_json(tmp_path):
+    import dataclasses
+    import json
+
+    from parallel_mini.course import planner
+
+    _, table = _two_worlds()
+    hw = dataclasses.replace(planner.hardware("cpu"), name="this machine", links=table)
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"hardware": dataclasses.asdict(hw)}))
+    back = planner.measure_hardware(str(path), worlds=())
+    assert back == hw and hash(back) == hash(hw)
+
+
+def test_link_at_takes_the_group_measured_nearest_within_the_world():
+    """Measured in groups: a tp2 call among 8 ranks is charged at the fit of 8 ranks in groups
+    of 2 (four pairs at once), not at 8 ranks in one ring nor at 2 ranks alone."""
+    fits = {}
+    for key, alpha in (((2, 2), ALPHA), ((8, 2), 3 * ALPHA), ((8, 8), 10 * ALPHA)):
+        res = _synthetic(key[1])
+        for row in res["rows"]:
+            row["median_s"] = links.predict(row["op"], row["bytes"], key[1], alpha, BW)
+        fits[key] = links.fit_alpha_beta(res)
+    table = links.fit_table(fits)
+    assert links.link_at(table, "all_gather", 8, 2)[0] == pytest.approx(3 * ALPHA)
+    assert links.link_at(table, "all_gather", 8, 8)[0] == pytest.approx(10 * ALPHA)
+    assert links.link_at(table, "all_gather", 8, 4)[2:] == (8, 8)  # nearest group, the larger
+    assert links.link_at(table, "all_gather", 8)[2:] == (8, 8)  # no group: the world's
+    assert links.link_at(table, "p2p", 2, 2)[0] == pytest.approx(ALPHA)
+
+
+def test_measure_links_in_groups_spans_the_group():
+    """2 ranks in groups of 1 are refused; 4 ranks in 2 groups of 2 time each group's own op:
+    the payload rounds to the group's size and the fit counts the group's hops."""
+    with pytest.raises(ValueError, match="divisor"):
+        links.measure_links(world=4, group=3, sizes=[4])
+    res = links.measure_links(world=4, group=2, sizes=[4, 4096], ops=("all_gather",), repeats=1)
+    assert res["group"] == 2 and [r["bytes"] for r in res["rows"]] == [8, 4096]
+    assert links.fit_alpha_beta(res)["all_gather"]["a"] == 1.0  # 2 - 1 hops
+
+
+def test_sp_calls_are_charged_at_their_own_measured_cost():
+    """A tp2 + sp run beside tp1 gives the CPU of a call with sequence parallel (sp_call_cpu_s),
+    charged per call for sp layouts instead of the plain tp calls' cost."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    shape = _toy_shape()
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
+    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
+             "tp2_calls": 74, "tp2sp_fwd_bwd_cpu_s": 0.06 + 244 * 1e-4, "tp2sp_calls": 244}
+    hw = planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": line,
+                                             "calls": calls}, {2: {"alpha_s": 1e-4,
+                                                                   "bandwidth_Bps": 2e9}},
+                                            shape, cores=2)
+    assert hw.sp_call_cpu_s == pytest.approx(1e-4) and hw.call_cpu_s == pytest.approx(3e-4)
+    spec16, lay, batch = _toy_and_tp(2)  # sp, 2 micro-batches
+    free = planner.predict(spec16, lay, dataclasses.replace(hw, sp_call_cpu_s=0.0, call_cpu_s=0.0),
+                           batch, precision="fp32")
+    charged = planner.predict(spec16, lay, hw, batch, precision="fp32")
+    assert charged["compute_s"] - free["compute_s"] == pytest.approx(
+        charged["comm"]["tp"]["calls"] * 1e-4)
+
+
+def test_pipeline_fill_and_drain_chain_is_charged_on_shared_cores():
+    """pp8 with 2 micro-batches on 2 cores: each rank sends 4 messages, but the fill and drain
+    are 14 messages one after another (2 (pp - 1)); nothing overlaps on shared cores."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    batch = planner.VALIDATION_MODEL["batch"]
+    spec = planner.toy_model(batch=batch, **_toy_shape())
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2)
+    lay = planner.Layout(dp=1, tp=1, pp=8, cp=1, ep=1, zero=0, schedule="1f1b", virtual=1,
+                         microbatches=2, micro_batch=8, checkpointing="none", sp=False)
+    pp = planner.predict(spec, lay, hw, batch, precision="fp32")["comm"]["pp"]
+    boundary = lay.micro_batch * spec.seq * spec.d_model * 4
+    hop = hw.shared_hop_s * lay.world / hw.cores
+    assert pp["hops"] == 4 and pp["seconds"] == pytest.approx(4 * (hop + boundary / hw.intra_bw))
+    assert pp["exposed_s"] == pytest.approx(14 * (hop + boundary / hw.intra_bw))
+
+
+def test_calls_cpu_measured_on_shared_cores_is_charged_where_ranks_share_them():
+    """Runs of 8 ranks on the cores (dp x tp2 / tp2 + sp / cp2 beside dp alone) give the calls'
+    CPU with the cores shared; a layout of 8 ranks on 2 cores is charged those, one of 2 ranks
+    the figures measured with a core each."""
+    import dataclasses
+
+    from parallel_mini.course import planner
+
+    shared = {"world": 8, "dp_fwd_bwd_cpu_s": 0.1, "dp_calls": 0,
+              "tp2_fwd_bwd_cpu_s": 0.1 + 100 * 5e-4, "tp2_calls": 100,
+              "tp2sp_fwd_bwd_cpu_s": 0.1 + 300 * 2e-4, "tp2sp_calls": 300,
+              "cp2_fwd_bwd_cpu_s": 0.1 + 200 * 3e-4, "cp2_calls": 200}
+    costs = planner._shared_costs(shared)
+    assert costs["shared_world"] == 8 and costs["shared_call_cpu_s"] == pytest.approx(5e-4)
+    assert costs["shared_sp_call_cpu_s"] == pytest.approx(2e-4)
+    assert costs["shared_p2p_call_cpu_s"] == pytest.approx(3e-4)
+    hw = dataclasses.replace(planner.hardware("cpu"), cores=2, sp_call_cpu_s=1e-5, **costs)
+    spec, lay8, batch = _toy_and_tp(8)
+    p8 = planner.predict(spec, lay8, hw, batch, precision="fp32")
+    assert planner._calls_cpu(hw, lay8, p8["comm"], True) == pytest.approx(
+        p8["comm"]["tp"]["calls"] * 2e-4)
+    spec, lay2, batch = _toy_and_tp(2)
+    p2 = planner.predict(spec, lay2, hw, batch, precision="fp32")
+    assert planner._calls_cpu(hw, lay2, p2["comm"], False) == pytest.approx(
+        p2["comm"]["tp"]["calls"] * 1e-5)

@@ -1380,6 +1380,17 @@ def _print_plan(res: dict):
                  f"+{1e3 * hw.get('selective_recompute_block_s', 0):.2f} ms (selective) per block "
                  f"and micro-batch, optimizer step {1e3 * hw.get('optimizer_s', 0):.2f} ms over "
                  f"the whole model" if hw.get("optimizer_s") else ""))
+    if hw.get("call_cpu_s"):
+        shared = (f"; with {hw['shared_world']} ranks on the cores: tp {1e6 * hw['shared_call_cpu_s']:.0f}"
+                  f", tp+sp {1e6 * hw['shared_sp_call_cpu_s']:.0f}, p2p "
+                  f"{1e6 * hw['shared_p2p_call_cpu_s']:.0f}" if hw.get("shared_world") else "")
+        print(f"    a comm call's own CPU, us (measured): tp {1e6 * hw['call_cpu_s']:.0f}, tp+sp "
+              f"{1e6 * hw.get('sp_call_cpu_s', 0):.0f}, p2p {1e6 * hw['p2p_call_cpu_s']:.0f} with a "
+              f"core per rank{shared}")
+    if hw.get("links"):
+        print("    links fitted per op at each world and group size measured, alpha us per hop "
+              "(GB/s), charged to each call at its layout's world and its group's size: "
+              + _links_table_line(hw["links"]))
     ran = [r for r in res["rows"] if "error" not in r]
     assumed = any("predicted_assumed_step_s" in r for r in ran)
     cpu = all("measured_cpu_s" in r for r in ran)
@@ -1422,6 +1433,16 @@ def _print_plan(res: dict):
         rho0 = spearman([r["predicted_assumed_step_s"] for r in ran],
                         [r["measured_step_s"] for r in ran])
         print(f"    with the assumed rates (profile 'cpu'): {rho0:+.2f}")
+
+
+def _links_table_line(table) -> str:
+    """A profile's links table (links.fit_table rows) as one line: per world and group size, each
+    op's alpha in us per hop and its bandwidth."""
+    rows = [r if len(r) == 5 else (r[0], r[0], *r[1:]) for r in table]
+    keys = sorted({(int(r[0]), int(r[1])) for r in rows})
+    return "; ".join(f"{w} ranks" + (f" in groups of {g}" if g < w else "") + ": " + ", ".join(
+        f"{op} {1e6 * a:.0f} ({1e-9 / b:.2f})" if b > 0 else f"{op} {1e6 * a:.0f} (inf)"
+        for ww, gg, op, a, b in rows if (int(ww), int(gg)) == (w, g)) for w, g in keys)
 
 
 def _print_wire(rows):
@@ -1478,6 +1499,12 @@ def _print_links(res: dict):
         f"{1e6 * by[o, b]['median_s']:.0f} ({1e6 * by[o, b]['min_s']:.0f})" if (o, b) in by else "-"
         for o in ops] for b in sizes]))
     print("bytes: " + "; ".join(f"{o}: {links.PAYLOAD[o]}" for o in ops))
+    small = [by[o, min(b for oo, b in by if oo == o)] for o in ops]
+    if all("cpu_all_ranks_s" in r for r in small):
+        print(f"the smallest message, median wall us beside every rank's CPU (gloo's threads "
+              f"included) / {res['cores']} cores: " + ", ".join(
+                  f"{r['op']} {1e6 * r['median_s']:.0f} / {1e6 * r['cpu_all_ranks_s'] / res['cores']:.0f}"
+                  for r in small))
     print(f"alpha-beta fit, t = a alpha + b bytes beta with the ring's hop counts at N = {n} "
           "(least squares in relative error); alpha and beta are the link's, so the ops should "
           "agree:")

@@ -92,44 +92,59 @@ def predict(op: str, nbytes: float, world: int, alpha_s: float, bandwidth_Bps: f
 # ---------------------------------------------------------------------------------------------
 # measuring (one process per rank, gloo over loopback)
 # ---------------------------------------------------------------------------------------------
-def _links_rank(op: str, sizes: list[int], repeats: int) -> list[dict]:
+def _links_rank(op: str, sizes: list[int], repeats: int, group_size: int = 0) -> list[dict]:
+    """`group_size` (0: the world): the ranks split into consecutive groups of that many, every
+    group calling the op at once among its own ranks (as a layout's tp or cp groups do)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    n, r = dist.get_world_size(), dist.get_rank()
-    right, left = (r + 1) % n, (r - 1) % n
+    world, me = dist.get_world_size(), dist.get_rank()
+    n = group_size or world
+    groups = [dist.new_group(list(range(g, g + n))) if n < world else None
+              for g in range(0, world, n)]  # new_group is collective: every rank makes every one
+    group, base, r = groups[me // n], me // n * n, me % n
+    right, left = base + (r + 1) % n, base + (r - 1) % n  # global ranks, for point-to-point
     rows = []
     for size in sizes:
-        numel = max(n, size // 4 // n * n)  # fp32, a multiple of the world size
+        numel = max(n, size // 4 // n * n)  # fp32, a multiple of the group's size
         full = torch.ones(numel)
         part = torch.ones(numel // n)
         recv = torch.empty(numel)
 
         def p2p():
-            ops = [dist.P2POp(dist.isend, full, right), dist.P2POp(dist.irecv, recv, left)]
+            ops = [dist.P2POp(dist.isend, full, right, group), dist.P2POp(dist.irecv, recv, left, group)]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
 
         calls = {"p2p": p2p,
-                 "all_reduce": lambda: dist.all_reduce(full),
-                 "all_gather": lambda: dist.all_gather_into_tensor(recv, part),
-                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-                 "all_to_all": lambda: dist.all_to_all_single(recv, full)}
+                 "all_reduce": lambda: dist.all_reduce(full, group=group),
+                 "all_gather": lambda: dist.all_gather_into_tensor(recv, part, group=group),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=group),
+                 "all_to_all": lambda: dist.all_to_all_single(recv, full, group=group)}
         call = calls[op]
-        times = []
+        times, cpus = [], []
         for i in range(repeats + 1):  # the first warms the connections and buffers up
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             call()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if i:
                 times.append(dt)
+                cpus.append(dc)
+        # a call ends for its group when the group's slowest rank is done: max over the group's
+        # ranks, per repeat; with several groups, the mean over the groups of that
         slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # max over ranks, per repeat
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(slowest)
+        slowest /= world
+        # every thread of every rank (gloo's own included), summed over ranks, per repeat
+        cpu = torch.tensor(cpus, dtype=torch.float64)
+        dist.all_reduce(cpu)
         seconds = slowest.tolist()
         rows.append({"op": op, "bytes": numel * 4, "seconds": seconds,
-                     "median_s": statistics.median(seconds), "min_s": min(seconds)})
+                     "median_s": statistics.median(seconds), "min_s": min(seconds),
+                     "cpu_all_ranks_s": statistics.median(cpu.tolist())})
     return rows
 
 
@@ -138,33 +153,43 @@ def _cores() -> int:
 
 
 def measure_links(world: int = 2, sizes: list[int] | None = None, ops=OPS, repeats: int = 5,
-                  progress=None, timeout: float = 600.0) -> dict:
+                  progress=None, timeout: float = 600.0, group: int = 0) -> dict:
     """Time each op of `ops` on each message size over `world` local gloo ranks (measured).
 
     `bytes` is PAYLOAD[op] (fp32, rounded down to a multiple of 4 x world; at least world
     elements): for all-gather and reduce-scatter the full tensor, as HOPS counts it. Per op and
     size: one unmeasured call, then `repeats` calls, each after a barrier; a repeat's time is the
-    slowest rank's (max over ranks), the row's median_s the median over repeats. One launch of
-    `world` ranks per op; `progress(row)` is called for each row as its op finishes.
+    slowest rank's of the group (max over the group's ranks; in groups, the mean over the groups
+    of that), the row's median_s the median over repeats. One launch of
+    `world` ranks per op; `progress(row)` is called for each row as its op finishes. `group` (a
+    divisor of world; 0: world): the op runs in world / group groups of that many ranks at once,
+    each on its own (the world's ranks still share the cores), and `bytes` and the hop counts are
+    the group's; "group" in the result.
     Returns {"world", "cores", "load_before", "load_after", "payload", "rows": [{"op", "bytes",
-    "seconds", "median_s", "min_s"}]}; JSON-able. (On a shared machine a repeat that lost its core
+    "seconds", "median_s", "min_s", "cpu_all_ranks_s"}]}; JSON-able. cpu_all_ranks_s: the CPU
+    time every thread of every rank spent from the call's start to its return (gloo's own
+    threads included), summed over the ranks, median over repeats: over the cores, the least
+    wall time the call can take when the ranks share them. (On a shared machine a repeat that lost its core
     takes a scheduler quantum, milliseconds, instead of ~0.1 ms: min_s, the fastest repeat, is
     the time with the cores free; median_s what a call takes under the load that was there.)"""
     from ..runtime.launch import run_ranks
 
     sizes = list(DEFAULT_SIZES if sizes is None else sizes)
+    group = group or world
+    if world % group:
+        raise ValueError(f"group={group}: a divisor of world={world}")
     for op in ops:
         hops(op, 2)  # a bad name fails here, before any rank starts
     load_before = [round(x, 2) for x in os.getloadavg()]
     rows = []
     for op in ops:
-        got = run_ranks(_links_rank, world, op, sizes, repeats, timeout=timeout,
+        got = run_ranks(_links_rank, world, op, sizes, repeats, group, timeout=timeout,
                         backend="gloo")[0].value
         for row in got:
             rows.append(row)
             if progress:
                 progress(row)
-    return {"world": world, "cores": _cores(), "load_before": load_before,
+    return {"world": world, "group": group, "cores": _cores(), "load_before": load_before,
             "load_after": [round(x, 2) for x in os.getloadavg()],
             "payload": {op: PAYLOAD[op] for op in ops}, "rows": rows}
 
@@ -218,7 +243,7 @@ def fit_alpha_beta(result: dict, hop_counts=None, stat: str = "median_s") -> dic
     ("median_s", or "min_s": the fastest repeat). Returns {op: {"alpha_s",
     "beta_s_per_byte", "bandwidth_Bps", "max_rel_err", "points", "a", "b"}, "all": {...}}."""
     count = hop_counts or hops
-    n = result["world"]
+    n = result.get("group") or result["world"]  # the ranks one call spans
     by_op: dict[str, list] = {}
     for row in result["rows"]:
         a, b = count(row["op"], n)
@@ -229,6 +254,43 @@ def fit_alpha_beta(result: dict, hop_counts=None, stat: str = "median_s") -> dic
         out[op] = _fitted(points, {"a": a, "b": b})
     out["all"] = _fitted([p for pts in by_op.values() for p in pts], {"a": None, "b": None})
     return out
+
+
+def fit_table(fits: dict) -> tuple:
+    """{world: fit_alpha_beta(...)} or {(world, group): fit_alpha_beta(...)} as flat rows (world,
+    group, op, alpha_s, beta_s_per_byte), sorted: the form a Hardware profile keeps (hashable,
+    JSON-able). `op` is one of OPS or "all"; a world alone is its own group."""
+    def key(k):
+        w, g = k if isinstance(k, tuple) else (k, k)
+        return int(w), int(g)
+    return tuple(sorted((*key(k), op, f["alpha_s"], f["beta_s_per_byte"])
+                        for k, fit in fits.items() for op, f in fit.items()))
+
+
+def nearest_world(worlds, world: int) -> int:
+    """The measured world that stands for `world` ranks: itself when measured, else the nearest in
+    ratio (2 and 8 measured: 4 takes 8, the tie going to the larger, where more ranks share the
+    cores), else None when nothing was measured."""
+    worlds = sorted(set(worlds))
+    if not worlds:
+        return None
+    return min(worlds, key=lambda w: (abs(math.log(w / world)), -w))
+
+
+def link_at(table: tuple, op: str, world: int, group: int = 0) -> tuple | None:
+    """(alpha_s, beta_s_per_byte, world, group they were fitted at) for `op` in groups of `group`
+    ranks (0: the world) among `world` ranks, from fit_table's rows: the measured world nearest
+    `world` (nearest_world), in it the measured group nearest `group`; the op's own fit, or the
+    "all" fit where the op was not fitted there. None when the table is empty. (Rows of 4, from
+    a profile written before groups were measured: world, op, alpha, beta, the group the world.)"""
+    rows = [r if len(r) == 5 else (r[0], r[0], *r[1:]) for r in table]
+    w = nearest_world({r[0] for r in rows}, world)
+    if w is None:
+        return None
+    g = nearest_world({r[1] for r in rows if r[0] == w}, min(group or world, w))
+    at = {r[2]: r for r in rows if r[:2] == (w, g)}
+    row = at.get(op) or at["all"]
+    return row[3], row[4], w, g
 
 
 # ---------------------------------------------------------------------------------------------

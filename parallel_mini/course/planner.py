@@ -31,8 +31,9 @@ core); matmuls run at a fixed share of peak whatever their size; real
 models use FlashAttention (no [s, s] scores kept), sequence parallel whenever tp > 1, uniform
 expert routing; memory beyond states, activations and logits (CUDA context, NCCL buffers,
 fragmentation) is a flat reserve. None of these numbers is measured, except the rates of the
-profile "this machine" (measure_hardware: a matmul and forward + backward sweep of the toy, and
-course/links.py's alpha-beta fit of this machine's links), which `bench plan` predicts with.
+profile "this machine" (measure_hardware: a matmul and forward + backward sweep of the toy, the
+comm calls' own CPU, and course/links.py's alpha-beta fit of this machine's links per op, world
+and group size), which `bench plan` predicts with.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .. import theory
-from . import at_scale
+from . import at_scale, links
 from ..parallel.schedules import build_schedule, chunk_owner, directions, in_flight
 
 GiB = 2 ** 30
@@ -198,6 +199,25 @@ class Hardware:
     call_cpu_s_per_byte: float = 0.0  # and per byte on the wire (from a tp2 run at batch 1 beside)
     p2p_call_cpu_s: float = 0.0  # the same for a point-to-point call (cp's ring, pp's messages),
     # from a cp2 run beside a cp1 run
+    sp_call_cpu_s: float = 0.0  # the same for a tp call with sequence parallel (its all-gathers,
+    # reduce-scatters and the small all-reduces of the replicated parameters' gradients), from a
+    # tp2 + sp run beside the tp1 run (0: call_cpu_s and call_cpu_s_per_byte stand for them)
+    # The same three where ranks outnumber the cores (a call's CPU grows there: its waits are
+    # spent switching between ranks), from runs of `shared_world` ranks: dp x tp2, dp x tp2 + sp
+    # and dp x cp2 beside dp alone, the same batch; charged to layouts whose ranks share the
+    # cores (0: not measured, the figures above stand for them).
+    shared_world: int = 0
+    shared_call_cpu_s: float = 0.0
+    shared_sp_call_cpu_s: float = 0.0
+    shared_p2p_call_cpu_s: float = 0.0
+    # Measured profiles only: this machine's links fitted per op at each world size measured
+    # (links.fit_table rows: world, op, alpha_s, beta_s_per_byte). With ranks sharing cores a
+    # hop's alpha holds the wait for the receiver to get a core, so a layout's calls are charged
+    # at the fit of the world it runs (links.link_at). Empty: latency_*_s and the bandwidths.
+    links: tuple = ()
+
+    def __post_init__(self):  # read back from JSON the rows are lists: keep them hashable
+        object.__setattr__(self, "links", tuple(tuple(row) for row in self.links))
 
     def bandwidth(self, inside_node: bool) -> float:
         if inside_node:
@@ -289,8 +309,6 @@ def fit_compute(sweep: list[dict], layers: int, flops_per_seq: float,
     flops_per_seq x per_flop. Refused (MeasurementError) where the time does not grow with the
     batch (a slope of 0: the timer did not see the work, e.g. CUDA kernels launched but not run
     on this thread) or the line misses a row by more than `max_rel_err`: never an infinite rate."""
-    from . import links
-
     pts = [(layers, flops_per_seq * r["batch"], r["seconds"]) for r in sweep]
     seen = ", ".join(f"{1e3 * r['seconds']:.2f} ms at batch {r['batch']}" for r in sweep)
     if len({r["batch"] for r in sweep}) < 2 or any(t <= 0 for *_, t in pts):
@@ -309,11 +327,13 @@ def fit_compute(sweep: list[dict], layers: int, flops_per_seq: float,
     return overhead, per_flop
 
 
-def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, cores: int) -> Hardware:
+def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, cores: int,
+                               op_fits: dict | None = None) -> Hardware:
     """measure_hardware's profile from its measurements: `compute` (_compute_sweep_rank's),
-    `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores."""
-    from . import links
-
+    `link_fits` {world: fit_alpha_beta(...)["all"]}, the toy's `shape`, this machine's cores;
+    `op_fits` {world or (world, group): fit_alpha_beta(...)} (every op's fit and "all"): the
+    profile's links table, which predict charges each call by (without it, the "all" fits' alpha
+    per hop)."""
     spec = toy_model(batch=1, **shape)
     per_seq = model_flops_per_token(spec) * spec.seq
     sweep = compute.get("engine_fwd_bwd") or compute["fwd_bwd"]
@@ -342,8 +362,19 @@ def hardware_from_measurements(compute: dict, link_fits: dict, shape: dict, core
                         else 0.0),
                     optimizer_s=statistics.median(opt) if opt else 0.0, **recompute,
                     call_cpu_s=_call_cost(calls)[0], call_cpu_s_per_byte=_call_cost(calls)[1],
-                    p2p_call_cpu_s=_per_call(calls, "cp2"),
+                    p2p_call_cpu_s=_per_call(calls, "cp2"), sp_call_cpu_s=_per_call(calls, "tp2sp"),
+                    **_shared_costs(compute.get("shared_calls") or {}),
+                    links=links.fit_table(op_fits) if op_fits else (),
                     source="measured here: the toy's steps on one rank + link fit")
+
+
+def _shared_costs(shared: dict) -> dict:
+    """Hardware's shared_* fields from _measure_shared_call_cpu's result ({}: none measured)."""
+    if not shared:
+        return {}
+    return {"shared_world": shared["world"], "shared_call_cpu_s": _shared_per_call(shared, "tp2"),
+            "shared_sp_call_cpu_s": _shared_per_call(shared, "tp2sp"),
+            "shared_p2p_call_cpu_s": _shared_per_call(shared, "cp2")}
 
 
 def _measure_call_cpu(shape: dict, batch: int) -> dict:
@@ -355,6 +386,7 @@ def _measure_call_cpu(shape: dict, batch: int) -> dict:
 
     out = {}
     for name, degrees, b in (("tp1", {}, batch), ("tp2", {"tp": 2}, batch), ("cp2", {"cp": 2}, batch),
+                             ("tp2sp", {"tp": 2, "sp": True}, batch),
                              ("tp1_b1", {}, 1), ("tp2_b1", {"tp": 2}, 1)):
         rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo", **degrees))
         out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
@@ -366,6 +398,36 @@ def _measure_call_cpu(shape: dict, batch: int) -> dict:
             sum(c.get("wire_bytes_model", 0) for r in rep.ranks for c in r["comm"]
                 if c.get("step") == s) for s in (1, 2))
     return out
+
+
+def _measure_shared_call_cpu(shape: dict, batch: int, world: int) -> dict:
+    """`world` ranks on the cores (more ranks than cores): dp x tp2, dp x tp2 + sp and dp x cp2
+    beside dp alone, the same batch (the same tokens and blocks per rank): the forward and
+    backward ops' CPU (all ranks summed, median of steps 1 and 2) and the tp / cp calls made."""
+    from ..config import RunConfig
+    from ..runtime.launch import run
+
+    out = {"world": world}
+    for name, degrees, axis in (("dp", {}, None), ("tp2", {"tp": 2}, "tp"),
+                                ("tp2sp", {"tp": 2, "sp": True}, "tp"), ("cp2", {"cp": 2}, "cp")):
+        dp = world // (2 if axis else 1)
+        rep = run(RunConfig(**shape, batch=batch, steps=4, backend="gloo", dp=dp, **degrees))
+        out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
+            sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
+                if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
+        out[f"{name}_calls"] = statistics.median(
+            len([c for r in rep.ranks for c in r["comm"] if c.get("step") == s
+                 and c.get("group") == axis and (axis != "cp" or c["op"] in ("send", "recv"))])
+            for s in (1, 2))  # (cp's gradient all-reduce runs after the passes)
+    return out
+
+
+def _shared_per_call(shared: dict, name: str) -> float:
+    """Seconds of CPU per tp / cp call with the cores shared: what run `name` added to dp's."""
+    if not shared.get(f"{name}_calls"):
+        return 0.0
+    return max(0.0, (shared[f"{name}_fwd_bwd_cpu_s"] - shared["dp_fwd_bwd_cpu_s"])
+               / shared[f"{name}_calls"])
 
 
 def _call_cost(calls: dict) -> tuple[float, float]:
@@ -398,7 +460,7 @@ def _recomputed_flops(spec: ModelSpec, checkpointing: str) -> float:
                                                                                       0.0)
 
 
-def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None = None,
+def measure_hardware(path: str | None = None, worlds=(2, 4, 8), model: dict | None = None,
                      batches=(1, 2, 4, 8, 16), max_bytes: int = 4 * 2 ** 20, repeats: int = 5,
                      progress=None) -> Hardware:
     """"this machine", measured here: a Hardware profile for the tiny GPT's local runs.
@@ -416,13 +478,18 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     blocks); the same forward + backward run as a pipeline runs it, one chunk (its own autograd
     graph) per block, gives chunk_overhead_s (median over micro-batch sizes of the difference per
     chunk), charged per chunk a pipeline rank runs. Links (course/links.measure_links, every op, 4 B to max_bytes, medians): at each
-    world of `worlds`, fit_alpha_beta over all ops; latency_intra_s is alpha at the largest world
-    with a core per rank, shared_hop_s alpha at the largest world beyond the cores x cores /
-    world (the planner charges shared_hop_s x ranks / cores per hop), the bandwidth that world's.
+    world of `worlds`, with the op run in groups of every power of 2 from 2 to the world (all
+    groups at once), fit_alpha_beta per op and over all ops (the rows and fits are kept in the
+    JSON): the per-op fits become the profile's links table, and predict charges each call of a
+    group of n ranks in a layout of N at the fit measured nearest (N, n) (links.link_at); the older
+    summary stays beside it: latency_intra_s is alpha at the largest world with a core per rank,
+    shared_hop_s alpha at the largest world beyond the cores x cores / world, the bandwidth that
+    world's.
     The same sweep with full and selective checkpointing gives what recomputing costs per block
     beyond its FLOPs; its optimizer op, optimizer_s (charged per rank by its share of the
-    optimizer states); a tp2 and a cp2 run beside a tp1 one of the same batch, the CPU a comm call
-    adds to the passes (call_cpu_s, p2p_call_cpu_s; charged per call predict counts). Not in the
+    optimizer states); a tp2, a tp2 + sp and a cp2 run beside a tp1 one of the same batch, the
+    CPU a comm call adds to the passes (call_cpu_s, sp_call_cpu_s, p2p_call_cpu_s; charged per
+    call predict counts). Not in the
     profile: the CPU ranks burn waiting for one another when they outnumber the cores, and
     gloo's own threads. With `path`: read the profile from that
     JSON file when it exists, else measure and write it there; without, measure (no file)."""
@@ -434,7 +501,6 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
     from ..config import RunConfig
     from ..runtime.launch import run
     from ..runtime.launch import run_ranks
-    from . import links
 
     say = progress or (lambda msg: None)
     shape = {k: v for k, v in {**VALIDATION_MODEL, **(model or {})}.items() if k != "batch"}
@@ -464,19 +530,27 @@ def measure_hardware(path: str | None = None, worlds=(2, 8), model: dict | None 
                 sum(e.get("cpu", 0.0) for e in rep.ranks[0]["events"] if e.get("step") == s
                     and e["kind"] in ("forward", "backward")) for s in (1, 2))})
     comp["calls"] = _measure_call_cpu(shape, max(batches))
+    cores = _cpu_profile().cores
+    shared = [w for w in worlds if w > cores]
+    if shared:  # the calls' own CPU again, with more ranks than cores
+        say(f"compute: comm calls' CPU, {max(shared)} ranks on {cores} cores")
+        comp["shared_calls"] = _measure_shared_call_cpu(shape, max(batches), max(shared))
     fits = {}
     for w in worlds:
-        say(f"links: {w} ranks")
-        res = links.measure_links(w, [x for x in links.DEFAULT_SIZES if x <= max_bytes],
-                                  repeats=repeats)
-        fits[w] = {"fit": links.fit_alpha_beta(res)["all"],
-                   "load": [res["load_before"], res["load_after"]]}
-    hw = hardware_from_measurements(comp, {w: f["fit"] for w, f in fits.items()}, shape,
-                                    _cpu_profile().cores)
+        for g in _powers_of_two_dividing(w, w)[1:]:  # groups of 2 .. w ranks, all at once
+            say(f"links: {w} ranks" + (f" in groups of {g}" if g < w else ""))
+            res = links.measure_links(w, [x for x in links.DEFAULT_SIZES if x <= max_bytes],
+                                      repeats=repeats, group=g)
+            by_op = links.fit_alpha_beta(res)
+            fits[w, g] = {"fit": by_op["all"], "by_op": by_op, "rows": res["rows"],
+                          "load": [res["load_before"], res["load_after"]]}
+    hw = hardware_from_measurements(comp, {w: f["fit"] for (w, g), f in fits.items() if g == w},
+                                    shape, _cpu_profile().cores,
+                                    {k: f["by_op"] for k, f in fits.items()})
     if path:
         with open(path, "w") as fh:
             json.dump({"hardware": dataclasses.asdict(hw), "compute": comp,
-                       "links": {str(w): f for w, f in fits.items()}}, fh, indent=1)
+                       "links": {f"{w}/{g}": f for (w, g), f in fits.items()}}, fh, indent=1)
     return hw
 
 
@@ -1055,9 +1129,7 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
     comm = _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores, most)
     # each comm call's own CPU (measured profiles): the busiest rank's calls, on shared cores
     # every rank's (as many) over the cores; point-to-point calls at their own measured cost
-    calls = sum(c["calls"] * hw.p2p_call_cpu_s if a in ("cp", "pp") else
-                c["calls"] * hw.call_cpu_s + c["bytes"] * hw.call_cpu_s_per_byte
-                for a, c in comm.items())
+    calls = _calls_cpu(hw, lay, comm, shared_cores)
     compute += calls * (lay.world / hw.cores if shared_cores else 1)
     step = compute + sum(c["exposed_s"] for c in comm.values())
     tokens = global_batch * spec.seq
@@ -1067,6 +1139,21 @@ def predict(spec: ModelSpec, lay: Layout, hw: Hardware, global_batch: int, node:
             "memory_peak_stage": worst, "fits": per_rank[worst]["total"] <= hw.usable_bytes,
             "compute_s": compute, "bubble": bubble, "comm": comm, "step_s": step, "mfu": mfu,
             "tokens_per_step": tokens, "cores_shared": shared_cores}
+
+
+def _calls_cpu(hw: Hardware, lay: Layout, comm: dict, shared_cores: bool) -> float:
+    """The busiest rank's comm calls' own CPU per step (measured profiles): point-to-point calls
+    (cp, pp) at p2p_call_cpu_s, tp's with sp at sp_call_cpu_s, the rest at call_cpu_s and per
+    byte; where ranks share the cores, the costs measured with them shared, where measured."""
+    shared = shared_cores and hw.shared_world
+    p2p = hw.shared_p2p_call_cpu_s if shared else hw.p2p_call_cpu_s
+    sp = hw.shared_sp_call_cpu_s if shared else hw.sp_call_cpu_s
+    per_call, per_byte = ((hw.shared_call_cpu_s, 0.0) if shared else
+                          (hw.call_cpu_s, hw.call_cpu_s_per_byte))
+    return sum(c["calls"] * p2p if a in ("cp", "pp") else
+               c["calls"] * sp if a == "tp" and lay.sp and sp else
+               c["calls"] * per_call + c["bytes"] * per_byte
+               for a, c in comm.items())
 
 
 def _tp_calls(blocks: int, lay: Layout) -> int:
@@ -1091,7 +1178,7 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
     dp / ZeRO-1/2: what one micro-batch's compute cannot hide (the gradients' reduce during the
     last backward, ZeRO's parameter all-gather during the next forward); ZeRO-3: per micro-step
     what that micro-step's compute cannot hide. On cores shared by more ranks than cores,
-    nothing overlaps.
+    nothing overlaps (pp: the busiest rank's messages, or the fill and drain chain where longer).
     DualPipe (DeepSeek-V3): in its F&B pairs one micro-batch's all-to-all and pipeline sends run
     while the other computes, so of the ep and pp seconds the paired share (dual_paired_share) is
     hidden up to the paired compute, the rest exposed; the two copies of each stage exchange their
@@ -1110,37 +1197,30 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
         if not nbytes:
             continue
         inside = _inside_node(spans[axis], node)
-        bw, n = hw.bandwidth(inside), sizes[axis]
-        hop = _hop_time(hw, inside, lay.world)
-        if axis == "tp":  # per micro-step: 4 per block + embedding + head + 3 (cross-entropy), rings
-            hops = m * (4 * blocks + 5 + blocks * (lay.checkpointing == "full")) * 2 * (n - 1)
-        elif axis == "cp":  # ring: (c-1) forward, c backward (+ c-1 recomputed) per block
-            hops = m * blocks * ((n - 1) * (2 + (lay.checkpointing != "none")) + 1)
-        elif axis == "ep":  # 4 all-to-alls and a counts exchange per MoE block
-            hops = m * most["moe_blocks"] * 5 * (n - 1)
-        elif axis == "pp":  # every message the busiest rank sends (each a boundary tensor)
-            hops = round(nbytes / boundary)
-        elif axis == "pp_copies":  # one exchange with the mirror rank
-            hops = 1
-        else:  # buckets of 25 MiB (0.25 MiB on the toy, RunConfig's), one ring each way
-            bucket = (0.25 if spec.toy else 25) * 2 ** 20
-            calls = most["units"] * m if lay.zero == 3 else math.ceil(nbytes / 2 / bucket)
-            hops = calls * (3 if lay.zero == 3 else 2) * (n - 1)
-            if spec.toy and lay.zero in (1, 2):
-                hops = 2 * (n - 1)  # one flat reduce-scatter and all-gather (parallel/zero.py)
-        seconds = nbytes / bw + hops * hop
+        n = sizes[axis]
+        # (op, ring hops, share of the bytes) of the busiest rank's calls on this axis
+        parts = _axis_parts(axis, spec, lay, n, m, blocks, most, nbytes, boundary)
+        hops = sum(h for _, h, _ in parts)
+        fits = {op: _link(hw, op, lay.world, n, inside) for op, _, _ in parts}
+        seconds = sum(h * fits[op][0] + s * nbytes * fits[op][1] for op, h, s in parts)
         calls = {"tp": m * _tp_calls(blocks, lay),  # the busiest rank's comm calls per step
                  "cp": 2 * hops, "pp": 2 * hops,  # a send and a receive per ring step / message
                  "ep": hops / (n - 1), "pp_copies": 2,
                  }.get(axis, hops / (n - 1) / (2 if lay.zero == 0 else 1))
+        chain = 0.0
+        if axis == "pp":  # fill and drain: 2 (chunks - 1) boundary messages one after another
+            alpha, beta = fits["p2p"]
+            chain = 2 * (lay.pp * lay.virtual - 1) * (boundary * beta + alpha)
         if dual and not shared_cores and axis in ("ep", "pp"):
             exposed = seconds * (1 - share) + max(0.0, seconds * share - t_micro * m * share)
+        elif shared_cores and axis == "pp":  # nothing overlaps, and the chain is serial anyway
+            exposed = max(seconds, chain)
         elif shared_cores or axis in ("tp", "ep"):
             exposed = seconds
         elif axis == "cp":
             exposed = max(0.0, seconds - t_attn * m)
         elif axis == "pp":
-            exposed = 2 * (lay.pp * lay.virtual - 1) * (boundary / bw + hop)
+            exposed = chain
         elif axis == "pp_copies":
             exposed = max(0.0, seconds - t_micro)
         elif lay.zero == 3:
@@ -1148,8 +1228,66 @@ def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_co
         else:
             exposed = max(0.0, seconds - t_micro)
         out[axis] = {"bytes": nbytes, "seconds": seconds, "exposed_s": exposed, "calls": calls,
-                     "link": (hw.intra if inside else hw.inter), "group": n}
+                     "link": (hw.intra if inside else hw.inter), "group": n, "hops": hops}
     return out
+
+
+def _link(hw: Hardware, op: str, ranks: int, group: int, inside: bool) -> tuple[float, float]:
+    """(seconds per ring hop, seconds per byte on the wire) of `op` in groups of `group` ranks in
+    a layout of `ranks` ranks: the profile's links fitted per op with the op run in groups of that
+    size, all at once, among the measured world nearest `ranks` (measured profiles: with ranks
+    sharing cores a hop waits for its ranks to be scheduled, which depends both on how many
+    processes share the cores and on how many of them one call spans), else its latency and
+    bandwidth."""
+    got = links.link_at(hw.links, op, ranks, group) if hw.links else None
+    if got:
+        return got[0], got[1]
+    return _hop_time(hw, inside, ranks), 1.0 / hw.bandwidth(inside)
+
+
+def _tp_collectives(blocks: int, lay: Layout, toy: bool) -> tuple[float, float]:
+    """(all-reduces, all-gathers + reduce-scatters) a tp rank makes per micro-step (_tp_calls'
+    count, by kind). Without sp: all-reduces only. With sp on the toy: 4 all-gathers and 4
+    reduce-scatters per block + 2 each (embedding, head), 3 more per block recomputed under full
+    checkpointing; all-reduces: 6 per block and 3 for the replicated parameters' gradients
+    (parallel/tensor.py's sum_gradients_over_tp, every backward) and cross-entropy's 3. Real
+    models (Megatron) reduce those gradients once per step, beside the data-parallel sync: there
+    an all-gather + reduce-scatter pair is counted as the all-reduce it replaces."""
+    full = lay.checkpointing == "full"
+    if lay.sp and toy:
+        return 6 * blocks + 6, 8 * blocks + 4 + 3 * blocks * full
+    return 4 * blocks + 5 + blocks * full, 0
+
+
+def _axis_parts(axis, spec, lay, n, m, blocks, most, nbytes, boundary) -> list[tuple]:
+    """The busiest rank's calls on one axis per step, by op: [(op, ring hops, share of the
+    axis's bytes)]; hops as links.hops counts them (all-reduce 2(n-1), all-gather,
+    reduce-scatter and all-to-all n-1, a point-to-point message 1)."""
+    if axis == "tp":
+        ar, agrs = _tp_collectives(blocks, lay, spec.toy)
+        if not agrs:
+            return [("all_reduce", m * ar * 2 * (n - 1), 1.0)]
+        half = m * agrs / 2 * (n - 1)  # as many all-gathers as reduce-scatters
+        return [("all_gather", half, 0.5), ("reduce_scatter", half, 0.5),
+                ("all_reduce", m * ar * 2 * (n - 1), 0.0)]  # (their bytes: norms and biases)
+    if axis == "cp":  # ring: (c-1) forward, c backward (+ c-1 recomputed) per block
+        return [("p2p", m * blocks * ((n - 1) * (2 + (lay.checkpointing != "none")) + 1), 1.0)]
+    if axis == "ep":  # 4 all-to-alls and a counts exchange per MoE block
+        return [("all_to_all", m * most["moe_blocks"] * 5 * (n - 1), 1.0)]
+    if axis == "pp":  # every message the busiest rank sends (each a boundary tensor)
+        return [("p2p", round(nbytes / boundary), 1.0)]
+    if axis == "pp_copies":  # one exchange with the mirror rank
+        return [("p2p", 1, 1.0)]
+    # dp / edp: buckets of 25 MiB (0.25 MiB on the toy, RunConfig's), one ring each way
+    bucket = (0.25 if spec.toy else 25) * 2 ** 20
+    if lay.zero == 3:  # per unit and micro-step: gathered for forward and backward, grads scattered
+        calls = most["units"] * m
+        return [("all_gather", 2 * calls * (n - 1), 2 / 3), ("reduce_scatter", calls * (n - 1), 1 / 3)]
+    calls = math.ceil(nbytes / 2 / bucket)
+    if lay.zero in (1, 2):  # the toy: one flat reduce-scatter and all-gather (parallel/zero.py)
+        calls = 1 if spec.toy else calls
+        return [("reduce_scatter", calls * (n - 1), 0.5), ("all_gather", calls * (n - 1), 0.5)]
+    return [("all_reduce", calls * 2 * (n - 1), 1.0)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1593,6 +1731,9 @@ def validate_on_toy_runs(layouts: list[Layout] | None = None, gpus: int = 8, ste
                "measured_cpu_by_kind": measured_cpu_by_kind(report),
                **measured_comm_calls(report),
                "predicted_comm_s": {a: c["exposed_s"] for a, c in p["comm"].items()},
+               "predicted_comm": {a: {k: c[k] for k in ("group", "hops", "calls", "bytes",
+                                                        "seconds", "exposed_s")}
+                                  for a, c in p["comm"].items()},
                "activations_theory_bytes": act_pred, "activations_measured_bytes": act_meas}
         if hw is not assumed:
             row["predicted_assumed_step_s"] = predict(spec, lay, assumed, batch,
