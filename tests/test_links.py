@@ -116,6 +116,21 @@ def _toy_shape():
     return {k: v for k, v in planner.VALIDATION_MODEL.items() if k != "batch"}
 
 
+def _hardware_measured(shape: dict, more_calls: dict):
+    """A profile from made-up measurements: 50 GFLOP/s and 0.3 ms per block, one link fit at 2
+    ranks, tp2's calls at 0.3 ms of CPU each, and `more_calls`' measured runs."""
+    from parallel_mini.course import planner
+
+    spec = planner.toy_model(batch=1, **shape)
+    per_seq = planner.model_flops_per_token(spec) * spec.seq
+    line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
+    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
+             "tp2_calls": 74, **more_calls}
+    return planner.hardware_from_measurements(
+        {"fwd_bwd": [], "engine_fwd_bwd": line, "calls": calls},
+        {2: {"alpha_s": 1e-4, "bandwidth_Bps": 2e9}}, shape, cores=2)
+
+
 def test_hardware_from_measurements_recovers_the_rates():
     from parallel_mini.course import planner
 
@@ -286,15 +301,7 @@ def test_comm_calls_cpu_is_measured_and_charged_per_call():
     from parallel_mini.course import planner
 
     shape = _toy_shape()
-    spec = planner.toy_model(batch=1, **shape)
-    per_seq = planner.model_flops_per_token(spec) * spec.seq
-    line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
-    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
-             "tp2_calls": 74, "cp2_fwd_bwd_cpu_s": 0.06 + 110 * 2e-5, "cp2_calls": 110}
-    hw = planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": line,
-                                             "calls": calls}, {2: {"alpha_s": 1e-4,
-                                                                   "bandwidth_Bps": 2e9}},
-                                            shape, cores=2)
+    hw = _hardware_measured(shape, {"cp2_fwd_bwd_cpu_s": 0.06 + 110 * 2e-5, "cp2_calls": 110})
     assert hw.call_cpu_s == pytest.approx(3e-4) and hw.p2p_call_cpu_s == pytest.approx(2e-5)
     batch = planner.VALIDATION_MODEL["batch"]
     big = planner.toy_model(batch=batch, **shape)
@@ -303,7 +310,7 @@ def test_comm_calls_cpu_is_measured_and_charged_per_call():
     free = planner.predict(big, lay, dataclasses.replace(hw, call_cpu_s=0.0), batch,
                            precision="fp32")
     charged = planner.predict(big, lay, hw, batch, precision="fp32")
-    assert free["comm"]["tp"]["calls"] == 4 * spec.layers + 5  # 37, as tp2 runs them
+    assert free["comm"]["tp"]["calls"] == 4 * big.layers + 5  # 37, as tp2 runs them
     assert charged["compute_s"] - free["compute_s"] == pytest.approx(37 * 3e-4)
     sp = planner.predict(big, dataclasses.replace(lay, sp=True), hw, batch, precision="fp32")
     full = planner.predict(big, dataclasses.replace(lay, sp=True, checkpointing="full"), hw, batch,
@@ -447,15 +454,7 @@ def test_sp_calls_are_charged_at_their_own_measured_cost():
     from parallel_mini.course import planner
 
     shape = _toy_shape()
-    spec = planner.toy_model(batch=1, **shape)
-    per_seq = planner.model_flops_per_token(spec) * spec.seq
-    line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
-    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
-             "tp2_calls": 74, "tp2sp_fwd_bwd_cpu_s": 0.06 + 244 * 1e-4, "tp2sp_calls": 244}
-    hw = planner.hardware_from_measurements({"fwd_bwd": [], "engine_fwd_bwd": line,
-                                             "calls": calls}, {2: {"alpha_s": 1e-4,
-                                                                   "bandwidth_Bps": 2e9}},
-                                            shape, cores=2)
+    hw = _hardware_measured(shape, {"tp2sp_fwd_bwd_cpu_s": 0.06 + 244 * 1e-4, "tp2sp_calls": 244})
     assert hw.sp_call_cpu_s == pytest.approx(1e-4) and hw.call_cpu_s == pytest.approx(3e-4)
     spec16, lay, batch = _toy_and_tp(2)  # sp, 2 micro-batches
     free = planner.predict(spec16, lay, dataclasses.replace(hw, sp_call_cpu_s=0.0, call_cpu_s=0.0),
