@@ -116,6 +116,11 @@ def _toy_shape():
     return {k: v for k, v in planner.VALIDATION_MODEL.items() if k != "batch"}
 
 
+# tp1's and tp2's measured passes, made up: tp2's 74 calls add 0.3 ms of CPU each
+TP_CALLS = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
+            "tp2_calls": 74}
+
+
 def _hardware_measured(shape: dict, more_calls: dict):
     """A profile from made-up measurements: 50 GFLOP/s and 0.3 ms per block, one link fit at 2
     ranks, tp2's calls at 0.3 ms of CPU each, and `more_calls`' measured runs."""
@@ -124,8 +129,7 @@ def _hardware_measured(shape: dict, more_calls: dict):
     spec = planner.toy_model(batch=1, **shape)
     per_seq = planner.model_flops_per_token(spec) * spec.seq
     line = [{"batch": b, "seconds": spec.layers * 3e-4 + b * per_seq / 50e9} for b in (1, 2, 4)]
-    calls = {"tp1_fwd_bwd_cpu_s": 0.06, "tp1_calls": 0, "tp2_fwd_bwd_cpu_s": 0.06 + 74 * 3e-4,
-             "tp2_calls": 74, **more_calls}
+    calls = {**TP_CALLS, **more_calls}
     return planner.hardware_from_measurements(
         {"fwd_bwd": [], "engine_fwd_bwd": line, "calls": calls},
         {2: {"alpha_s": 1e-4, "bandwidth_Bps": 2e9}}, shape, cores=2)
@@ -317,7 +321,7 @@ def test_comm_calls_cpu_is_measured_and_charged_per_call():
                            precision="fp32")  # tp2 runs count 122 and 146 (8 blocks)
     assert (sp["comm"]["tp"]["calls"], full["comm"]["tp"]["calls"]) == (122, 146)
     # with a tp2 run at batch 1 beside: the same calls, fewer bytes, give a per-byte cost too
-    both = dict(calls, tp2_wire_bytes=8e6, tp1_b1_fwd_bwd_cpu_s=0.005, tp1_b1_calls=0,
+    both = dict(TP_CALLS, tp2_wire_bytes=8e6, tp1_b1_fwd_bwd_cpu_s=0.005, tp1_b1_calls=0,
                 tp2_b1_calls=74, tp2_b1_wire_bytes=5e5)
     both["tp2_fwd_bwd_cpu_s"] = 0.06 + 74 * 3e-4 + 8e6 * 1e-10
     both["tp2_b1_fwd_bwd_cpu_s"] = 0.005 + 74 * 3e-4 + 5e5 * 1e-10
