@@ -50,6 +50,32 @@ def test_compare_flags_a_ratio_that_got_worse(tmp_path, capsys):
     assert bench.main(["--compare", str(old)]) == 2        # one file and no benchmark: refused
 
 
+def test_the_goals_of_issue_25_are_judged_row_by_row():
+    """goal_verdict: a row past its goal is named with its value; rows a goal does not judge (pp's
+    other schedules, rings below 64 KB) are left out; a missed row not settled is said so."""
+    dp = [{"dp": 2, "bucketed_over_ddp": 1.02, "allreduce_overlapped": 0.66,
+           "ddp_allreduce_overlapped": 0.49, "stable": True},
+          {"dp": 4, "bucketed_over_ddp": 1.04, "allreduce_overlapped": 0.20,
+           "ddp_allreduce_overlapped": 0.24, "stable": False}]
+    v = bench.goal_verdict("dp", dp)
+    assert not v["met"] and v["missed"] == ["dp 4: 1.04, 20% (24%)"] and v["unsettled"] == ["dp 4"]
+    dp[1]["allreduce_overlapped"] = 0.25
+    assert bench.goal_verdict("dp", dp)["met"]
+    dp[0]["bucketed_over_ddp"] = 1.06  # 5 % is the limit
+    assert bench.goal_verdict("dp", dp)["missed"] == ["dp 2: 1.06, 66% (49%)"]
+    pp = [{"pp": 2, "schedule": "1f1b", "ours_over_torch": 1.06},
+          {"pp": 2, "schedule": "interleaved", "ours_over_torch": 0.99}]
+    assert bench.goal_verdict("pp", pp)["met"]  # the goal names interleaved only
+    pp[1]["ours_over_torch"] = 1.01
+    assert bench.goal_verdict("pp", pp)["missed"] == ["pp 2 interleaved: 1.01"]
+    ring = [{"world_size": 4, "mb": 0.03125, "ring_over_gloo_bw": 0.3},
+            {"world_size": 4, "mb": 0.0625, "ring_over_gloo_bw": 0.79, "stable": True}]
+    v = bench.goal_verdict("ring", ring)
+    assert v["missed"] == ["4 ranks 0.0625 MB: 0.79"] and not v["unsettled"]
+    assert "NOT met at 4 ranks 0.0625 MB: 0.79" in bench._goal_line(v)
+    assert bench.goal_verdict("links", [{}]) is None  # no goal: no line
+
+
 @pytest.mark.slow  # two ranks and torch's ring: ~5 s of CPU
 def test_bench_cp_reports_the_tile_split_and_its_stability():
     """A tiny `bench cp` on 2 ranks: the ratio, the stability verdict and where a tile's time

@@ -1871,6 +1871,54 @@ def _stability_line(section: str, rows) -> str | None:
             f"    NOT stable ({rule} not reached at the cap): " + ", ".join(bad))
 
 
+# Issue 25's goals, each a test of one row: the verdict line under a table, and "goals" in the JSON.
+# pp: the goal names interleaved 1F1B (the other schedules are shown beside it, not judged).
+# zero, tp, ep: the issue asks to keep them ahead of their peers, so the line says which are not.
+GOALS = {
+    "dp": ("bucketed/DDP <= 1.05 and all-reduce overlapped >= DDP's, every dp",
+           lambda r: r["bucketed_over_ddp"] <= 1.05
+           and r["allreduce_overlapped"] >= r["ddp_allreduce_overlapped"],
+           lambda r: f"{r['bucketed_over_ddp']:.2f}, {r['allreduce_overlapped']:.0%} "
+                     f"({r['ddp_allreduce_overlapped']:.0%})"),
+    "ring": ("ring/gloo bus bandwidth >= 0.8 from 64 KB up",
+             lambda r: r["mb"] < 0.0625 or r["ring_over_gloo_bw"] >= 0.8,
+             lambda r: f"{r['ring_over_gloo_bw']:.2f}"),
+    "pp": ("interleaved ours/torch <= 1.0 at every pp",
+           lambda r: r["schedule"] != "interleaved" or r["ours_over_torch"] <= 1.0,
+           lambda r: f"{r['ours_over_torch']:.2f}"),
+    "cp": ("ours/torch <= 1.0, every cp and layout", lambda r: r["ours_over_torch"] <= 1.0,
+           lambda r: f"{r['ours_over_torch']:.2f}"),
+    "zero": ("ours/peer < 1.0 (ahead), every row", lambda r: r["ours_over_peer"] < 1.0,
+             lambda r: f"{r['ours_over_peer']:.2f}"),
+    "tp": ("ours/DTensor < 1.0 (ahead), every row", lambda r: r["ours_over_dtensor"] < 1.0,
+           lambda r: f"{r['ours_over_dtensor']:.2f}"),
+    "ep": ("ep N/ep 1 < 1.0, every row", lambda r: r["sharded_over_replicated"] < 1.0,
+           lambda r: f"{r['sharded_over_replicated']:.2f}"),
+}
+
+
+def goal_verdict(section: str, rows) -> dict | None:
+    """The goal of `section` (GOALS) judged on these rows: {"goal", "met", "missed": [row: value]},
+    and "unsettled": the missed rows whose medians had not settled (a verdict they may not keep)."""
+    if section not in GOALS or not isinstance(rows, list) or not rows:
+        return None
+    goal, ok, shown = GOALS[section]
+    name_of = COMPARED[section][0]
+    missed = [r for r in rows if not ok(r)]
+    return {"goal": goal, "met": not missed,
+            "missed": [f"{name_of(r)}: {shown(r)}" for r in missed],
+            "unsettled": [name_of(r) for r in missed if not r.get("stable", True)]}
+
+
+def _goal_line(verdict: dict) -> str:
+    if verdict["met"]:
+        return f"    goal (issue 25), {verdict['goal']}: met on every row"
+    unsettled = (f" (not settled: {', '.join(verdict['unsettled'])})"
+                 if verdict["unsettled"] else "")
+    return (f"    goal (issue 25), {verdict['goal']}: NOT met at " + "; ".join(verdict["missed"])
+            + unsettled)
+
+
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -2012,11 +2060,16 @@ def main(argv=None) -> int:
             after = _load()
             out["load_average"][name] = {"before": before, "after": after}
             out["seconds"][name] = time.perf_counter() - t1
+            verdict = goal_verdict(name, out[name])
+            if verdict:
+                out.setdefault("goals", {})[name] = verdict
             if not to_stdout:
                 show(out[name])
                 line = _stability_line(name, out[name])
                 if line:
                     print(line)
+                if verdict:
+                    print(_goal_line(verdict))
                 print(f"[{name}] load average after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}; "
                       f"{out['seconds'][name]:.0f} s\n", flush=True)
     out["load_average_after"] = _load()
