@@ -74,6 +74,14 @@ def test_the_goals_of_issue_25_are_judged_row_by_row():
     assert v["missed"] == ["4 ranks 0.0625 MB: 0.79"] and not v["unsettled"]
     assert "NOT met at 4 ranks 0.0625 MB: 0.79" in bench._goal_line(v)
     assert bench.goal_verdict("links", [{}]) is None  # no goal: no line
+    tp = [{"tp": 2, "sp": False, "ours_over_dtensor": 1.11, "ours_over_dtensor_vocab": 0.81},
+          {"tp": 2, "sp": True, "ours_over_dtensor": 0.69}]
+    assert bench.goal_verdict("tp", tp)["missed"] == [
+        "tp 2 sp no: 1.11 (DTensor with our vocabulary split: 0.81)"]
+    # --compare: the vocab ratio exists for sp off only; a row without it in either run is skipped
+    ratios = [(r["row"], r["ratio"]) for r in bench.compare({"tp": tp}, {"tp": tp})]
+    assert ("tp 2 sp no", "ours/DTensor vocab") in ratios
+    assert ("tp 2 sp yes", "ours/DTensor vocab") not in ratios
 
 
 @pytest.mark.slow  # two ranks and torch's ring: ~5 s of CPU

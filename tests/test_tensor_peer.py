@@ -1,6 +1,7 @@
 """Our tensor parallel against PyTorch's: DTensor parallelize_module with ColwiseParallel /
 RowwiseParallel on the same tiny GPT's blocks (QKV and fc column-wise, the projections row-wise),
-same data and Adam arithmetic, at tp=2; and our sequence parallel (--sp) against the same plan with
+same data and Adam arithmetic, at tp=2 (and with the vocabulary split too, under loss_parallel);
+and our sequence parallel (--sp) against the same plan with
 SequenceParallel LayerNorms and the sequence gathered / reduce-scattered around the matmuls
 (torchtitan's plan, `peers.dtensor_tp_plan`). Both must equal the single-process reference."""
 import pytest
@@ -11,16 +12,16 @@ from parallel_mini.runtime.launch import run
 from parallel_mini.runtime.launch import run_ranks
 
 
-def _dtensor_rank(cfg_dict, sp=False):
+def _dtensor_rank(cfg_dict, sp=False, vocab=False):
     import torch
     from torch.distributed.tensor import DTensor
-    from parallel_mini.course.peers import dtensor_tp_model
+    from parallel_mini.course.peers import dtensor_loss, dtensor_tp_model
     from parallel_mini.config import RunConfig
     from parallel_mini.data import global_batch
 
     cfg = RunConfig.from_dict(cfg_dict)
     n = cfg.tp
-    model = dtensor_tp_model(cfg, sp)
+    model = dtensor_tp_model(cfg, sp, vocab)
     seen = {}  # what flows between blocks, and what the LayerNorm hands to QKV (first step)
 
     def block_input(module, args):
@@ -36,9 +37,13 @@ def _dtensor_rank(cfg_dict, sp=False):
     for step in range(cfg.steps):
         x, y = global_batch(cfg, step)  # every tp rank sees the whole batch
         opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
+        with dtensor_loss(vocab):
+            loss = model(x, y)
+            loss.backward()
         opt.step()
+        if isinstance(loss, DTensor):  # (loss_parallel: a replicated DTensor)
+            seen.setdefault("loss", tuple(loss.placements))
+            loss = loss.full_tensor()
         losses.append(loss.item())
     params = {}
     for name, p in model.named_parameters():
@@ -51,10 +56,10 @@ def _dtensor_rank(cfg_dict, sp=False):
     return losses, params, seen
 
 
-def _agree(cfg):
+def _agree(cfg, vocab=False):
     from parallel_mini.reference import train_reference
 
-    losses, params, seen = run_ranks(_dtensor_rank, cfg.tp, cfg.to_dict(), cfg.sp)[0].value
+    losses, params, seen = run_ranks(_dtensor_rank, cfg.tp, cfg.to_dict(), cfg.sp, vocab)[0].value
     ref_losses, ref_params = train_reference(cfg)
     ours = run(cfg.replace(reference=True))
     assert ours.max_abs_diff <= 1e-5, ours.max_abs_diff_detail
@@ -68,6 +73,15 @@ def _agree(cfg):
 def test_dtensor_peer_agrees():
     seen = _agree(RunConfig(tp=2, steps=3))
     assert seen["block_input"] == (False, (8, 32, 64))  # plain TP: the whole sequence everywhere
+
+
+def test_dtensor_vocabulary_parallel_peer_agrees():
+    """The peer that splits the vocabulary as ours does (the token table row-wise, the head's
+    logits left sharded, torch's loss_parallel cross-entropy): `bench tp` times it beside ours."""
+    from torch.distributed.tensor import Replicate
+
+    seen = _agree(RunConfig(tp=2, steps=3), vocab=True)
+    assert seen["loss"] == (Replicate(),)  # the loss came out of loss_parallel as a DTensor
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])

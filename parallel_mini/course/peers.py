@@ -65,7 +65,7 @@ def zero_peer(cfg, kind: str):
 # ---------------------------------------------------------------------------------------------
 # tensor (and sequence) parallel: DTensor parallelize_module
 # ---------------------------------------------------------------------------------------------
-def dtensor_tp_plan(cfg, sp: bool = False) -> dict:
+def dtensor_tp_plan(cfg, sp: bool = False, vocab: bool = False) -> dict:
     """PyTorch's tensor parallel for our GPT, as a `parallelize_module` plan (rows of each block's
     QKV weight first put in `qkv_rows_by_rank` order, so the contiguous split gives whole heads).
 
@@ -79,7 +79,11 @@ def dtensor_tp_plan(cfg, sp: bool = False) -> dict:
     (`embed.pos`: Replicate -> Shard(0) of [s, h], no communication; backward all-gathers the
     gradient). The head's LayerNorm (`head.norm`) runs on shards too; its projection (`head.out`)
     all-gathers the sequence and is vocabulary-split, its logits gathered
-    (`ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())`, no loss_parallel)."""
+    (`ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())`, no loss_parallel).
+    vocab=True (with sp=False): the vocabulary split as ours splits it, so that both do the same
+    work: the token table row-wise (`RowwiseParallel`, one all-reduce), the head column-wise with its
+    logits left sharded over the vocabulary (`Shard(-1)`), and the loss computed under
+    `loss_parallel()` (`dtensor_loss`), torch's vocabulary-parallel cross-entropy."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
@@ -94,6 +98,10 @@ def dtensor_tp_plan(cfg, sp: bool = False) -> dict:
                      f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq)})
         if sp:
             plan.update({f"{b}.ln1": SequenceParallel(), f"{b}.ln2": SequenceParallel()})
+    if vocab and not sp:
+        plan.update({"embed.tok": RowwiseParallel(input_layouts=Replicate(),
+                                                  output_layouts=Replicate()),
+                     "head.out": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
     if sp:
         plan.update({
             "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -105,7 +113,15 @@ def dtensor_tp_plan(cfg, sp: bool = False) -> dict:
     return plan
 
 
-def dtensor_tp_model(cfg, sp: bool = False):
+def dtensor_loss(vocab: bool):
+    """The context a vocab=True model's forward and backward run in (torch's loss_parallel)."""
+    from contextlib import nullcontext
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if vocab else nullcontext()
+
+
+def dtensor_tp_model(cfg, sp: bool = False, vocab: bool = False):
     """A fresh model sharded with `dtensor_tp_plan` over a 1-D CPU mesh of cfg.tp ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -117,7 +133,8 @@ def dtensor_tp_model(cfg, sp: bool = False):
         for block in model.blocks:
             block.attn.qkv.weight.copy_(order(block.attn.qkv.weight))
             block.attn.qkv.bias.copy_(order(block.attn.qkv.bias))
-    return parallelize_module(model, init_device_mesh("cpu", (cfg.tp,)), dtensor_tp_plan(cfg, sp))
+    return parallelize_module(model, init_device_mesh("cpu", (cfg.tp,)),
+                              dtensor_tp_plan(cfg, sp, vocab))
 
 
 # ---------------------------------------------------------------------------------------------
