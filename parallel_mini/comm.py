@@ -112,9 +112,9 @@ class Comm:
     def landing(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A buffer of `numel` elements of `like`'s dtype and device to receive into, kept between
         calls (grown when too small); one ring at a time per Comm. Why keep it: a fresh tensor of
-        many MB is memory the OS maps and zeroes page by page when it is first written. `python -m parallel_mini.bench ring` on two
-        idle cores, 4 ranks: 0.55-1.02 of gloo's bus bandwidth with fresh buffers, 0.86-1.06 with
-        kept ones (docs/gpu.md, section 4). gloo's ring, too, allocates only two segments of at
+        many MB is memory the OS maps and zeroes page by page when it is first written.
+        `python -m parallel_mini.bench ring` on two idle cores, 4 ranks: 0.55-1.02 of gloo's bus
+        bandwidth with fresh buffers, 0.86-1.06 with kept ones (docs/gpu.md, section 4). gloo's ring, too, allocates only two segments of at
         most 1 MiB (gloo/allreduce.cc, ring())."""
         key = (like.dtype, like.device)
         if key not in self._landing or self._landing[key].numel() < numel:
@@ -129,8 +129,8 @@ class Comm:
         2-core machine, 2 gloo ranks, 2,000 steps of irecv + isend + wait (4 B): 84-99 us a step
         while each receive's Work lives until the next is posted, 700-930 us when it is freed
         first; keeping the send's Work instead does not help. (Where in gloo the time goes was not
-        traced.) The ring all-reduce on 2 ranks, 64 KB: 0.22 ms (gloo's all-reduce 0.80 ms) with
-        the Work kept, 2.5 ms without."""
+        traced.) The ring all-reduce on 2 ranks, 64 KB: 0.58 ms with the Work kept, 3.74 ms
+        without (docs/bench-2cpu-2026-11-27-late, section 3, with the scripts that measured it)."""
         work = dist.irecv(tensor, self.mesh.global_rank(axis, src), group=self.mesh.groups[axis])
         self._last_recv[(axis, src)] = work  # the previous one is freed now, after this posting
         return work

@@ -79,8 +79,9 @@ then the row is marked not stable): `median_settled`, `Repeats`.
     GPT (planner.validate_on_toy_runs; --plan-sample N: N of them) is run; each rank's model states
     against the prediction, to the byte, and the step time predicted with the profile "this
     machine" measured first (planner.measure_hardware: the toy's compute through the engine on
-    one CPU rank, with and without checkpointing, its optimizer step, a comm call's CPU from tp2
-    and cp2 runs, links fitted at 2 and 8 ranks; --hardware-json PATH keeps it) against the measured
+    one CPU rank, with and without checkpointing, its optimizer step, a comm call's CPU from tp2,
+    tp2 + sp and cp2 runs, links fitted per op at 2, 4 and 8 ranks in groups of 2 up to all of
+    them; --hardware-json PATH keeps it) against the measured
     wall-clock step: predicted / measured per layout, how many within 0.7-1.4, Spearman's rank
     correlation (and the assumed "cpu" profile's, beside); and the ranks' summed op CPU time over
     the cores, which other processes' load does not inflate.
@@ -1455,7 +1456,9 @@ def _print_plan(res: dict):
 def _links_table_line(table) -> str:
     """A profile's links table (links.fit_table rows) as one line: per world and group size, each
     op's alpha in us per hop and its bandwidth."""
-    rows = [r if len(r) == 5 else (r[0], r[0], *r[1:]) for r in table]
+    from . import links
+
+    rows = links.table_rows(table)
     keys = sorted({(int(r[0]), int(r[1])) for r in rows})
     return "; ".join(f"{w} ranks" + (f" in groups of {g}" if g < w else "") + ": " + ", ".join(
         f"{op} {1e6 * a:.0f} ({1e-9 / b:.2f})" if b > 0 else f"{op} {1e6 * a:.0f} (inf)"

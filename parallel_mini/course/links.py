@@ -277,13 +277,18 @@ def nearest_world(worlds, world: int) -> int:
     return min(worlds, key=lambda w: (abs(math.log(w / world)), -w))
 
 
+def table_rows(table) -> list[tuple]:
+    """fit_table's rows, each (world, group, op, alpha_s, beta_s_per_byte); a row of 4, from a
+    profile written before groups were measured (world, op, alpha, beta), has the world as group."""
+    return [tuple(r) if len(r) == 5 else (r[0], r[0], *r[1:]) for r in table]
+
+
 def link_at(table: tuple, op: str, world: int, group: int = 0) -> tuple | None:
     """(alpha_s, beta_s_per_byte, world, group they were fitted at) for `op` in groups of `group`
     ranks (0: the world) among `world` ranks, from fit_table's rows: the measured world nearest
     `world` (nearest_world), in it the measured group nearest `group`; the op's own fit, or the
-    "all" fit where the op was not fitted there. None when the table is empty. (Rows of 4, from
-    a profile written before groups were measured: world, op, alpha, beta, the group the world.)"""
-    rows = [r if len(r) == 5 else (r[0], r[0], *r[1:]) for r in table]
+    "all" fit where the op was not fitted there. None when the table is empty."""
+    rows = table_rows(table)
     w = nearest_world({r[0] for r in rows}, world)
     if w is None:
         return None

@@ -88,6 +88,8 @@ def dtensor_tp_plan(cfg, sp: bool = False, vocab: bool = False) -> dict:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
 
+    if vocab and sp:  # the sp plan splits the token table and head already (gathering logits)
+        raise ValueError("dtensor_tp_plan: vocab=True is the plan without sp")
     seq = Shard(1) if sp else Replicate()
     plan = {}
     for i in range(cfg.layers):

@@ -210,10 +210,11 @@ class Hardware:
     shared_call_cpu_s: float = 0.0
     shared_sp_call_cpu_s: float = 0.0
     shared_p2p_call_cpu_s: float = 0.0
-    # Measured profiles only: this machine's links fitted per op at each world size measured
-    # (links.fit_table rows: world, op, alpha_s, beta_s_per_byte). With ranks sharing cores a
-    # hop's alpha holds the wait for the receiver to get a core, so a layout's calls are charged
-    # at the fit of the world it runs (links.link_at). Empty: latency_*_s and the bandwidths.
+    # Measured profiles only: this machine's links fitted per op at each world and group size
+    # measured (links.fit_table rows: world, group, op, alpha_s, beta_s_per_byte). With ranks
+    # sharing cores a hop's alpha holds the wait for the receiver to get a core, so a layout's
+    # calls are charged at the fit of the world and group it runs (links.link_at). Empty:
+    # latency_*_s and the bandwidths.
     links: tuple = ()
 
     def __post_init__(self):  # read back from JSON the rows are lists: keep them hashable
@@ -377,6 +378,13 @@ def _shared_costs(shared: dict) -> dict:
             "shared_p2p_call_cpu_s": _shared_per_call(shared, "cp2")}
 
 
+def _passes_cpu(rep) -> float:
+    """A run's forward and backward ops' CPU time, all ranks summed, median of steps 1 and 2."""
+    return statistics.median(
+        sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
+            if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
+
+
 def _measure_call_cpu(shape: dict, batch: int) -> dict:
     """The toy with tp 2 (2 ranks, a core each where there are 2) and with tp 1, same batch, on
     CPU: the forward and backward ops' CPU time (all ranks summed, median of steps 1 and 2), and
@@ -389,9 +397,7 @@ def _measure_call_cpu(shape: dict, batch: int) -> dict:
                              ("tp2sp", {"tp": 2, "sp": True}, batch),
                              ("tp1_b1", {}, 1), ("tp2_b1", {"tp": 2}, 1)):
         rep = run(RunConfig(**shape, batch=b, steps=4, backend="gloo", **degrees))
-        out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
-            sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
-                if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
+        out[f"{name}_fwd_bwd_cpu_s"] = _passes_cpu(rep)
         out[f"{name}_calls"] = statistics.median(
             len([c for r in rep.ranks for c in r["comm"] if c.get("step") == s]) for s in (1, 2))
         out[f"{name}_wire_bytes"] = statistics.median(
@@ -412,9 +418,7 @@ def _measure_shared_call_cpu(shape: dict, batch: int, world: int) -> dict:
                                 ("tp2sp", {"tp": 2, "sp": True}, "tp"), ("cp2", {"cp": 2}, "cp")):
         dp = world // (2 if axis else 1)
         rep = run(RunConfig(**shape, batch=batch, steps=4, backend="gloo", dp=dp, **degrees))
-        out[f"{name}_fwd_bwd_cpu_s"] = statistics.median(
-            sum(e.get("cpu", 0.0) for r in rep.ranks for e in r["events"]
-                if e.get("step") == s and e["kind"] in ("forward", "backward")) for s in (1, 2))
+        out[f"{name}_fwd_bwd_cpu_s"] = _passes_cpu(rep)
         out[f"{name}_calls"] = statistics.median(
             len([c for r in rep.ranks for c in r["comm"] if c.get("step") == s
                  and c.get("group") == axis and (axis != "cp" or c["op"] in ("send", "recv"))])
@@ -545,7 +549,7 @@ def measure_hardware(path: str | None = None, worlds=(2, 4, 8), model: dict | No
             fits[w, g] = {"fit": by_op["all"], "by_op": by_op, "rows": res["rows"],
                           "load": [res["load_before"], res["load_after"]]}
     hw = hardware_from_measurements(comp, {w: f["fit"] for (w, g), f in fits.items() if g == w},
-                                    shape, _cpu_profile().cores,
+                                    shape, cores,
                                     {k: f["by_op"] for k, f in fits.items()})
     if path:
         with open(path, "w") as fh:
@@ -1157,15 +1161,10 @@ def _calls_cpu(hw: Hardware, lay: Layout, comm: dict, shared_cores: bool) -> flo
 
 
 def _tp_calls(blocks: int, lay: Layout) -> int:
-    """A tp rank's comm calls per micro-step (parallel/tensor.py): 4 all-reduces per block (g
-    forward, f backward, attention and MLP) + 5 (the embedding's, the head's, cross-entropy's 3);
-    with sp, 4 all-gathers and 4 reduce-scatters per block + 2 each, and the replicated
-    parameters' gradients summed (6 per block: 2 norms' weight and bias, 2 output biases; + 3: the
-    positions and the final norm) beside cross-entropy's 3; full checkpointing adds 1 per block
-    (with sp 3), as tp2 runs count them. A pipeline stage is charged the whole model's fixed
-    calls (its share of the embedding's and head's is less: tp2 pp2 sp counts 63, this 66)."""
-    per_block, fixed, again = (14, 10, 3) if lay.sp else (4, 5, 1)
-    return blocks * (per_block + again * (lay.checkpointing == "full")) + fixed
+    """A tp rank's comm calls per micro-step, as our tensor parallel makes them (parallel/tensor.py,
+    counted by kind in _tp_collectives on the toy). A pipeline stage is charged the whole model's
+    fixed calls (its share of the embedding's and head's is less: tp2 pp2 sp counts 63, this 66)."""
+    return sum(_tp_collectives(blocks, lay, toy=True))
 
 
 def _comm_times(spec, lay, hw, node, wires, boundary, t_micro, t_attn, shared_cores,
@@ -1246,11 +1245,13 @@ def _link(hw: Hardware, op: str, ranks: int, group: int, inside: bool) -> tuple[
 
 
 def _tp_collectives(blocks: int, lay: Layout, toy: bool) -> tuple[float, float]:
-    """(all-reduces, all-gathers + reduce-scatters) a tp rank makes per micro-step (_tp_calls'
-    count, by kind). Without sp: all-reduces only. With sp on the toy: 4 all-gathers and 4
-    reduce-scatters per block + 2 each (embedding, head), 3 more per block recomputed under full
-    checkpointing; all-reduces: 6 per block and 3 for the replicated parameters' gradients
-    (parallel/tensor.py's sum_gradients_over_tp, every backward) and cross-entropy's 3. Real
+    """(all-reduces, all-gathers + reduce-scatters) a tp rank makes per micro-step. Without sp:
+    all-reduces only, 4 per block (g forward, f backward, attention and MLP) + 5 (the embedding's,
+    the head's, cross-entropy's 3), 1 more per block recomputed under full checkpointing. With sp
+    on the toy: 4 all-gathers and 4 reduce-scatters per block + 2 each (embedding, head), 3 more
+    per block recomputed under full checkpointing; all-reduces: 6 per block (2 norms' weight and
+    bias, 2 output biases) and 3 (the positions and the final norm) for the replicated parameters'
+    gradients (parallel/tensor.py's sum_gradients_over_tp, every backward) and cross-entropy's 3. Real
     models (Megatron) reduce those gradients once per step, beside the data-parallel sync: there
     an all-gather + reduce-scatter pair is counted as the all-reduce it replaces."""
     full = lay.checkpointing == "full"
