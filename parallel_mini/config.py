@@ -135,6 +135,7 @@ class RunConfig(GPTConfig):
     offload_disk: str = ""  # ZeRO-Infinity: a directory; each rank's optimizer states in a file there
     keep_offload: bool = False  # leave --offload-disk's files behind after the run (else removed)
     fp32_grad_accum: bool = False  # bf16-mixed: fp32 gradient buffers too (the 20-byte variant)
+    no_prefetch: bool = False  # ZeRO-3: one unit gathered at a time (no next unit's all-gather early)
     sp: bool = False  # Megatron sequence parallel on top of tensor parallel
     cp_impl: str = "ring"  # context parallel: ring, zigzag (balanced ring) or ulysses (all-to-all)
     # without a barrier: local SGD (parallel/local_sgd.py), federated averaging (parallel/federated.py)
@@ -265,6 +266,9 @@ class RunConfig(GPTConfig):
             raise ConfigError("--fp32-grad-accum adds fp32 gradient buffers to bf16-mixed training "
                               "with plain data parallel: it needs --precision bf16-mixed, --zero 0 "
                               "and --dp-mode bucketed")
+        if self.no_prefetch and self.zero != 3:
+            raise ConfigError(f"--no-prefetch: only ZeRO-3 gathers parameters (prefetching the "
+                              f"next unit's all-gather); it needs --zero 3 (got --zero {self.zero})")
         if self.offload and self.zero not in (1, 2):
             raise ConfigError(f"--offload: ZeRO-Offload steps the sharded optimizer on the host; "
                               f"it needs --zero 1 or 2 (got --zero {self.zero})")

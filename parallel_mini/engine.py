@@ -94,7 +94,7 @@ def _strategy(model, comm, cfg, axes: dict, average_fn=None, apart=None) -> Grad
         return ZeroDataParallel(model, comm, cfg.zero, cfg.optimizer, cfg.lr, dtype,
                                 offload=cfg.offload, offload_disk=disk, **axes)
     return Zero3DataParallel(model, comm, cfg.optimizer, cfg.lr, dtype, apart=apart,
-                             offload_disk=disk, **axes)
+                             offload_disk=disk, prefetch=not cfg.no_prefetch, **axes)
 
 
 def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:

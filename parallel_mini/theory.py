@@ -787,6 +787,15 @@ def pipeline_stage_units(vocab: int, seq: int, d_model: int, layers: int, owner:
     return _unit_sizes(gpt_held(model, (tp, 0), (ep, 0), stage), experts_apart)
 
 
+def zero3_gathered_peak(chunks: list[list[int]], prefetch: bool = True) -> int:
+    """Elements ZeRO-3 holds gathered at most at once: the largest unit; with prefetch, the largest
+    two units that run one after the other (the next one's all-gather is on the wire while one
+    computes, in forward and in backward). `chunks`: each forward's units in the order it runs them,
+    padded sizes (a pipeline rank's chunks run in forwards of their own: never one pair)."""
+    pairs = [a + b for units in chunks for a, b in zip(units, units[1:])] if prefetch else []
+    return max(pairs + [u for units in chunks for u in units])
+
+
 def pipeline_p2p_bytes_per_step(owner: list[int], rank: int, m: int, boundary_bytes: int,
                                 stages: int | None = None) -> int:
     """Bytes this rank sends per step: each micro-batch's activation [b, s, h] forward out of every

@@ -57,6 +57,7 @@ BAD = [
     (["--offload"], "--offload"), (["--dp", "4", "--dp-shard", "3"], "--dp-shard"),
     (["--dp", "4", "--dp-shard", "2"], "--dp-shard"), (["--zero", "1", "--dp-mode", "naive"], "--dp-mode"),
     (["--fp32-grad-accum"], "--fp32-grad-accum"), (["--fsdp", "FULL_SHARD", "--zero", "1"], "--fsdp"),
+    (["--dp", "2", "--zero", "2", "--no-prefetch"], "--no-prefetch"),
     (["--pp", "2", "--zero", "1", "--schedule", "pipedream"], "--zero"),
     # experts
     (["--ep", "2"], "--ep"), (["--dp", "2", "--ep", "2", "--experts", "3"], "--experts"),

@@ -39,6 +39,32 @@ def test_zero3_uneven_world_pads_and_states_it():
         report.theory["wire_bytes_per_step"]["dp"], rel=1e-12)
 
 
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero3_prefetch_puts_the_next_all_gather_on_the_wire_early(dp, shared_run):
+    """ZeRO-3 prefetch, against the same run without it: once the first step has shown the order
+    of the units, every all-gather but the first of forward and the first of backward is issued
+    asynchronously, before its unit is needed; the bytes on the wire are the same 3 Psi, both runs
+    equal the reference, and the gathered bytes at peak are the largest two consecutive units
+    (theory.zero3_gathered_peak) instead of the largest one."""
+    cfg = RunConfig(dp=dp, zero=3, steps=3, reference=True)
+    units = [theory.padded(u, dp) for u in theory.gpt_unit_sizes(cfg.vocab, cfg.seq, cfg.d_model,
+                                                                 cfg.layers)]  # forward's order
+    wires = []
+    for prefetch in (True, False):
+        report = shared_run(cfg) if prefetch else run(RunConfig(**{**cfg.to_dict(),
+                                                                   "no_prefetch": True}))
+        assert report.max_abs_diff <= 1e-5, report.max_abs_diff_detail
+        for rank in report.ranks:
+            gathers = [rec for rec in rank["comm"]
+                       if rec["op"] == "all_gather" and rec["step"] == cfg.steps - 1]
+            assert len(gathers) == 2 * len(units)  # each unit: forward, backward
+            assert sum(rec["async_op"] for rec in gathers) == (2 * len(units) - 2) * prefetch
+            assert rank["memory"]["transient"] == theory.BYTES_PER_PARAM["fp32"] * \
+                theory.zero3_gathered_peak([units], prefetch)
+        wires.append(report.wire_bytes_per_step())
+    assert wires[0] == wires[1] and wires[0]["dp"] == report.theory["wire_bytes_per_step"]["dp"]
+
+
 @pytest.mark.parametrize("dp", [pytest.param(1, marks=pytest.mark.slow), 2, 4])
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_with_gradient_accumulation(dp, zero, shared_run):

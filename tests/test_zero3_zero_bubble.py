@@ -4,7 +4,8 @@ B computes only the inputs' gradient and leaves the Linear layers' weight gradie
 outside autograd; ZeRO-3 frees each unit when B is done with it and reduce-scatters its gradient
 when W has added its part (parallel/zero3.py, "zero-bubble pipelines"). What can go wrong, and what
 each run here would show: a gradient reduced before W added its part (not equal to the reference),
-a unit kept gathered from B until W (more than one unit gathered at once: `transient`), reductions
+a unit kept gathered from B until W (more units gathered at once than the one computing and the
+one prefetched: `transient`), reductions
 merged or repeated (bytes on the dp axis unequal to ZeRO-3's 3 Psi per micro-batch).
 The cheap case runs in `make test`; zbv, tensor parallel, HYBRID_SHARD, checkpointing and
 bf16-mixed are marked `slow` (`pytest -m slow`).
@@ -19,7 +20,8 @@ from parallel_mini.parallel.schedules import Op, for_config
 
 def check(report, cfg: RunConfig, tolerance: dict | None = None) -> None:
     """Equal to the reference; every rank's model states and bytes per axis equal to its stage's
-    formula; at most one unit gathered at a time, as under 1F1B."""
+    formula; at most one unit gathered at a time, as under 1F1B, or two that run one after the
+    other when the next unit's all-gather is prefetched (theory.zero3_gathered_peak)."""
     if tolerance is None:
         assert report.max_abs_diff <= 1e-5, report.max_abs_diff_detail
     else:
@@ -36,17 +38,19 @@ def check(report, cfg: RunConfig, tolerance: dict | None = None) -> None:
         measured = report.wire_bytes_per_step(r)
         for group, nbytes in stage["wire_bytes_per_step"].items():
             assert measured.get(group, 0) == pytest.approx(nbytes, abs=0.5), (r, group)
-        units = theory.pipeline_stage_units(cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, owner,
-                                            pp, cfg.tp)
-        largest = max(theory.padded(u, shard) for u in units)
-        assert m["transient"] == theory.BYTES_PER_PARAM[cfg.precision] * largest, r
+        chunks = [[theory.padded(u, shard) for u in theory.pipeline_stage_units(
+            cfg.vocab, cfg.seq, cfg.d_model, cfg.layers, [pp if i == k else -1 for i in range(len(owner))], pp,
+            cfg.tp)] for k, rank_of_chunk in enumerate(owner) if rank_of_chunk == pp]
+        gathered = theory.zero3_gathered_peak(chunks, prefetch=not cfg.no_prefetch)
+        assert m["transient"] == theory.BYTES_PER_PARAM[cfg.precision] * gathered, r
 
 
-def test_zb_zero3_equals_reference_with_memory_and_bytes_of_theory():
+@pytest.mark.parametrize("no_prefetch", [False, True])
+def test_zb_zero3_equals_reference_with_memory_and_bytes_of_theory(no_prefetch):
     """dp2 x pp2, two micro-batches. On rank 1, B1 runs before W0: B of the next micro-batch adds
     to the LayerNorms' gradients before W of this one completes the unit."""
     cfg = RunConfig(dp=2, pp=2, zero=3, schedule="zb", microbatches=2, batch=8, layers=4,
-                    steps=2, reference=True)
+                    steps=2, reference=True, no_prefetch=no_prefetch)
     ops = for_config(cfg).ops[1]
     assert ops.index(Op("B", 1, 1)) < ops.index(Op("W", 0, 1))
     check(run(cfg), cfg)

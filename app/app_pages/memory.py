@@ -414,7 +414,7 @@ pm.chart(viz.memory_measured_vs_theory(
                  if c0["pp"] > 1 else "")
               + "; predicted: the run report's theory (model states per rank, padded shards; "
               "activations: Korthikanti)",
-              "transient: comm buffers (ZeRO-0's gradient buckets, ZeRO-3's gathered layer), not "
+              "transient: comm buffers (ZeRO-0's gradient buckets, ZeRO-3's gathered units), not "
               "in the formula",
               "tick: measured peak of all live bytes at once; the categories peak at different "
               "moments, so a measured stack can stand above its tick"]))

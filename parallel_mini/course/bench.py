@@ -362,6 +362,17 @@ def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
             opt.step()
 
         runners[f"ours ZeRO-{stage}"], runners[peer] = our_step, peer_step
+    cfg = base.replace(zero=3, no_prefetch=True)  # what prefetch buys, measured beside it
+    model = build_model(cfg)
+    ours = parallelize(model, Comm(build_mesh(cfg)), cfg)
+
+    def no_prefetch_step(x, y, model=model, ours=ours):
+        ours.zero_grad()
+        model(x, y).backward()
+        ours.finish_gradient_sync()
+        ours.step()
+
+    runners["ours ZeRO-3 no prefetch"] = no_prefetch_step
     names = list(runners)
     times = {k: [] for k in names}
     repeats, i = Repeats(steps), 0
@@ -390,6 +401,8 @@ def bench_zero(dps=(2, 4), warmup: int = 3, steps: int = 10, batch: int = 16) ->
             rows.append({"dp": n, "stage": stage, "peer": peer, "ours_ms": 1e3 * ours,
                          "peer_ms": 1e3 * med[peer], "ours_over_peer": ours / med[peer],
                          **_verdict(times[f"ours ZeRO-{stage}"], times[peer])})
+            if stage == 3:
+                rows[-1]["no_prefetch_ms"] = 1e3 * med["ours ZeRO-3 no prefetch"]
     return rows
 
 
@@ -1028,9 +1041,10 @@ def _print_ring(rows):
 
 def _print_zero(rows):
     print("(c) ZeRO step time, median over the steps (slowest rank)")
-    print(_table(["dp", "ours", "ms", "peer", "ms", "ours/peer"],
+    print(_table(["dp", "ours", "ms", "peer", "ms", "ours/peer", "ours without prefetch ms"],
                  [[r["dp"], f"ZeRO-{r['stage']}", f"{r['ours_ms']:.1f}", r["peer"],
-                   f"{r['peer_ms']:.1f}", f"{r['ours_over_peer']:.2f}"] for r in rows]))
+                   f"{r['peer_ms']:.1f}", f"{r['ours_over_peer']:.2f}",
+                   f"{r['no_prefetch_ms']:.1f}" if "no_prefetch_ms" in r else "-"] for r in rows]))
 
 
 def _print_tp(rows):

@@ -8,6 +8,11 @@ it computes:
     backward: all-gather again -> compute gradients -> reduce-scatter them -> free
 3 Psi on the wire per step (1.5x data parallel), for memory that falls as 1/N.
 
+Prefetch (FSDP's forward and backward prefetch): while unit k computes, the all-gather of the unit
+that comes next (k+1 in forward, k-1 in backward) is already on the wire, so a unit's forward waits
+only for what compute did not hide. The price: two units gathered at once instead of one. The order
+is the one the last forward ran (`_order`); the first step, which has none, gathers on demand.
+
 Read `plan_units` (what moves together: each block, the embedding, the head; tied or root
 parameters in a root unit; modules in `apart` over their own axes, as torchtitan shards MoE
 experts), `Unit` (one sharded flat buffer: `gather`, `free`), then `Zero3DataParallel`: forward
@@ -73,20 +78,33 @@ class Unit:
         self.pieces = self.layout.pieces(self.r)  # my slice, cut at parameter boundaries
         self.grad_shard: torch.Tensor | None = None  # [k], accumulated over micro-steps
         self.ready: set = set()  # parameters whose gradient arrived in this backward
+        self.pending = None  # the Work of an all-gather on the wire (prefetched), until waited on
         self.active = False  # inside the module's own forward
         self.guard = guards.UnitGuards(params, names)  # the guards' state (numbered as there)
         self.free()
 
     def free(self) -> None:
+        self.wait()  # (a prefetch never used: the all-gather must not land in freed bytes)
         self.storage.resize_(0)  # bytes released; views stay attached
         self.guard.wear(freed=True)  # 1: from now on an op that would read it is refused
         self.gathered = False
 
-    def gather(self, comm: Comm, shard: torch.Tensor) -> None:  # shard: my slice [k]
+    def gather(self, comm: Comm, shard: torch.Tensor, async_op: bool = False) -> None:
+        """All-gather the slices (shard: my slice [k]) into the full buffer; `async_op`: return at
+        once, and `wait` before the weights are read."""
         self.storage.resize_(self.layout.padded * self.full.element_size())
-        comm.all_gather(self.full, shard, self.shard_axis)  # n x [k] -> [padded]
-        self.guard.wear(freed=False)  # readable again
+        # n x [k] -> [padded]; async_op: a Work, the bytes on their way
+        self.pending = comm.all_gather(self.full, shard, self.shard_axis, async_op=async_op)
         self.gathered = True
+        if self.pending is None:
+            self.guard.wear(freed=False)  # readable again
+
+    def wait(self) -> None:
+        """A prefetched all-gather: wait until its bytes have landed."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            self.guard.wear(freed=False)  # readable again
 
 
 class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; disk: report, close
@@ -96,11 +114,12 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
                  lr: float = 3e-3, param_dtype: torch.dtype = torch.float32, axis: str = "dp",
                  shard_axis: str = "dp", replicate_axis: str | None = None,
                  find_unused_parameters: bool = False, apart: dict | None = None,
-                 offload_disk: str = ""):
+                 offload_disk: str = "", prefetch: bool = True):
         """`axis`: batch split, gradient average; HYBRID_SHARD: shard over `shard_axis`, all-reduce
         over `replicate_axis`. `apart` {module: {axis, shard_axis, replicate_axis}}: units over
         other ranks (experts over edp). `find_unused_parameters`: DDP's (zero3_guards.py, 5).
-        `offload_disk`: ZeRO-Infinity's file for the masters and moments (offload_disk.py)."""
+        `offload_disk`: ZeRO-Infinity's file for the masters and moments (offload_disk.py).
+        `prefetch`: all-gather the next unit while this one computes (False: one at a time)."""
         refuse_unsupported(model, "ZeRO-3")
         apart = apart or {}
         if find_unused_parameters and apart:  # its 0/1 map would mix parameters of other ranks
@@ -119,6 +138,9 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
         self.used = UsedParameters([p for u in self.units for p in u.params])
         self.unused: set = set()  # parameters no rank used this step: not stepped
         self.ran: set = set()  # the units the root's current (or last) forward ran or read
+        self.prefetch = prefetch
+        self._order: dict = {}  # unit -> the unit whose forward ran next, in the last forward
+        self._last = None  # the unit whose forward started last in this root forward
         self._register_hooks(model)
         views = [v for u in self.units for v in piece_views(u.master, u.pieces)]
         self.disk = offload_disk  # the units' slices live in its file, not in RAM: gather reads it
@@ -150,10 +172,39 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
     # -- gathering and freeing ------------------------------------------------------------------
     def gather(self, *units: Unit) -> None:
         for unit in units:
+            unit.wait()  # (prefetched: it may still be on the wire)
             if not unit.gathered:  # (--offload-disk: my slice read back from the file)
                 unit.gather(self.comm, self.optimizer.shard(unit) if self.disk else unit.shard)
-                self.gathered_bytes += unit.storage.nbytes()
-                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+                self._count_gathered(unit)
+
+    def _prefetch(self, unit: Unit | None) -> None:
+        """Put `unit`'s all-gather on the wire now; `gather` waits for it when the unit is used."""
+        if self.prefetch and unit is not None and not unit.gathered:
+            unit.active = True  # (as in _before_forward: our own reads of it are no use, guard 2)
+            unit.gather(self.comm, self.optimizer.shard(unit) if self.disk else unit.shard,
+                        async_op=True)
+            unit.active = False
+            self._count_gathered(unit)
+
+    def _count_gathered(self, unit: Unit) -> None:
+        self.gathered_bytes += unit.storage.nbytes()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def forward_starts(self) -> None:
+        """The root's forward starts: the order of this forward is recorded anew."""
+        self._last = None
+
+    def _next_in_order(self, unit: Unit) -> Unit | None:
+        """Records that `unit` ran after the last one, and says which unit ran after it last time
+        (the same model runs its units in the same order every step, on every rank: FSDP2's
+        assumption too, which keeps the prefetched all-gathers in the same order everywhere)."""
+        self._order[self._last] = unit  # (None -> the first unit)
+        self._last = unit
+        return self._order.get(unit)
+
+    def _previous_in_order(self, unit: Unit) -> Unit | None:
+        """The unit whose forward ran just before `unit`'s: backward needs it next."""
+        return next((u for u, v in self._order.items() if v is unit and u is not None), None)
 
     def _free(self, unit: Unit) -> None:
         if unit.gathered:
@@ -166,7 +217,10 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
         self.ran.add(unit)
         self.gather(unit)
         unit.guard.call = None
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        in_backward = torch._C._current_graph_task_id() != -1  # a recomputation (checkpointing)
+        if not in_backward:  # (a recomputation runs in backward's order: it records nothing)
+            self._prefetch(self._next_in_order(unit))  # on the wire while this unit computes
+        if not torch.is_grad_enabled() or in_backward:
             return None  # no backward to wait for (or a recomputation inside backward)
         # 4: in backward, free only once the gradient of the unit's inputs is complete too
         unit.guard.call, inputs = guards.through_inputs_grad_done(unit, self._maybe_done, args,
@@ -186,6 +240,7 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
 
     def _backward_starts(self, unit: Unit, call) -> None:
         self.gather(unit)
+        self._prefetch(self._previous_in_order(unit))  # on the wire while this unit's backward runs
         if call is not None:
             call.start()
 

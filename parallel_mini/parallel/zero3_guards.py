@@ -133,6 +133,7 @@ class RootForward:
         for u in z.units:
             z._free(u)
         z.ran = {z.root} if z.root is not None else set()
+        z.forward_starts()  # (the order its units run in: prefetch)
         if z.root is not None:
             z.gather(z.root)
         self.mode = GatherOnUse(z)

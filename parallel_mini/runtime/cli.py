@@ -58,6 +58,8 @@ _HELP = {
                  "real sleep), with --dp or --async",
     "save_every": "with --save: also save a checkpoint every K steps (atomic; a run killed at any "
                   "moment resumes from the newest complete one)",
+    "no_prefetch": "ZeRO-3: gather one unit at a time (by default the next unit's all-gather is "
+                   "on the wire while this one computes, two units gathered at once)",
     "keep": "with --save: keep the newest N checkpoints in the directory, prune older ones",
 }
 _ALIASES = {"asynchronous": ("--async", "--asynchronous")}  # a Python keyword cannot name a field
