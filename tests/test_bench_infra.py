@@ -73,6 +73,13 @@ def test_the_goals_of_issue_25_are_judged_row_by_row():
     v = bench.goal_verdict("ring", ring)
     assert v["missed"] == ["4 ranks 0.0625 MB: 0.79"] and not v["unsettled"]
     assert "NOT met at 4 ranks 0.0625 MB: 0.79" in bench._goal_line(v)
+    # a missed row whose time is within 1.25 x the ring's latency floor (2(N-1) 4-B steps) says so
+    ring[1].update(ring_s=7.0e-3, step_latency_s={"ours_step": 1.0e-3})
+    assert bench.goal_verdict("ring", ring)["missed"] == [
+        "4 ranks 0.0625 MB: 0.79 (latency-bound: 7.0 ms, at most 1.25 x its floor of 2(N-1) x "
+        "1.00 ms = 6.0 ms)"]
+    ring[1]["ring_s"] = 7.6e-3  # past 1.25 x 6 ms: not said
+    assert bench.goal_verdict("ring", ring)["missed"] == ["4 ranks 0.0625 MB: 0.79"]
     assert bench.goal_verdict("links", [{}]) is None  # no goal: no line
     tp = [{"tp": 2, "sp": False, "ours_over_dtensor": 1.11, "ours_over_dtensor_vocab": 0.81},
           {"tp": 2, "sp": True, "ours_over_dtensor": 0.69}]
