@@ -9,17 +9,22 @@ sends to a neighbour alone (lesson 01), and a probe watches any ring by what it 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from . import theory
 from .mesh import Mesh
-from .meters import CommMeter
+from .meters import POLLED, CommMeter, wait_for
 
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+OWN_CORE = "PARALLEL_MINI_OWN_CORE"  # "1" in a rank that launch.pin_to_core gave a core of its own
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -32,10 +37,13 @@ class Comm:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.step = 0  # set by the training loop; "setup" records use -1
-        self.meter = CommMeter(dist.get_backend() if dist.is_initialized() else None)
+        backend = dist.get_backend() if dist.is_initialized() else None
+        self.meter = CommMeter(backend)
         self.records, self.p2p_log = self.meter.records, self.meter.p2p_log  # what others read
         self._landing: dict = {}  # (dtype, device) -> a receive buffer kept (landing)
         self._last_recv: dict = {}  # (axis, src) -> the latest receive's Work, kept (_posted_recv)
+        # wait for collectives by polling (meters.wait_for says why): gloo, a core of our own
+        self.polls = backend == "gloo" and os.environ.get(OWN_CORE) == "1"
 
     def size(self, axis: str) -> int:
         return self.mesh.size(axis)
@@ -44,8 +52,9 @@ class Comm:
         return self.mesh.local_rank(axis)
 
     def _collective(self, op, axis, payload, call, async_op, tags, wire=None, rank_in_chain=0):
-        """Run `call(group of axis)`, recorded with payload S = `payload`; a group of one moves
-        nothing (the copies the caller made did the work)."""
+        """Run `call(group of axis, async_op)`, recorded with payload S = `payload`; a group of one
+        moves nothing (the copies the caller made did the work). With a core of our own, a call
+        the caller waits for is started asynchronously and polled (meters.wait_for says why)."""
         n = self.size(axis)
         if wire is None:  # the ring model (theory.wire_bytes)
             wire = theory.wire_bytes(op, _nbytes(payload), n, rank_in_chain)
@@ -54,28 +63,34 @@ class Comm:
         if n == 1:
             return self.meter.nothing_moved(rec, async_op)
         self.meter.begin(rec)
-        return self.meter.end(rec, call(self.mesh.groups[axis]), async_op)
+        poll = self.polls and op in POLLED
+        if async_op:
+            return self.meter.end(rec, call(self.mesh.groups[axis], True), True, poll)
+        if poll:  # started asynchronously, then waited for by polling
+            wait_for(call(self.mesh.groups[axis], True), poll)
+            return self.meter.end(rec)
+        return self.meter.end(rec, call(self.mesh.groups[axis], False))
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor, axis: str, op=dist.ReduceOp.SUM, async_op=False, **tags):
         """In place: every rank ends with the sum. Payload S = the tensor."""
-        return self._collective("all_reduce", axis, tensor, lambda g: dist.all_reduce(
-            tensor, op=op, group=g, async_op=async_op), async_op, tags)
+        return self._collective("all_reduce", axis, tensor, lambda g, a: dist.all_reduce(
+            tensor, op=op, group=g, async_op=a), async_op, tags)
 
     def all_gather(self, output, tensor, axis: str, async_op=False, **tags):
         """output = concat of every rank's `tensor` along dim 0. Payload S = the output."""
         if self.size(axis) == 1:
             output.copy_(tensor)
-        return self._collective("all_gather", axis, output, lambda g: _all_gather(
-            output, tensor, group=g, async_op=async_op), async_op, tags)
+        return self._collective("all_gather", axis, output, lambda g, a: _all_gather(
+            output, tensor, group=g, async_op=a), async_op, tags)
 
     def reduce_scatter(self, output, tensor, axis: str, op=dist.ReduceOp.SUM, async_op=False,
                        **tags):
         """output = this rank's 1/N slice of the sum of every rank's `tensor`. Payload S = input."""
         if self.size(axis) == 1:
             output.copy_(tensor)
-        return self._collective("reduce_scatter", axis, tensor, lambda g: _reduce_scatter(
-            output, tensor, op=op, group=g, async_op=async_op), async_op, tags)
+        return self._collective("reduce_scatter", axis, tensor, lambda g, a: _reduce_scatter(
+            output, tensor, op=op, group=g, async_op=a), async_op, tags)
 
     def all_to_all(self, output, tensor, axis: str, out_splits=None, in_splits=None,
                    async_op=False, **tags):
@@ -88,16 +103,16 @@ class Comm:
         elif in_splits is not None:
             row_bytes = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
             wire = row_bytes * (sum(in_splits) - in_splits[self.rank(axis)])
-        return self._collective("all_to_all", axis, tensor, lambda g: dist.all_to_all_single(
-            output, tensor, out_splits, in_splits, group=g, async_op=async_op), async_op,
+        return self._collective("all_to_all", axis, tensor, lambda g, a: dist.all_to_all_single(
+            output, tensor, out_splits, in_splits, group=g, async_op=a), async_op,
             {**tags, "in_splits": in_splits} if in_splits else tags, wire=wire)
 
     def broadcast(self, tensor, axis: str, src: int = 0, async_op=False, **tags):
         """Every rank gets `src`'s tensor (src is the axis-local rank). Payload S = the tensor."""
         n = self.size(axis)
         chain_pos = (self.rank(axis) - src) % n if n > 1 else 0
-        return self._collective("broadcast", axis, tensor, lambda g: dist.broadcast(
-            tensor, self.mesh.global_rank(axis, src), group=g, async_op=async_op), async_op,
+        return self._collective("broadcast", axis, tensor, lambda g, a: dist.broadcast(
+            tensor, self.mesh.global_rank(axis, src), group=g, async_op=a), async_op,
             tags, rank_in_chain=chain_pos)
 
     def transfer(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:

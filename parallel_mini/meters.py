@@ -327,13 +327,36 @@ class WireMeter:
                     rec["wire_bytes_measured"] = int(rec["wire_bytes_measured"])
 
 
+# A rank with a core of its own waits for a collective by polling, as MPI libraries do by default.
+# Blocked in work.wait(), the rank sleeps until gloo's thread wakes it. On the 2-core machine that
+# wake-up came late whenever the rank had been idle or computing just before: a 512-float
+# all-reduce on 2 ranks took 2-3.4 ms blocked and 0.15-0.23 ms polled (sleep, then the op:
+# always ~3.9 ms in all, as if the wake-up waited for the kernel's next 4 ms tick;
+# docs/bench-2cpu-2026-11-28, section 6). Spinning costs a rank nothing when the core is its
+# own: each turn yields it to gloo's threads. Ranks that share cores block instead: there the
+# spin would take the core the other ranks need (4 ranks on 2 cores: 11-22 ms polled, 4-6 ms
+# blocked). Comm decides which (Comm.polls).
+POLLED = frozenset({"all_reduce", "all_gather", "all_to_all", "broadcast"})  # gloo's
+# reduce-scatter and point-to-point Work report completion only once waited on: never polled
+POLL_S = 0.01  # then block anyway: a guard, should a Work never report completion
+
+
+def wait_for(work, poll: bool = False) -> None:
+    """work.wait(); with `poll`, spin on work.is_completed() first (yielding the core each turn)."""
+    if poll:
+        start = time.perf_counter()
+        while not work.is_completed() and time.perf_counter() - start < POLL_S:
+            os.sched_yield()
+    work.wait()
+
+
 class _Handle:
     """Wraps a torch.distributed Work; records when the op really completed: when the backend
     finishes it where the Work has a future (`future`: collectives; NCCL's sends too), else when
-    it is waited on (gloo's point-to-point Work has none)."""
+    it is waited on (gloo's point-to-point Work has none). `poll`: wait by polling (wait_for)."""
 
-    def __init__(self, work, record: dict, meter: WireMeter, future=None):
-        self.work, self.record, self.meter = work, record, meter
+    def __init__(self, work, record: dict, meter: WireMeter, future=None, poll: bool = False):
+        self.work, self.record, self.meter, self.poll = work, record, meter, poll
         if future is not None:
             future.then(self._done)
 
@@ -343,7 +366,7 @@ class _Handle:
         return None
 
     def wait(self):
-        self.work.wait()
+        wait_for(self.work, self.poll)
         self.meter.end(self.record)
         self.record.setdefault("end", time.perf_counter())
         self.record["waited_until"] = time.perf_counter()
@@ -390,11 +413,12 @@ class CommMeter:
             self.wire.begin(rec)
         return rec
 
-    def end(self, rec: dict, work=None, async_op: bool = False):
-        """The call returned: a handle to wait on for an async op, else the op is done (None)."""
+    def end(self, rec: dict, work=None, async_op: bool = False, poll: bool = False):
+        """The call returned: a handle to wait on for an async op (`poll`: by polling), else the op
+        is done (None)."""
         rec["cpu"] = time.thread_time() - self._cpu0.pop(id(rec))
         if async_op:
-            return _Handle(work, rec, self.wire, self._future(work, rec["op"]))
+            return _Handle(work, rec, self.wire, self._future(work, rec["op"]), poll)
         self.wire.end(rec)
         rec["end"] = time.perf_counter()
         return None

@@ -283,3 +283,54 @@ def test_the_last_receive_from_each_rank_outlives_the_next_posting():
     tested here (load decides it); what makes the fast path is: the Work is held, then replaced."""
     for kept, replaced, sources in (res.value for res in run_ranks(_receives_kept, 2)):
         assert kept and replaced and sources == 1
+
+
+def _polls_and_results():
+    import os
+    from parallel_mini.comm import OWN_CORE
+    comm, n = _comm(dist.get_world_size()), dist.get_world_size()
+    x = torch.arange(6.0) * (dist.get_rank() + 1)
+    comm.all_reduce(x, "dp")  # polled where comm.polls (sync)
+    gathered = torch.empty(6 * n)
+    comm.all_gather(gathered, torch.full((6,), float(dist.get_rank())), "dp", async_op=True).wait()
+    piece = torch.empty(3)
+    comm.reduce_scatter(piece, torch.ones(3 * n), "dp")  # never polled (its Work would not say)
+    return {"polls": comm.polls, "own_core": os.environ.get(OWN_CORE), "sum": x.tolist(),
+            "gathered": gathered.tolist(), "piece": piece.tolist(),
+            "cores": len(os.sched_getaffinity(0))}
+
+
+def test_a_rank_with_a_core_of_its_own_waits_by_polling_and_ranks_sharing_cores_block():
+    """meters.wait_for: a rank that launch.pin_to_core gave a core of its own polls its
+    collectives (blocked, gloo's wake-up came 2-3.4 ms late on the 2-core machine); ranks that
+    share cores block. Either way the results are the collectives' results."""
+    import os
+    from parallel_mini.config import MAX_LOCAL_RANKS
+    cores = len(os.sched_getaffinity(0))
+    for n in sorted({2} | ({cores + 1} if cores + 1 <= MAX_LOCAL_RANKS else set())):
+        for res in run_ranks(_polls_and_results, n):
+            v = res.value
+            pinned = n <= cores
+            assert v["polls"] is pinned and (v["own_core"] == "1") is pinned and \
+                (v["cores"] == 1) is pinned, (n, cores, v)
+            assert v["sum"] == [k * n * (n + 1) / 2 for k in range(6)]
+            assert v["gathered"] == [float(r) for r in range(n) for _ in range(6)]
+            assert v["piece"] == [float(n)] * 3
+
+
+def test_polling_gives_up_on_a_work_that_never_says_it_completed():
+    """The guard: a Work whose is_completed() stays False (gloo's reduce-scatter and point-to-point
+    Work, were they polled) is waited for after POLL_S, not spun on forever."""
+    import time
+    from parallel_mini import meters
+
+    class Silent:
+        waited = False
+        def is_completed(self):
+            return False
+        def wait(self):
+            self.waited = True
+
+    work, start = Silent(), time.perf_counter()
+    meters.wait_for(work, poll=True)
+    assert work.waited and meters.POLL_S <= time.perf_counter() - start < meters.POLL_S + 1.0

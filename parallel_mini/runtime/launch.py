@@ -49,6 +49,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from ..comm import OWN_CORE
 from ..config import MAX_LOCAL_RANKS, under_torchrun  # (torch-free: the CLI's checks use them)
 from . import preflight
 
@@ -166,6 +167,7 @@ def pin_to_core(rank: int, world_size: int) -> dict:
         return {"pinned": False, "cores": cores, "cores_available": len(cores),
                 "how": f"not pinned: {world_size} ranks on {len(cores)} cores share them"}
     os.sched_setaffinity(0, {cores[rank]})
+    os.environ[OWN_CORE] = "1"  # (Comm then waits for its collectives by polling)
     return {"pinned": True, "cores": sorted(os.sched_getaffinity(0)), "cores_available": len(cores),
             "how": f"pinned to core {cores[rank]} (rank {rank} of {world_size}, {len(cores)} cores)"}
 
