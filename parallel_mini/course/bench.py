@@ -337,23 +337,28 @@ def bench_dp(dps=(2, 4), warmup: int = 5, steps: int = 20, bucket_mb: float = 0.
 # ---------------------------------------------------------------------------------------------
 # (c) ZeRO: ours vs PyTorch's
 # ---------------------------------------------------------------------------------------------
-def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
+def _our_zero_step(cfg: RunConfig):
+    """One training step of our strategy for `cfg` (its own model), as a function of (x, y)."""
     from ..engine import parallelize
 
+    model = build_model(cfg)
+    ours = parallelize(model, Comm(build_mesh(cfg)), cfg)
+
+    def step(x, y):
+        ours.zero_grad()
+        model(x, y).backward()
+        ours.finish_gradient_sync()
+        ours.step()
+    return step
+
+
+def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
     base = RunConfig.from_dict(cfg_dict)
     n, r = dist.get_world_size(), dist.get_rank()
     runners = {}
     for stage, (peer, kind) in ZERO_PEERS.items():
         cfg = base.replace(zero=stage)
-        model = build_model(cfg)
-        ours = parallelize(model, Comm(build_mesh(cfg)), cfg)
-
-        def our_step(x, y, model=model, ours=ours):
-            ours.zero_grad()
-            model(x, y).backward()
-            ours.finish_gradient_sync()
-            ours.step()
-
+        our_step = _our_zero_step(cfg)
         module, opt = zero_peer(cfg, kind)
 
         def peer_step(x, y, module=module, opt=opt):
@@ -362,17 +367,8 @@ def _zero_rank(cfg_dict: dict, warmup: int, steps: int) -> dict:
             opt.step()
 
         runners[f"ours ZeRO-{stage}"], runners[peer] = our_step, peer_step
-    cfg = base.replace(zero=3, no_prefetch=True)  # what prefetch buys, measured beside it
-    model = build_model(cfg)
-    ours = parallelize(model, Comm(build_mesh(cfg)), cfg)
-
-    def no_prefetch_step(x, y, model=model, ours=ours):
-        ours.zero_grad()
-        model(x, y).backward()
-        ours.finish_gradient_sync()
-        ours.step()
-
-    runners["ours ZeRO-3 no prefetch"] = no_prefetch_step
+    # what prefetch buys, measured beside it
+    runners["ours ZeRO-3 no prefetch"] = _our_zero_step(base.replace(zero=3, no_prefetch=True))
     names = list(runners)
     times = {k: [] for k in names}
     repeats, i = Repeats(steps), 0
