@@ -129,8 +129,8 @@ class Comm:
         calls (grown when too small); one ring at a time per Comm. Why keep it: a fresh tensor of
         many MB is memory the OS maps and zeroes page by page when it is first written.
         `python -m parallel_mini.bench ring` on two idle cores, 4 ranks: 0.55-1.02 of gloo's bus
-        bandwidth with fresh buffers, 0.86-1.06 with kept ones (docs/gpu.md, section 4). gloo's ring, too, allocates only two segments of at
-        most 1 MiB (gloo/allreduce.cc, ring())."""
+        bandwidth with fresh buffers, 0.86-1.06 with kept ones (docs/gpu.md, section 4). gloo's
+        ring, too, allocates only two segments of at most 1 MiB (gloo/allreduce.cc, ring())."""
         key = (like.dtype, like.device)
         if key not in self._landing or self._landing[key].numel() < numel:
             self._landing[key] = torch.empty(numel, dtype=like.dtype, device=like.device)

@@ -36,7 +36,8 @@ then the row is marked not stable): `median_settled`, `Repeats`.
 
 (c) Our ZeRO-1 vs torch's ZeroRedundancyOptimizer (+DDP), our ZeRO-2 vs FSDP2 fully_shard with
     reshard_after_forward=False, our ZeRO-3 vs FSDP2 fully_shard: same model, data, Adam
-    arithmetic (torch.optim.Adam with our eps for the peers), steps interleaved as in (a).
+    arithmetic (torch.optim.Adam with our eps for the peers), steps interleaved as in (a); our
+    ZeRO-3 with --no-prefetch is timed in the same loop (what prefetch buys).
 (d) Our tensor parallel, without and with sequence parallel (--sp), vs DTensor parallelize_module
     with the plan `peers.dtensor_tp_plan` builds (torchtitan's, SequenceParallel LayerNorms for sp);
     without sp also against the plan that splits the vocabulary as ours does (loss_parallel).

@@ -173,18 +173,22 @@ class Zero3DataParallel(guards.ZeroBubbleUnits, DiskMethods):  # 6: W's hooks; d
     def gather(self, *units: Unit) -> None:
         for unit in units:
             unit.wait()  # (prefetched: it may still be on the wire)
-            if not unit.gathered:  # (--offload-disk: my slice read back from the file)
-                unit.gather(self.comm, self.optimizer.shard(unit) if self.disk else unit.shard)
+            if not unit.gathered:
+                unit.gather(self.comm, self._my_slice(unit))
                 self._count_gathered(unit)
 
     def _prefetch(self, unit: Unit | None) -> None:
         """Put `unit`'s all-gather on the wire now; `gather` waits for it when the unit is used."""
         if self.prefetch and unit is not None and not unit.gathered:
             unit.active = True  # (as in _before_forward: our own reads of it are no use, guard 2)
-            unit.gather(self.comm, self.optimizer.shard(unit) if self.disk else unit.shard,
-                        async_op=True)
+            unit.gather(self.comm, self._my_slice(unit), async_op=True)
             unit.active = False
             self._count_gathered(unit)
+
+    def _my_slice(self, unit: Unit) -> torch.Tensor:
+        """What this rank sends to the unit's all-gather: its slice [k] (--offload-disk: read back
+        from the file)."""
+        return self.optimizer.shard(unit) if self.disk else unit.shard
 
     def _count_gathered(self, unit: Unit) -> None:
         self.gathered_bytes += unit.storage.nbytes()
