@@ -61,6 +61,14 @@ def test_the_goals_of_issue_25_are_judged_row_by_row():
     assert not v["met"] and v["missed"] == ["dp 4: 1.04, 20% (24%)"] and v["unsettled"] == ["dp 4"]
     dp[1]["allreduce_overlapped"] = 0.25
     assert bench.goal_verdict("dp", dp)["met"]
+    # met on its median, but its interval reaches past 1.05: said beside the verdict
+    dp[1]["bucketed_over_ddp_interval"] = [0.99, 1.08]
+    v = bench.goal_verdict("dp", dp)
+    assert v["met"] and v["interval_past_goal"] == ["dp 4: 0.99-1.08"]
+    assert "met on every row (on its median; the 90% interval reaches past the goal at dp 4: " \
+           "0.99-1.08)" in bench._goal_line(v)
+    dp[1]["bucketed_over_ddp_interval"] = [0.99, 1.04]
+    assert bench.goal_verdict("dp", dp)["interval_past_goal"] == []
     dp[0]["bucketed_over_ddp"] = 1.06  # 5 % is the limit
     assert bench.goal_verdict("dp", dp)["missed"] == ["dp 2: 1.06, 66% (49%)"]
     pp = [{"pp": 2, "schedule": "1f1b", "ours_over_torch": 1.06},
@@ -101,3 +109,36 @@ def test_bench_cp_reports_the_tile_split_and_its_stability():
     assert {"score matmul", "causal mask", "fused forward", "fused backward", "merge",
             "K/V copy", "post send+recv", "whole hop"} <= set(row["split_ms"])
     assert bench._stability_line("cp", rows).startswith("    ")
+
+
+def test_a_ratio_repeats_until_its_interval_is_narrow():
+    """ratio_interval: the bootstrap interval of median(a)/median(b), steps resampled in pairs;
+    RatioRepeats goes on while it is wider than +-RATIO_TOL, stops at its cap either way."""
+    import random
+    rnd = random.Random(1)
+    quiet_b = [20.0 + rnd.uniform(-0.2, 0.2) for _ in range(40)]
+    quiet_a = [1.1 * x for x in quiet_b]                      # ours 10 % slower, every step
+    lo, hi = bench.ratio_interval(quiet_a, quiet_b)
+    assert lo <= 1.1 <= hi and hi - lo < 0.02                 # the pairs tell it to within 1 %
+    assert bench.ratio_interval(quiet_a, quiet_b) == (lo, hi)  # seeded: every rank agrees
+    assert bench.ratio_settled(quiet_a, quiet_b)
+    noisy_a = [rnd.choice([18.0, 33.0]) for _ in range(40)]  # steps of 18 or 33 ms, unpaired
+    noisy_b = [rnd.choice([18.0, 33.0]) for _ in range(40)]
+    lo, hi = bench.ratio_interval(noisy_a, noisy_b)
+    assert hi - lo > 0.2 and not bench.ratio_settled(noisy_a, noisy_b)
+    reps = bench.RatioRepeats(least=10, most=40)
+    assert reps.more(quiet_a[:5], quiet_b[:5])                # fewer than `least`
+    assert not reps.more(quiet_a[:20], quiet_b[:20])          # enough and narrow
+    assert reps.more(noisy_a[:20], noisy_b[:20])              # still wide: more
+    assert not reps.more(noisy_a, noisy_b)                    # at the cap: stop
+
+
+def test_bench_dp_rows_carry_the_ratio_interval_and_naive_stops_early():
+    """bench dp (a) on 2 ranks, capped at 8 steps: the row has bucketed/DDP's interval, naive is timed no more than the others, and all three replicas still equal DDP's (naive's
+    checked when it stopped)."""
+    (row,) = bench.bench_dp(dps=(2,), warmup=1, steps=4, most=8)
+    lo, hi = row["bucketed_over_ddp_interval"]
+    assert 0 < lo <= hi
+    assert 4 <= row["repeats"] <= 8 and 4 <= row["naive_repeats"] <= row["repeats"]
+    assert row["max_param_diff_vs_ddp"] < 1e-5
+    assert isinstance(row["stable"], bool)

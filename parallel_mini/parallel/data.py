@@ -83,10 +83,12 @@ class Bucket:
         numel = sum(p.numel() for p in params)
         dtype = torch.float32 if hasattr(params[0], "main_grad") else params[0].dtype
         self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)  # [numel]
-        self.offsets = {}
+        # p -> its place in flat, shaped like p. Made once: slicing and reshaping at every gradient
+        # cost more than the copies themselves (unpacking the toy's 4 buckets: 0.44 ms, 0.10 ms so)
+        self.views: dict = {}
         off = 0
         for p in params:
-            self.offsets[p] = (off, off + p.numel())
+            self.views[p] = self.flat[off:off + p.numel()].view_as(p)
             off += p.numel()
         self.ready: set = set()
         self.handle = None
@@ -162,8 +164,7 @@ class DataParallel:
         if not self._syncing:
             return
         bucket = self._bucket_of[p]
-        lo, hi = bucket.offsets[p]
-        bucket.flat[lo:hi].copy_(grad_of(p).view(-1))
+        bucket.views[p].copy_(grad_of(p))
         bucket.ready.add(p)
         self._ready_count += 1
         self._launch_ready_buckets()
@@ -217,8 +218,7 @@ class DataParallel:
             b.handle.wait()
             b.flat /= self.n
             for p in b.params:
-                lo, hi = b.offsets[p]
-                grad_of(p).copy_(b.flat[lo:hi].view_as(p))
+                grad_of(p).copy_(b.views[p])
             b.ready.clear()
             b.handle = None
         self._next_bucket = 0
