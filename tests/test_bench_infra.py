@@ -142,3 +142,13 @@ def test_bench_dp_rows_carry_the_ratio_interval_and_naive_stops_early():
     assert 4 <= row["repeats"] <= 8 and 4 <= row["naive_repeats"] <= row["repeats"]
     assert row["max_param_diff_vs_ddp"] < 1e-5
     assert isinstance(row["stable"], bool)
+
+
+def test_bench_ring_rows_carry_the_ratio_interval():
+    """bench ring (b) on 2 ranks, one small size, capped at 6 repeats: ring/gloo's interval, the
+    repeats made, and the sums equal gloo's."""
+    (row,) = bench.bench_ring(n=2, sizes_mb=(0.0625,), repeats=3, most=6)
+    lo, hi = row["ring_over_gloo_bw_interval"]
+    assert 0 < lo <= hi
+    assert 3 <= row["repeats"] <= 6 and isinstance(row["stable"], bool)
+    assert row["max_abs_err"] < 1e-5 and row["step_latency_s"]["ours_step"] > 0

@@ -35,7 +35,8 @@ medians near its goal, so it repeats until that ratio is known to +-4 % (`RatioR
     ratio (at most 300 steps), naive's (far slower, judged by no goal) only until its median settles.
 (b) Our ring all-reduce (send/recv only) against gloo's all-reduce on the same tensor, interleaved
     too. Bus bandwidth = the bytes each rank must send, 2(N-1)/N * S, per second (NCCL's busbw);
-    ratio = ours / gloo (1.0 = as fast as gloo).
+    ratio = ours / gloo (1.0 = as fast as gloo), with its 90 % bootstrap interval; each size repeats
+    until that interval is within +-4 % (at most 60 repeats).
 
 (c) Our ZeRO-1 vs torch's ZeroRedundancyOptimizer (+DDP), our ZeRO-2 vs FSDP2 fully_shard with
     reshard_after_forward=False, our ZeRO-3 vs FSDP2 fully_shard: same model, data, Adam
@@ -637,7 +638,7 @@ def bench_pp(pps=(2, 4), schedules=PP_SCHEDULES, warmup: int = 3,
 # ---------------------------------------------------------------------------------------------
 # (b) ring all-reduce vs gloo
 # ---------------------------------------------------------------------------------------------
-def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
+def _ring_rank(sizes_mb, repeats: int, most: int) -> list[dict]:
     n, r = dist.get_world_size(), dist.get_rank()
     comm = Comm(build_mesh(RunConfig(dp=n, batch=n)))
     rows = []
@@ -645,8 +646,9 @@ def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
         numel = int(mb * MB / 4)
         base = torch.randn(numel, generator=torch.Generator().manual_seed(r))
         t_ring, t_gloo = [], []
-        until, i = Repeats(repeats), 0
-        while i == 0 or until.more((t_ring, t_gloo)):  # the first round warms the connections
+        # judged as a ratio (ring/gloo bus bandwidth = gloo's time / ours): until it is known
+        until, i = RatioRepeats(repeats, most), 0
+        while i == 0 or until.more(t_gloo, t_ring):  # the first round warms the connections
             for impl in (("ring", "gloo") if i % 2 == 0 else ("gloo", "ring")):
                 x = base.clone()
                 dist.barrier()
@@ -663,10 +665,15 @@ def _ring_rank(sizes_mb, repeats: int) -> list[dict]:
             comm.records.clear(); comm.p2p_log.clear()
             i += 1
         rows.append({"mb": mb, "ring_s": statistics.median(t_ring),
-                     "gloo_s": statistics.median(t_gloo), **_verdict(t_ring, t_gloo),
+                     "gloo_s": statistics.median(t_gloo), "repeats": len(t_ring),
+                     "steps_measured": len(t_ring), "stable": ratio_settled(t_gloo, t_ring),
+                     "ring_over_gloo_bw_interval": list(ratio_interval(t_gloo, t_ring)),
                      "max_abs_err": (ours - ref).abs().max().item()})
     latency = _step_latency(comm, max(5, repeats))
     return [dict(row, step_latency_s=latency) for row in rows]
+
+
+RING_MOST = 60  # repeats at most per size: a small size is a few ms a repeat, 64 MB ~0.2 s
 
 
 def _step_latency(comm: Comm, repeats: int, steps: int = 20) -> dict:
@@ -711,8 +718,12 @@ def _step_latency(comm: Comm, repeats: int, steps: int = 20) -> dict:
             **{f"{name}_cpu": statistics.median(cs) for name, cs in cpu.items()}}
 
 
-def bench_ring(n: int = 4, sizes_mb=(0.0625, 0.25, 1, 4, 16, 64), repeats: int = 5) -> list[dict]:
-    rows = run_ranks(_ring_rank, n, list(sizes_mb), repeats, timeout=600, backend="gloo")[0].value
+def bench_ring(n: int = 4, sizes_mb=(0.0625, 0.25, 1, 4, 16, 64), repeats: int = 5,
+               most: int = RING_MOST) -> list[dict]:
+    """(b): per size, our ring against gloo's all-reduce, at least `repeats` and at most `most`
+    repeats (RatioRepeats), and the latency of one step (_step_latency)."""
+    rows = run_ranks(_ring_rank, n, list(sizes_mb), repeats, most, timeout=600,
+                     backend="gloo")[0].value
     for row in rows:
         wire = theory.wire_bytes("all_reduce", int(row["mb"] * MB), n)
         row.update(world_size=n,
@@ -1078,19 +1089,21 @@ def _print_dp(rows):
                   for r in rows]))
 
 
-def _interval(row) -> str:
-    lo_hi = row.get("bucketed_over_ddp_interval")  # absent from runs saved before it was measured
+def _interval(row, key: str = "bucketed_over_ddp_interval") -> str:
+    lo_hi = row.get(key)  # absent from runs saved before it was measured
     return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi else ""
 
 
 def _print_ring(rows):
     print(f"(b) all-reduce on {rows[0]['world_size']} ranks, median over the repeats "
-          f"(slowest rank); bus bandwidth = 2(N-1)/N * S / time")
+          f"(slowest rank; {', '.join(str(r['repeats']) for r in rows)} repeats); bus bandwidth "
+          f"= 2(N-1)/N * S / time; ring/gloo with its {RATIO_LEVEL:.0%} bootstrap interval")
     print(_table(["size MB", "ring ms", "gloo ms", "ring GB/s", "gloo GB/s", "ring/gloo bw",
                   "max |ring - gloo|"],
                  [[r["mb"], f"{1e3 * r['ring_s']:.1f}", f"{1e3 * r['gloo_s']:.1f}",
                    f"{r['ring_busbw_GBps']:.2f}", f"{r['gloo_busbw_GBps']:.2f}",
-                   f"{r['ring_over_gloo_bw']:.2f}", f"{r['max_abs_err']:.1e}"] for r in rows]))
+                   f"{r['ring_over_gloo_bw']:.2f}" + _interval(r, "ring_over_gloo_bw_interval"),
+                   f"{r['max_abs_err']:.1e}"] for r in rows]))
     lat, n = rows[0]["step_latency_s"], rows[0]["world_size"]
     print(f"    latency (measured, medians of 20 calls back to back): one ring step of 4 B ours "
           f"{1e3 * lat['ours_step']:.2f} ms, this thread's CPU {1e6 * lat['ours_step_cpu']:.0f} us "
@@ -1967,6 +1980,8 @@ def _stability_line(section: str, rows) -> str | None:
     if section == "dp":  # its judged ratio repeats for longer (RatioRepeats)
         rule = (f"bucketed/DDP's {RATIO_LEVEL:.0%} interval within +-{RATIO_TOL:.0%} of it, "
                 f"naive's {rule}")
+    if section == "ring":
+        rule = f"ring/gloo's {RATIO_LEVEL:.0%} interval within +-{RATIO_TOL:.0%} of it"
     return (f"    stable ({rule}): every row" if not bad else
             f"    NOT stable ({rule} not reached at the cap): " + ", ".join(bad))
 
