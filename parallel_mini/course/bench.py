@@ -691,12 +691,12 @@ def _step_latency(comm: Comm, repeats: int, steps: int = 20) -> dict:
 
     kept = []
 
-    def bare():  # the last receive's Work outlives the next posting, as in Comm._posted_recv
+    def bare():  # both Works outlive the next step's waits, as in Comm.sendrecv
         receiving = dist.irecv(buf, left)
         sending = dist.isend(one, right)
         receiving.wait()
         sending.wait()
-        kept[:] = [receiving]
+        kept[:] = [receiving, sending]
 
     calls = {"ours_step": lambda: comm.sendrecv(one, right, buf, left, "dp"),
              "bare_step": bare, "gloo_all_reduce_4B": lambda: dist.all_reduce(buf)}
