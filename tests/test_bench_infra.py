@@ -88,6 +88,14 @@ def test_the_goals_of_issue_25_are_judged_row_by_row():
         "1.00 ms = 6.0 ms)"]
     ring[1]["ring_s"] = 7.6e-3  # past 1.25 x 6 ms: not said
     assert bench.goal_verdict("ring", ring)["missed"] == ["4 ranks 0.0625 MB: 0.79"]
+    # a ring row met on its median whose interval reaches below 0.8 is said so; a row the goal
+    # does not judge (below 64 KB) is not
+    ring[0]["ring_over_gloo_bw_interval"] = [0.2, 0.4]
+    ring[1].update(ring_over_gloo_bw=0.84, ring_over_gloo_bw_interval=[0.76, 0.91])
+    v = bench.goal_verdict("ring", ring)
+    assert v["met"] and v["interval_past_goal"] == ["4 ranks 0.0625 MB: 0.76-0.91"]
+    ring[1]["ring_over_gloo_bw_interval"] = [0.81, 0.91]
+    assert bench.goal_verdict("ring", ring)["interval_past_goal"] == []
     assert bench.goal_verdict("links", [{}]) is None  # no goal: no line
     tp = [{"tp": 2, "sp": False, "ours_over_dtensor": 1.11, "ours_over_dtensor_vocab": 0.81},
           {"tp": 2, "sp": True, "ours_over_dtensor": 0.69}]
