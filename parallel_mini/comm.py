@@ -137,6 +137,12 @@ class Comm:
             self._landing[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return self._landing[key][:numel]
 
+    def in_a_row(self):
+        """`with comm.in_a_row():` around ops that follow one another with nothing between them
+        (a ring's steps): the bytes written to the sockets are read once at each end of the run,
+        not at each end of every op (meters.WireMeter.in_a_row says why); the ops share them."""
+        return self.meter.wire.in_a_row()
+
     # -- point to point ------------------------------------------------------------------------
     def _posted_recv(self, tensor: torch.Tensor, axis: str, src: int):
         """Post a receive from axis-rank `src`; its Work is kept until the next receive from `src`
@@ -236,16 +242,17 @@ def ring_all_reduce(x: torch.Tensor, comm: Comm, axis: str = "dp") -> torch.Tens
     # the chunk after; kept by comm from call to call, Comm.landing says why), all-gather straight
     # into the chunk
     incoming = comm.landing(chunks[0].numel(), x)  # chunk 0: the largest
-    for step in range(n - 1):  # reduce-scatter
-        send_i, recv_i = (r - step) % n, (r - step - 1) % n
-        land = incoming[: chunks[recv_i].numel()]
-        comm.sendrecv(chunks[send_i], right, land, left, axis, step=step, phase="reduce-scatter",
-                      chunk=send_i)
-        chunks[recv_i] += land
-    for step in range(n - 1):  # all-gather
-        send_i, recv_i = (r + 1 - step) % n, (r - step) % n
-        comm.sendrecv(chunks[send_i], right, chunks[recv_i], left, axis, step=n - 1 + step,
-                      phase="all-gather", chunk=send_i)
+    with comm.in_a_row():  # the steps' socket bytes read once for all of them (Comm.in_a_row)
+        for step in range(n - 1):  # reduce-scatter
+            send_i, recv_i = (r - step) % n, (r - step - 1) % n
+            land = incoming[: chunks[recv_i].numel()]
+            comm.sendrecv(chunks[send_i], right, land, left, axis, step=step,
+                          phase="reduce-scatter", chunk=send_i)
+            chunks[recv_i] += land
+        for step in range(n - 1):  # all-gather
+            send_i, recv_i = (r + 1 - step) % n, (r - step) % n
+            comm.sendrecv(chunks[send_i], right, chunks[recv_i], left, axis, step=n - 1 + step,
+                          phase="all-gather", chunk=send_i)
     return x
 
 

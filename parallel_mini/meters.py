@@ -270,7 +270,8 @@ class WireMeter:
     """Bytes this process really wrote to its sockets, per op: Linux counts every byte passed to
     write()/send() by any thread of the process in `wchar` of /proc/self/io, gloo's I/O threads
     included. The counter is read when an op starts and when it ends (for an async op: when gloo
-    reports it done, or at wait); the bytes written in between belong to the ops in flight. An op
+    reports it done, or at wait; for ops in a row, such as a ring's steps, once at each end of the
+    row: in_a_row); the bytes written in between belong to the ops in flight. An op
     that ran alone gets exactly its own bytes; ops that overlapped (bucketed all-reduces during
     backward, a pipeline's sends) share each interval's bytes in proportion to their model bytes
     and are marked `wire_shared` (with the groups they overlapped: `wire_shared_with`). A step's
@@ -285,6 +286,7 @@ class WireMeter:
             self.fd = None
         self.lock = threading.Lock()
         self.inflight: list[dict] = []
+        self.run: list[dict] | None = None  # inside in_a_row(): the ops begun so far
         self.last = self._read() if self.fd is not None else 0
 
     def _read(self) -> int:
@@ -312,7 +314,10 @@ class WireMeter:
             rec["wire_bytes_measured"] = None
             return
         with self.lock:
-            self._settle()
+            if self.run is None:
+                self._settle()
+            else:  # read once, when the run ends
+                self.run.append(rec)
             rec["wire_bytes_measured"] = 0
             self.inflight.append(rec)
 
@@ -320,11 +325,37 @@ class WireMeter:
         if self.fd is None:
             return
         with self.lock:
+            if self.run is not None and any(r is rec for r in self.run):
+                return  # settled when the run ends
             if any(r is rec for r in self.inflight):
                 self._settle()
                 self.inflight = [r for r in self.inflight if r is not rec]
                 if not rec.get("wire_shared"):
                     rec["wire_bytes_measured"] = int(rec["wire_bytes_measured"])
+
+    @contextmanager
+    def in_a_row(self):
+        """Ops that follow one another with nothing written between them (a ring's 2(N-1) steps)
+        read the counter once at each end of the run instead of at each end of every op; they
+        share the run's bytes as overlapping ops do (`wire_shared`), and the run's total is exact.
+        Why: in a running ring one reading cost ~35 us of CPU (3.5 us alone), and with 4 ranks on
+        2 cores each rank's CPU lengthens every hop (docs/bench-2cpu-2026-12-07, section 4)."""
+        if self.fd is None or self.run is not None:  # nothing to read, or already in a run
+            yield
+            return
+        with self.lock:
+            self._settle()
+            self.run = []
+        try:
+            yield
+        finally:
+            with self.lock:
+                run, self.run = self.run, None
+                self._settle()  # the run's bytes, shared by its ops (and any other in flight)
+                self.inflight = [r for r in self.inflight if not any(r is x for x in run)]
+                for rec in run:
+                    if not rec.get("wire_shared"):  # a run of one op: its own bytes
+                        rec["wire_bytes_measured"] = int(rec["wire_bytes_measured"])
 
 
 # A rank with a core of its own waits for a collective by polling, as MPI libraries do by default.
