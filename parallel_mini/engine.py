@@ -59,6 +59,15 @@ from .reference import max_abs_diff, train_reference
 from .step import PlainStep
 
 
+def say_progress(step: int, steps: int, loss: float, stream=None) -> None:
+    """The CLI's progress line, written in one write() with its newline. Why one: print() writes
+    the text and the newline separately, and a rank killed between the two (the CLI ending its
+    ranks on SIGTERM) left the line open, so the CLI's "stopped by SIGTERM" landed at its end."""
+    stream = stream or sys.stderr
+    stream.write(f"step {step}/{steps}  loss {loss:.4f}\n")
+    stream.flush()
+
+
 def parallelize(model, comm, cfg, average_fn=None, experts: ExpertParallel | None = None
                 ) -> GradientStrategy:
     """The gradient strategy for `cfg` over the mesh's data-parallel axes (step 7 above). With
@@ -257,8 +266,7 @@ def _train(cfg, runner: StepRunner, strategy: GradientStrategy, comm: Comm, live
             raise FloatingPointError(f"step {start + step + 1}: the loss is {losses[-1]}; the run "
                                      f"diverged (lower --lr, --aux-loss-weight or --z-loss-weight)")
         if cfg.extra.get("progress") and mesh.rank == 0:
-            print(f"step {start + step + 1}/{cfg.steps}  loss {losses[-1]:.4f}", file=sys.stderr,
-                  flush=True)
+            say_progress(start + step + 1, cfg.steps, losses[-1])
         done = start + step + 1
         if checkpoints is not None:  # (tests: a kill between saves)
             checkpoints.crash_point(cfg, mesh.rank, f"step {done}")

@@ -119,3 +119,24 @@ def _signal_both_and_check(marks, started):
     for how in marks:
         assert _wait_until_gone(marks[how], procs[how], 60) == {}, \
             f"a process of the run outlived the CLI ({how})"
+
+
+def test_the_progress_line_is_written_in_one_write():
+    """The race behind a failure of the test above: print() wrote "step 2/10000  loss 4.8191" and
+    its newline in two writes, the rank was killed between them, and the CLI's "stopped by
+    SIGTERM" line was glued to the open one. engine.say_progress writes line and newline at once."""
+    import io
+    from parallel_mini.engine import say_progress
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+
+    out = Writes()
+    say_progress(2, 10000, 4.81912, stream=out)
+    assert out.calls == ["step 2/10000  loss 4.8191\n"]
