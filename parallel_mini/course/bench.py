@@ -23,8 +23,8 @@
 
 Every benchmark prints the load average before and after it, and repeats its timed steps until
 each median has settled (moved < 2 % over the last 3 repeats; at most 3x the asked-for count,
-then the row is marked not stable): `median_settled`, `Repeats`. (a) judges a ratio of two
-medians near its goal, so it repeats until that ratio is known to +-4 % (`RatioRepeats`).
+then the row is marked not stable): `median_settled`, `Repeats`. (a) and (b) judge a ratio of
+two medians near its goal, so they repeat until that ratio is known to +-4 % (`RatioRepeats`).
 
 (a) Our DataParallel (bucketed and naive) and torch's DistributedDataParallel train the same tiny
     GPT on the same data with the same optimizer (ours, torch.optim.Adam's arithmetic) and the same
@@ -32,7 +32,8 @@ medians near its goal, so it repeats until that ratio is known to +-4 % (`RatioR
     a noisy neighbour slows all of them alike. A step's time is the slowest rank's; we report the
     median over the measured steps and the ratio ours / DDP (1.0 = as fast as DDP), with its 90 %
     bootstrap interval; bucketed and DDP steps go on until that interval is within +-4 % of the
-    ratio (at most 300 steps), naive's (far slower, judged by no goal) only until its median settles.
+    ratio (at most 300 steps), naive's (far slower, judged by no goal) only until its median
+    settles.
 (b) Our ring all-reduce (send/recv only) against gloo's all-reduce on the same tensor, interleaved
     too. Bus bandwidth = the bytes each rank must send, 2(N-1)/N * S, per second (NCCL's busbw);
     ratio = ours / gloo (1.0 = as fast as gloo), with its 90 % bootstrap interval; each size repeats
@@ -203,8 +204,9 @@ class Repeats:
 # A ratio of two medians that is judged against a goal 5 % away needs more than a settled median:
 # on this 2-core machine one step of the toy takes 18 to 33 ms, and 20 steps leave ours/DDP's 90 %
 # interval +-16 % wide (160 steps: +-4 %). RatioRepeats therefore goes on until the ratio's
-# interval is within +-4 %: narrow enough to tell a ratio near 1.0 from the goal's 1.05. The interval is a bootstrap over the steps, a step's two runners resampled
-# together: they ran back to back, on the same state of the machine.
+# interval is within +-4 %: narrow enough to tell a ratio near 1.0 from the goal's 1.05. The
+# interval is a bootstrap over the steps, a step's two runners resampled together: they ran back
+# to back, on the same state of the machine (docs/bench-2cpu-2026-12-07, section 2).
 RATIO_TOL, RATIO_LEVEL, RATIO_MOST = 0.04, 0.90, 300
 
 
