@@ -339,7 +339,7 @@ class WireMeter:
         read the counter once at each end of the run instead of at each end of every op; they
         share the run's bytes as overlapping ops do (`wire_shared`), and the run's total is exact.
         Why: in a running ring one reading cost ~35 us of CPU (3.5 us alone), and with 4 ranks on
-        2 cores each rank's CPU lengthens every hop (docs/bench-2cpu-2026-12-07, section 4)."""
+        2 cores each rank's CPU lengthens every hop (docs/bench-2cpu-2026-12-07, section 3)."""
         if self.fd is None or self.run is not None:  # nothing to read, or already in a run
             yield
             return
