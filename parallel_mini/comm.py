@@ -177,8 +177,9 @@ class Comm:
         (as _posted_recv keeps a receive's): on gloo, freeing a finished send's Work while the
         next messages are in flight slows them. Measured on the 2-core machine, the ring
         all-reduce on 4 ranks, 64 KB and 1 MB, ms a call: 7.9-8.3 freeing the send's Work at once,
-        5.3-6.3 keeping both until after the next waits (gloo's own all-reduce: 4.2-5.3); on 2
-        ranks 1.7 -> 1.4 at 1 MB (docs/bench-2cpu-2026-12-07, section 3)."""
+        5.7-6.3 keeping both until after the next waits; on 2
+        ranks, an exchange after one whose Works were freed took 2.4-2.7 ms, 0.19 ms after one
+        whose Works were kept (docs/bench-2cpu-2026-12-07, section 3)."""
         sent, got = self._send_record(send, axis, dst), self._recv_record(recv, axis, src)
         self.meter.begin(sent)
         receiving = dist.irecv(recv, self.mesh.global_rank(axis, src), group=self.mesh.groups[axis])

@@ -142,8 +142,9 @@ def test_a_ratio_repeats_until_its_interval_is_narrow():
 
 
 def test_bench_dp_rows_carry_the_ratio_interval_and_naive_stops_early():
-    """bench dp (a) on 2 ranks, capped at 8 steps: the row has bucketed/DDP's interval, naive is timed no more than the others, and all three replicas still equal DDP's (naive's
-    checked when it stopped)."""
+    """bench dp (a) on 2 ranks, capped at 8 steps: the row has bucketed/DDP's interval, naive is
+    timed no more than the others, and all three replicas still equal DDP's (naive's checked when
+    it stopped)."""
     (row,) = bench.bench_dp(dps=(2,), warmup=1, steps=4, most=8)
     lo, hi = row["bucketed_over_ddp_interval"]
     assert 0 < lo <= hi

@@ -235,7 +235,7 @@ class RatioRepeats(Repeats):
     at most `most` (default RATIO_MOST)."""
 
     def __init__(self, least: int, most: int = RATIO_MOST):
-        super().__init__(least, max(least, most))
+        super().__init__(least, most)
 
     def more(self, a, b) -> bool:
         n = min(len(a), len(b))

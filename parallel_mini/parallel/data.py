@@ -84,8 +84,8 @@ class Bucket:
         dtype = torch.float32 if hasattr(params[0], "main_grad") else params[0].dtype
         self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)  # [numel]
         # p -> its place in flat, shaped like p. Made once: slicing and reshaping at every gradient
-        # cost more than the copies themselves (unpacking the toy's 4 buckets: 0.27-0.44 ms a step
-        # sliced each time, 0.10 ms with these; docs/bench-2cpu-2026-12-07, scripts/bucket_views.py)
+        # cost more than the copies themselves (unpacking the toy's 4 buckets: 0.27 ms a step sliced
+        # each time, 0.10 ms with these; docs/bench-2cpu-2026-12-07, scripts/bucket_views.py)
         self.views: dict = {}
         off = 0
         for p in params:
