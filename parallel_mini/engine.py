@@ -120,14 +120,22 @@ def make_runner(cfg, model, comm, timeline, live, act) -> StepRunner:
                           seq_shards=cfg.tp if cfg.sp else 1)  # SP: [b, s/tp, h] of its tokens
 
 
+def own_blocks(model, local: dict[str, torch.Tensor]) -> dict[str, list]:
+    """{full name: [(Block's full box, the elements this rank holds of it)]}, each a tensor of its
+    own: a view would pickle its whole storage (a ZeRO flat buffer: every parameter, once per
+    view). Measured, the toy at dp 4 with ZeRO-1: 46 MB pickled per rank with views, 0.9 MB with
+    clones; the whole 3-step run 2.1 s -> 0.7 s on the 2-core machine."""
+    blocks = {name: b for name, b in held_by(model).values()}
+    return {name: [(b.full, t.detach()[Box(b.local, b.full.sizes).index()].cpu().clone())
+                   for b in blocks[name]] for name, t in local.items()}
+
+
 def gather_full_parameters(model, local: dict[str, torch.Tensor], mesh: Mesh) -> dict:
     """The whole model on every rank from every rank's blocks of it: `local` is what this rank
     holds, unsharded over its strategy's axes (full_parameters), and each module says which block
     of the full tensor that is (placement.held_by). Bookkeeping outside training: one object
     all-gather over the world, not a recorded collective."""
-    blocks = {name: b for name, b in held_by(model).values()}
-    mine = {name: [(b.full, t.detach()[Box(b.local, b.full.sizes).index()].cpu())
-                   for b in blocks[name]] for name, t in local.items()}
+    mine = own_blocks(model, local)
     parts = [None] * mesh.world_size
     dist.all_gather_object(parts, mine)
     got: dict[str, list] = {}

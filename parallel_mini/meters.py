@@ -29,7 +29,6 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 def tensors_bytes(tensors) -> int:
@@ -205,12 +204,23 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in inputs:
+        inputs = {id(a.untyped_storage()) for a in _tensors((args, tuple((kwargs or {}).values())))}
+        for t in _tensors(out):
+            if id(t.untyped_storage()) not in inputs:
                 self._track(t.untyped_storage())
         return out
+
+
+def _tensors(x):
+    """The tensors in an op's arguments or results: aten's schemas nest at most lists of
+    (optional) tensors in a tuple. A hand walk: torch's general tree_flatten, called twice for
+    every op of every step, took 0.07 s of the 0.65 s a rank of the toy spent training 3 steps at
+    dp 4 with ZeRO-1 (cProfile; 0.02 s so)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for item in x:
+            yield from _tensors(item)
 
 
 class Timeline:

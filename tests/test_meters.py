@@ -69,3 +69,35 @@ def test_the_meter_asks_a_futureless_op_once_and_still_times_futures():
     finished = rec["end"]
     handle.wait()
     assert rec["end"] == finished < rec["waited_until"]
+
+
+def test_the_live_meter_finds_the_tensors_torch_would_find():
+    """LiveBytes walks an op's arguments and results by hand (meters._tensors); on every op of a
+    training step of the toy it finds the same tensors as torch's general tree_flatten."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from parallel_mini.meters import _tensors
+    from parallel_mini.model import build_model
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.append(((args, kwargs or {}), out))
+            return out
+
+    cfg = RunConfig(dp=1, steps=1)
+    model = build_model(cfg)
+    tokens = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    with Record():
+        model(tokens, tokens).backward()
+    assert len(seen) > 100
+    for (args, kwargs), out in seen:
+        for found, general in ((_tensors((args, tuple(kwargs.values()))), (args, kwargs)),
+                               (_tensors(out), out)):
+            mine = [id(t) for t in found]
+            theirs = [id(t) for t in tree_flatten(general)[0] if isinstance(t, torch.Tensor)]
+            assert mine == theirs

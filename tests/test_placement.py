@@ -249,3 +249,26 @@ def test_live_strategies_own_the_twins_boxes(name):
 @pytest.mark.parametrize("name", LIVE_SLOW)
 def test_live_strategies_own_the_twins_boxes_slow(name):
     check_live(LIVE_SLOW[name])
+
+
+def test_the_blocks_gathered_at_the_end_pickle_only_their_own_elements():
+    """The final-parameter check ships each rank's blocks with all_gather_object. Parameters that
+    are views of one flat buffer (ZeRO's) must not pickle the buffer once per view: each block
+    goes as a tensor of its own (engine.own_blocks)."""
+    import pickle
+
+    from parallel_mini.engine import own_blocks
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    local, off = {}, 0
+    for name, p in model.named_parameters():  # [numel] views into flat, shaped like p
+        local[name] = flat[off:off + p.numel()].view_as(p)
+        off += p.numel()
+    as_views = len(pickle.dumps(local))
+    blocks = own_blocks(model, local)
+    shipped = len(pickle.dumps(blocks))
+    assert as_views > 3 * flat.numel() * 4  # the trap this guards against: 4 views, 4 buffers
+    assert shipped < 1.2 * flat.numel() * 4, (shipped, flat.numel() * 4)
+    for name, p in model.named_parameters():
+        (box, t), = blocks[name]
+        assert tuple(box.sizes) == tuple(p.shape) and torch.equal(t, local[name])
