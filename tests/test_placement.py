@@ -272,3 +272,15 @@ def test_the_blocks_gathered_at_the_end_pickle_only_their_own_elements():
     for name, p in model.named_parameters():
         (box, t), = blocks[name]
         assert tuple(box.sizes) == tuple(p.shape) and torch.equal(t, local[name])
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, pp=2, layers=4), dict(dp=2, ep=2, experts=4, zero=3)])
+def test_a_run_counts_the_whole_model_alike_with_and_without_the_reference(layout):
+    """Without the reference comparison a run counts the full model's parameters from every
+    rank's boxes (engine.count_full_parameters), shipping no values; with it, from the gathered
+    tensors. Both counts are the same, pipeline stages, tensor slices and experts included."""
+    counted = run(RunConfig(steps=1, **layout))
+    gathered = run(RunConfig(steps=1, reference=True, **layout))
+    assert gathered.max_abs_diff < 1e-5
+    assert [r["n_params"] for r in counted.ranks] == [r["n_params"] for r in gathered.ranks]
+    assert len({r["n_params"] for r in counted.ranks}) == 1
