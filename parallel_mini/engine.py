@@ -42,7 +42,7 @@ from .meters import (ActivationMeter, LiveBytes, Timeline, cuda_allocator_view, 
 from .model import build_model
 from .moe import Experts
 from .optim import PARAM_DTYPE
-from .placement import Box, held_by
+from .placement import Box, full_shape, held_by
 from .parallel.async_ps import slow_down, train_async
 from .parallel.context import ContextParallel, apply_context_parallel
 from .parallel.data import PlainDataParallel
@@ -138,7 +138,7 @@ def gather_full_parameters(model, local: dict[str, torch.Tensor], mesh: Mesh) ->
     got = _gather_lists(own_blocks(model, local), mesh)
     full = {}
     for name, boxes in got.items():
-        full[name] = boxes[0][1].new_empty(_full_shape([box for box, _ in boxes]))
+        full[name] = boxes[0][1].new_empty(full_shape([box for box, _ in boxes]))
         for box, t in boxes:
             full[name][box.index()] = t
     return full
@@ -149,7 +149,7 @@ def count_full_parameters(model, mesh: Mesh) -> int:
     reference comparison needs, without shipping a value (gather_full_parameters's price: the
     toy at dp 4, ZeRO-1, 0.16 s of a 0.46 s rank)."""
     mine = {name: [b.full for b in blocks] for name, blocks in held_by(model).values()}
-    return sum(math.prod(_full_shape(boxes)) for boxes in _gather_lists(mine, mesh).values())
+    return sum(math.prod(full_shape(boxes)) for boxes in _gather_lists(mine, mesh).values())
 
 
 def _gather_lists(mine: dict[str, list], mesh: Mesh) -> dict[str, list]:
@@ -162,11 +162,6 @@ def _gather_lists(mine: dict[str, list], mesh: Mesh) -> dict[str, list]:
         for name, items in part.items():
             got.setdefault(name, []).extend(items)
     return got
-
-
-def _full_shape(boxes) -> list[int]:
-    """A full tensor's shape: how far its boxes reach along each dimension."""
-    return [max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(len(boxes[0].sizes))]
 
 
 def owned_report(strategy: GradientStrategy, model) -> list[dict]:

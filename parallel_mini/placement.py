@@ -94,6 +94,11 @@ def local_shape(blocks: list[Block]) -> tuple[int, ...]:
                  for d in range(len(blocks[0].local)))
 
 
+def full_shape(boxes: list[Box]) -> tuple[int, ...]:
+    """A full tensor's shape from boxes that together cover it: how far they reach per dimension."""
+    return tuple(max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(len(boxes[0].sizes)))
+
+
 def flat_boxes(shape: tuple, lo: int, hi: int) -> list[Box]:
     """Boxes of a row-major tensor of `shape` that tile its elements [lo, hi), in order, each
     contiguous (a partial first row, whole rows, a partial last row; recursively)."""
