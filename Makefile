@@ -52,9 +52,14 @@ chromium:
 	else echo "chromium not installed and cannot install it here: browser tests will skip"; fi
 	@if [ "$$CI" = true ] && ! command -v chromium >/dev/null 2>&1; then echo "CI needs chromium"; exit 1; fi
 
+# Two pytest workers, each taking whole test files (pytest-xdist --dist loadfile: a file's session
+# fixtures, such as the notebooks' nbval jobs, stay in one worker). One process leaves a core idle
+# a quarter to a third of the time (single-threaded tests, waits on servers and process starts):
+# 596 s in one process, 436 s in two here (docs/suite-time-2026-12-07). TEST_JOBS=0: one process.
+TEST_JOBS ?= 2
 test: $(VENV)/.dev chromium
 	$(PY) tools/make_lessons.py --check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 # The suite SOAK_N times (default 3), each from a fresh clone of HEAD, with SOAK_LOAD busy loops
 # beside it (default 0); prints every failure

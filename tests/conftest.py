@@ -22,6 +22,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+    # the lesson notebooks first: with `make test`'s two workers (pytest-xdist, --dist loadfile),
+    # their file is the longest piece of work, so it goes out before the many short ones
+    items.sort(key=lambda item: "notebooks" not in item.keywords)
 
 
 @pytest.fixture(scope="session")
