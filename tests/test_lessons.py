@@ -459,7 +459,9 @@ def _nbval_worker(todo: queue.Queue, futures: dict, logs: Path, job: int) -> Non
 @pytest.fixture(scope="session")
 def nbval_results(request, tmp_path_factory):
     """Starts nbval on every selected notebook at once (NBVAL_JOBS jobs, each taking the next
-    notebook when it is done with one); each test waits for its own notebook's result."""
+    notebook when it is done with one); each test waits for its own notebook's result. Under
+    pytest-xdist this file must go whole to one worker (`make test`: --dist loadfile), or each
+    worker would run every notebook."""
     selected = [item.callspec.params["notebook"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_notebook_runs_and_checks_hold"]
     futures = {nb: Future() for nb in selected}
