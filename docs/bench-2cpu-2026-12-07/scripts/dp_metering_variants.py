@@ -1,0 +1,93 @@
+"""bench dp (a)'s loop at dp 2 with runners chosen on the command line, each its own model, in a
+rotating order (as the bench rotates DDP and ours), 5 warm-up + 200 measured steps; per runner the
+median / mean / p90 of each part of a step (ms, rank by rank): forward, backward (DDP's wait is
+inside its backward), our finish_gradient_sync, the optimizer, the whole step, and the main
+thread's CPU. Runners:
+  ddp      torch's DistributedDataParallel
+  ours     DataParallel(bucketed) on Comm, as the bench runs it
+  nowire   ours, without the socket counter (Comm's meter reads no /proc/self/io)
+  nofuture ours, without the completion callback (a record's end is taken at wait)
+  nometer  ours, without both
+  bare     ours on a Comm whose all_reduce is dist.all_reduce and a polled wait, nothing recorded
+python docs/bench-2cpu-2026-12-07/scripts/dp_metering_variants.py ddp ours nometer bare"""
+import statistics
+import sys
+import time
+
+import torch.distributed as dist
+
+import parallel_mini.course.bench as B
+from parallel_mini.config import RunConfig
+from parallel_mini.runtime.launch import run_ranks
+
+
+def rank(cfgd, names, warm, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim import Adam
+
+    from parallel_mini.comm import Comm
+    from parallel_mini.meters import wait_for
+    from parallel_mini.parallel.data import DataParallel
+
+    class Handle:
+        def __init__(self, work, poll):
+            self.work, self.poll = work, poll
+
+        def wait(self):
+            wait_for(self.work, self.poll)
+
+    class BareComm(Comm):
+        def all_reduce(self, tensor, axis, op=dist.ReduceOp.SUM, async_op=False, **tags):
+            work = dist.all_reduce(tensor, group=self.mesh.groups[axis], async_op=async_op)
+            return Handle(work, self.polls) if async_op else None
+
+    cfg = RunConfig.from_dict(cfgd)
+    n, r = dist.get_world_size(), dist.get_rank()
+    mesh = B.build_mesh(cfg)
+    run, comms = {}, []
+    for name in names:
+        model = B.build_model(cfg)
+        if name == "ddp":
+            run[name] = (DDP(model, bucket_cap_mb=cfg.bucket_mb), lambda: None,
+                         Adam(model.parameters(), lr=cfg.lr))
+            continue
+        comm = BareComm(mesh) if name == "bare" else Comm(mesh)
+        if name in ("nowire", "nometer"):
+            comm.meter.wire.fd = None
+        if name in ("nofuture", "nometer"):
+            comm.meter._no_future.add("all_reduce")
+        comms.append(comm)
+        dp = DataParallel(model, comm, mode="bucketed", bucket_mb=cfg.bucket_mb)
+        run[name] = (model, dp.finish_gradient_sync, Adam(model.parameters(), lr=cfg.lr))
+    parts = {k: [] for k in run}
+    for i in range(warm + steps):
+        x, y = B.shard(B.global_batch(cfg, i), r, n)
+        for comm in comms:
+            comm.step = i
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            forward, sync, opt = run[name]
+            dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            loss = forward(x, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            sync()
+            t3 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            t4 = time.perf_counter()
+            if i >= warm:
+                parts[name].append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0,
+                                    time.thread_time() - c0))
+    return {k: [(1e3 * statistics.median(c), 1e3 * statistics.mean(c),
+                 1e3 * sorted(c)[int(0.9 * len(c))]) for c in zip(*v)] for k, v in parts.items()}
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:]
+    cfg = RunConfig(dp=2, batch=16, bucket_mb=0.25, steps=10).validate()
+    for rr in run_ranks(rank, 2, cfg.to_dict(), names, 5, 200, timeout=900, backend="gloo"):
+        for k, v in rr.value.items():
+            print(f"{k:9s}", "  ".join("%s %.2f/%.2f/%.2f" % (lab, *c) for lab, c in
+                                       zip(("fwd", "bwd", "finish", "opt", "total", "cpu"), v)))
