@@ -57,9 +57,10 @@ chromium:
 # a quarter to a third of the time (single-threaded tests, waits on servers and process starts):
 # 596 s in one process, 436 s in two here (docs/suite-time-2026-12-07). TEST_JOBS=0: one process.
 TEST_JOBS ?= 2
+WORKERS = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 test: $(VENV)/.dev chromium
 	$(PY) tools/make_lessons.py --check
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+	$(PY) -m pytest -q $(WORKERS)
 
 # The suite SOAK_N times (default 3), each from a fresh clone of HEAD, with SOAK_LOAD busy loops
 # beside it (default 0); prints every failure
@@ -67,7 +68,7 @@ soak:
 	SOAK_N=$(or $(SOAK_N),3) SOAK_LOAD=$(or $(SOAK_LOAD),0) tools/soak.sh
 
 test-fast: $(VENV)/.dev
-	$(PY) -m pytest -q -m "not browser and not notebooks"
+	$(PY) -m pytest -q -m "not browser and not notebooks" $(WORKERS)
 
 # After editing lessons/src/*.ipynb: regenerate the learner and solved copies ...
 lessons: $(VENV)/.dev
