@@ -2,7 +2,9 @@
 (dist.all_reduce and the same polled wait), on 2 ranks, 300 calls each, twice: medians of the wall
 time of a call and of this thread's CPU in its launch, per tensor size (elements).
 Variants of Comm (argv): full (as the library runs), nowire (no socket counter), nofuture (no
-completion callback), nometer (neither), noclock (neither, and the CPU clock a constant).
+completion callback), nometer (neither), noclock (neither, and the CPU clock a constant),
+noread (everything, but the socket counter's reading is a constant: its bookkeeping without
+/proc/self/io).
 python docs/bench-2cpu-2026-12-07/scripts/allreduce_launch_cost.py full nometer noclock"""
 import statistics
 import sys
@@ -28,6 +30,8 @@ def rank(cfgd, size, reps, variants):
         comm = comms[v] = Comm(mesh)
         if v in ("nowire", "nometer", "noclock"):
             comm.meter.wire.fd = None
+        if v == "noread":
+            comm.meter.wire._read = lambda: 0
         if v in ("nofuture", "nometer", "noclock"):
             comm.meter._no_future.add("all_reduce")
     thread_time = time.thread_time
