@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -456,8 +457,18 @@ def _nbval_worker(todo: queue.Queue, futures: dict, logs: Path, job: int) -> Non
             _stop_job(proc)
 
 
+def _lesson_temp_entries() -> set[str]:
+    """What lessons make in the temporary directory (tempfile.mkdtemp(prefix="lessonNN...")."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob("lesson*")}
+
+
 @pytest.fixture(scope="session")
-def nbval_results(request, tmp_path_factory):
+def temp_before_notebooks() -> set[str]:
+    return _lesson_temp_entries()
+
+
+@pytest.fixture(scope="session")
+def nbval_results(request, tmp_path_factory, temp_before_notebooks):
     """Starts nbval on every selected notebook at once (NBVAL_JOBS jobs, each taking the next
     notebook when it is done with one); each test waits for its own notebook's result. Under
     pytest-xdist this file must go whole to one worker (`make test`: --dist loadfile), or each
@@ -491,6 +502,17 @@ def test_notebook_runs_and_checks_hold(notebook, nbval_results):
     assert res.returncode == 0, (f"nbval failed on {notebook.relative_to(ROOT)}:\n"
                                  + res.stdout[-6000:] + res.stderr[-2000:])
     assert re.search(r"\d+ passed", res.stdout) and " failed" not in res.stdout
+
+
+@pytest.mark.notebooks
+@pytest.mark.timeout(1200)
+def test_the_notebooks_leave_nothing_in_the_temp_directory(nbval_results, temp_before_notebooks):
+    """A lesson that writes to a temporary directory (09's checkpoint, 03's offload file) removes
+    it: a learner who runs a lesson ten times does not find ten checkpoints in /tmp."""
+    for future in nbval_results.values():
+        future.exception()  # waits; a notebook that failed is reported by its own test
+    left = _lesson_temp_entries() - temp_before_notebooks
+    assert not left, f"left in {tempfile.gettempdir()} by the notebooks: {sorted(left)}"
 
 
 @pytest.mark.notebooks
