@@ -1,10 +1,8 @@
 """One async all-reduce launched and waited for, through Comm (recorded) and bare
 (dist.all_reduce and the same polled wait), on 2 ranks, 300 calls each, twice: medians of the wall
 time of a call and of this thread's CPU in its launch, per tensor size (elements).
-Variants of Comm (argv): full (as the library runs), nowire (no socket counter), nofuture (no
-completion callback), nometer (neither), noclock (neither, and the CPU clock a constant),
-noread (everything, but the socket counter's reading is a constant: its bookkeeping without
-/proc/self/io).
+Variants of Comm (argv): those of comm_variants.py (full, nowire, noread, nofuture, nometer), and
+noclock (nometer, and the CPU clock a constant).
 python docs/bench-2cpu-2026-12-07/scripts/allreduce_launch_cost.py full nometer noclock"""
 import statistics
 import sys
@@ -14,26 +12,20 @@ import torch
 import torch.distributed as dist
 
 import parallel_mini.course.bench as B
+from comm_variants import comm_variant
 from parallel_mini.config import RunConfig
 from parallel_mini.runtime.launch import run_ranks
 
 
 def rank(cfgd, size, reps, variants):
     from parallel_mini import meters
-    from parallel_mini.comm import Comm
     from parallel_mini.meters import wait_for
 
     mesh = B.build_mesh(RunConfig.from_dict(cfgd))
     group, x = mesh.groups["dp"], torch.ones(size)
     comms = {}
     for v in variants:
-        comm = comms[v] = Comm(mesh)
-        if v in ("nowire", "nometer", "noclock"):
-            comm.meter.wire.fd = None
-        if v == "noread":
-            comm.meter.wire._read = lambda: 0
-        if v in ("nofuture", "nometer", "noclock"):
-            comm.meter._no_future.add("all_reduce")
+        comms[v] = comm_variant(mesh, "nometer" if v == "noclock" else v)
     thread_time = time.thread_time
 
     def call(v):

@@ -2,13 +2,9 @@
 rotating order (as the bench rotates DDP and ours), 5 warm-up + 200 measured steps; per runner the
 median / mean / p90 of each part of a step (ms, rank by rank): forward, backward (DDP's wait is
 inside its backward), our finish_gradient_sync, the optimizer, the whole step, and the main
-thread's CPU. Runners:
-  ddp      torch's DistributedDataParallel
-  ours     DataParallel(bucketed) on Comm, as the bench runs it
-  nowire   ours, without the socket counter (Comm's meter reads no /proc/self/io)
-  nofuture ours, without the completion callback (a record's end is taken at wait)
-  nometer  ours, without both
-  bare     ours on a Comm whose all_reduce is dist.all_reduce and a polled wait, nothing recorded
+thread's CPU. Runners: ddp (torch's DistributedDataParallel), ours (DataParallel(bucketed) on
+Comm, as the bench runs it), and ours on the Comm variants of comm_variants.py (nowire, noread,
+nofuture, nometer, bare).
 python docs/bench-2cpu-2026-12-07/scripts/dp_metering_variants.py ddp ours nometer bare"""
 import statistics
 import sys
@@ -17,6 +13,7 @@ import time
 import torch.distributed as dist
 
 import parallel_mini.course.bench as B
+from comm_variants import comm_variant
 from parallel_mini.config import RunConfig
 from parallel_mini.runtime.launch import run_ranks
 
@@ -25,21 +22,7 @@ def rank(cfgd, names, warm, steps):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim import Adam
 
-    from parallel_mini.comm import Comm
-    from parallel_mini.meters import wait_for
     from parallel_mini.parallel.data import DataParallel
-
-    class Handle:
-        def __init__(self, work, poll):
-            self.work, self.poll = work, poll
-
-        def wait(self):
-            wait_for(self.work, self.poll)
-
-    class BareComm(Comm):
-        def all_reduce(self, tensor, axis, op=dist.ReduceOp.SUM, async_op=False, **tags):
-            work = dist.all_reduce(tensor, group=self.mesh.groups[axis], async_op=async_op)
-            return Handle(work, self.polls) if async_op else None
 
     cfg = RunConfig.from_dict(cfgd)
     n, r = dist.get_world_size(), dist.get_rank()
@@ -51,11 +34,7 @@ def rank(cfgd, names, warm, steps):
             run[name] = (DDP(model, bucket_cap_mb=cfg.bucket_mb), lambda: None,
                          Adam(model.parameters(), lr=cfg.lr))
             continue
-        comm = BareComm(mesh) if name == "bare" else Comm(mesh)
-        if name in ("nowire", "nometer"):
-            comm.meter.wire.fd = None
-        if name in ("nofuture", "nometer"):
-            comm.meter._no_future.add("all_reduce")
+        comm = comm_variant(mesh, "full" if name == "ours" else name)
         comms.append(comm)
         dp = DataParallel(model, comm, mode="bucketed", bucket_mb=cfg.bucket_mb)
         run[name] = (model, dp.finish_gradient_sync, Adam(model.parameters(), lr=cfg.lr))
