@@ -191,6 +191,22 @@ class Comm:
         got["end"] = sent["end"]
         self.meter.sent(sent, send, self.rank(axis), dst, **log)
 
+    def exchange(self, send: torch.Tensor, dst: int, receiving, axis: str, **log):
+        """One step of a ring whose receives were all posted ahead (with `irecv`): start sending
+        `send` to axis-rank `dst`, then wait for `receiving`, this step's receive. Returns the
+        send's handle: wait on it before `send` is written again. In the p2p log (sendrecv's, with
+        the same keyword arguments) the step runs from the send's start to the receive's arrival.
+        Its first element is read before the send starts: a receive posted ahead may overwrite
+        the tensor once the message has gone (ring_all_reduce's all-gather does)."""
+        rec = self._send_record(send, axis, dst, async_op=True)
+        entry = self.meter.sent(rec, send, self.rank(axis), dst, **log)
+        self.meter.begin(rec)
+        sending = self.meter.end(rec, dist.isend(send, self.mesh.global_rank(axis, dst),
+                                                 group=self.mesh.groups[axis]), async_op=True)
+        receiving.wait()
+        entry["end"] = receiving.record["end"]
+        return sending
+
     def isend(self, tensor: torch.Tensor, dst: int, axis: str, **tags):
         """Start sending `tensor` to axis-rank `dst`; returns a handle to wait on before the tensor
         may be reused. A pipeline stage sends and goes on computing (its receiver pulls)."""
@@ -233,27 +249,41 @@ def ring_all_reduce(x: torch.Tensor, comm: Comm, axis: str = "dp") -> torch.Tens
     it). Phase 1, reduce-scatter: at step s rank r sends chunk (r-s) to the right and adds the chunk
     (r-s-1) that arrives from the left; after N-1 steps rank r holds the full sum of chunk (r+1).
     Phase 2, all-gather: the finished chunks travel once more around the ring, N-1 steps.
-    Every step moves one chunk, X/N bytes: 2(N-1)/N * X per rank in all, whatever N."""
+    Every step moves one chunk, X/N bytes: 2(N-1)/N * X per rank in all, whatever N.
+
+    Every receive is posted before the first send, as gloo's own ring does. Why: gloo sends a
+    message only once the receiver has said that its receive is posted (gloo/transport/tcp/pair.cc,
+    Pair::send); posted step by step, every message waits for its receiver to reach that step and
+    say so. Posted ahead, a message leaves the moment its sender has it ready
+    (docs/bench-2cpu-2026-12-07, section 7, has the figures)."""
     n, r = comm.size(axis), comm.rank(axis)
     if n == 1:
         return x
     chunks = list(x.view(-1).tensor_split(n))  # views: writing a chunk writes x
     right, left = (r + 1) % n, (r - 1) % n
-    # where each of the 2(N-1) steps' incoming chunk lands: reduce-scatter into a buffer (added to
-    # the chunk after; kept by comm from call to call, Comm.landing says why), all-gather straight
-    # into the chunk
-    incoming = comm.landing(chunks[0].numel(), x)  # chunk 0: the largest
+    rs = [((r - s) % n, (r - s - 1) % n) for s in range(n - 1)]  # (send, receive) chunk per step
+    ag = [((r + 1 - s) % n, (r - s) % n) for s in range(n - 1)]
+    # where each step's incoming chunk lands: reduce-scatter into a slot of its own (added to the
+    # chunk after; N-1 slots, all receiving at once; kept by comm, Comm.landing says why),
+    # all-gather straight into the chunk. Safe to post those early: the message that fills chunk c
+    # carries the sum over every rank, this one's chunk c included, so it cannot arrive before
+    # this rank's own send of chunk c has been received.
+    width = chunks[0].numel()  # chunk 0: the largest
+    slots = comm.landing((n - 1) * width, x)
+    lands = [slots[s * width: s * width + chunks[i].numel()] for s, (_, i) in enumerate(rs)]
+    lands += [chunks[i] for _, i in ag]
     with comm.in_a_row():  # the steps' socket bytes read once for all of them (Comm.in_a_row)
-        for step in range(n - 1):  # reduce-scatter
-            send_i, recv_i = (r - step) % n, (r - step - 1) % n
-            land = incoming[: chunks[recv_i].numel()]
-            comm.sendrecv(chunks[send_i], right, land, left, axis, step=step,
-                          phase="reduce-scatter", chunk=send_i)
-            chunks[recv_i] += land
-        for step in range(n - 1):  # all-gather
-            send_i, recv_i = (r + 1 - step) % n, (r - step) % n
-            comm.sendrecv(chunks[send_i], right, chunks[recv_i], left, axis, step=n - 1 + step,
-                          phase="all-gather", chunk=send_i)
+        receiving = [comm.irecv(land, left, axis) for land in lands]
+        sending = []
+        for step, (send_i, recv_i) in enumerate(rs):  # reduce-scatter
+            sending.append(comm.exchange(chunks[send_i], right, receiving[step], axis, step=step,
+                                         phase="reduce-scatter", chunk=send_i))
+            chunks[recv_i] += lands[step]
+        for step, (send_i, _) in enumerate(ag, start=n - 1):  # all-gather
+            sending.append(comm.exchange(chunks[send_i], right, receiving[step], axis, step=step,
+                                         phase="all-gather", chunk=send_i))
+        for handle in sending:  # before x may be written again
+            handle.wait()
     return x
 
 

@@ -482,12 +482,14 @@ class CommMeter:
         rec["end"], rec["cpu"], rec["wire_bytes_measured"] = time.perf_counter(), 0.0, 0
         return _Done() if async_op else None
 
-    def sent(self, rec: dict, tensor: torch.Tensor, src: int, dst: int, **log) -> None:
-        """A sendrecv's send, in the p2p log with its first element (see comm.probe_input)."""
-        self.p2p_log.append({"seq": len(self.p2p_log), "src": src, "dst": dst,
-                             "numel": tensor.numel(), "bytes": rec["payload_bytes"],
-                             "start": rec["start"], "end": rec["end"], "peek": _peek(tensor),
-                             **log})
+    def sent(self, rec: dict, tensor: torch.Tensor, src: int, dst: int, **log) -> dict:
+        """A ring step's send (Comm.sendrecv, Comm.exchange), in the p2p log with its first element
+        (see comm.probe_input); the entry's "end" is the record's unless `log` gives one."""
+        entry = {"seq": len(self.p2p_log), "src": src, "dst": dst, "numel": tensor.numel(),
+                 "bytes": rec["payload_bytes"], "start": rec["start"], "end": rec.get("end"),
+                 "peek": _peek(tensor), **log}
+        self.p2p_log.append(entry)
+        return entry
 
 
 def _peek(t: torch.Tensor):

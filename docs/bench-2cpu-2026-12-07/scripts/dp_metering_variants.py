@@ -4,7 +4,8 @@ median / mean / p90 of each part of a step (ms, rank by rank): forward, backward
 inside its backward), our finish_gradient_sync, the optimizer, the whole step, and the main
 thread's CPU. Runners: ddp (torch's DistributedDataParallel), ours (DataParallel(bucketed) on
 Comm, as the bench runs it), and ours on the Comm variants of comm_variants.py (nowire, noread,
-nofuture, nometer, bare).
+nofuture, nometer, bare). A name ending in `_percopy` (ours_percopy, bare_percopy) runs that
+runner with the DataParallel of before section 7 (dp_percopy.py: one copy_ per gradient).
 python docs/bench-2cpu-2026-12-07/scripts/dp_metering_variants.py ddp ours nometer bare"""
 import statistics
 import sys
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 import parallel_mini.course.bench as B
 from comm_variants import comm_variant
+from dp_percopy import PerCopy
 from parallel_mini.config import RunConfig
 from parallel_mini.runtime.launch import run_ranks
 
@@ -34,9 +36,11 @@ def rank(cfgd, names, warm, steps):
             run[name] = (DDP(model, bucket_cap_mb=cfg.bucket_mb), lambda: None,
                          Adam(model.parameters(), lr=cfg.lr))
             continue
-        comm = comm_variant(mesh, "full" if name == "ours" else name)
+        base = name.removesuffix("_percopy")
+        comm = comm_variant(mesh, "full" if base == "ours" else base)
         comms.append(comm)
-        dp = DataParallel(model, comm, mode="bucketed", bucket_mb=cfg.bucket_mb)
+        dp = (PerCopy if name.endswith("_percopy") else DataParallel)(
+            model, comm, mode="bucketed", bucket_mb=cfg.bucket_mb)
         run[name] = (model, dp.finish_gradient_sync, Adam(model.parameters(), lr=cfg.lr))
     parts = {k: [] for k in run}
     for i in range(warm + steps):
