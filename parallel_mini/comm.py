@@ -251,11 +251,13 @@ def ring_all_reduce(x: torch.Tensor, comm: Comm, axis: str = "dp") -> torch.Tens
     Phase 2, all-gather: the finished chunks travel once more around the ring, N-1 steps.
     Every step moves one chunk, X/N bytes: 2(N-1)/N * X per rank in all, whatever N.
 
-    Every receive is posted before the first send, as gloo's own ring does. Why: gloo sends a
-    message only once the receiver has said that its receive is posted (gloo/transport/tcp/pair.cc,
-    Pair::send); posted step by step, every message waits for its receiver to reach that step and
-    say so. Posted ahead, a message leaves the moment its sender has it ready
-    (docs/bench-2cpu-2026-12-07, section 7, has the figures)."""
+    Every receive is posted before the first send. Why: gloo sends a message only once the
+    receiver has said that its receive is posted (gloo/transport/tcp/pair.cc, Pair::send); posted
+    step by step, every message waits for its receiver to reach that step and say so. Posted
+    ahead, a message leaves the moment its sender has it ready (docs/bench-2cpu-2026-12-07,
+    section 7, has the figures). The price: N-1 landing slots, (N-1)/N of x, where a ring that
+    posts each receive at its step needs one. gloo's ring (gloo/allreduce.cc) posts each receive
+    two segments before it waits for it, keeping two segments in flight."""
     n, r = comm.size(axis), comm.rank(axis)
     if n == 1:
         return x

@@ -1115,9 +1115,10 @@ def _print_ring(rows):
           f"ms, gloo's all-reduce of 4 B {1e3 * lat['gloo_all_reduce_4B']:.2f} ms. One step alone "
           f"(sendrecv) {1e3 * lat['ours_step']:.2f} ms, this thread's CPU "
           f"{1e6 * lat['ours_step_cpu']:.0f} us (bare irecv + isend {1e3 * lat['bare_step']:.2f} ms, "
-          f"CPU {1e6 * lat['bare_step_cpu']:.0f} us: the metering costs the difference). Both rings "
-          f"post every receive before their first send (ring_all_reduce says why); gloo's also "
-          f"cuts a chunk into segments, two in flight, in C++ threads that cost no Python")
+          f"CPU {1e6 * lat['bare_step_cpu']:.0f} us: the metering costs the difference). Our ring posts "
+          f"every receive before its first send (ring_all_reduce says why); gloo's cuts each chunk "
+          f"into segments and posts each receive two segments ahead, in C++ threads that cost "
+          f"no Python")
 
 
 def _print_zero(rows):
