@@ -25,6 +25,7 @@ import statistics
 import time
 
 from .. import theory
+from ..comm import _all_gather, _reduce_scatter  # torch 2.13 renamed them (comm.py)
 
 OPS = ("p2p", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MiB = 2 ** 20
@@ -119,8 +120,8 @@ def _links_rank(op: str, sizes: list[int], repeats: int, group_size: int = 0) ->
 
         calls = {"p2p": p2p,
                  "all_reduce": lambda: dist.all_reduce(full, group=group),
-                 "all_gather": lambda: dist.all_gather_into_tensor(recv, part, group=group),
-                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full, group=group),
+                 "all_gather": lambda: _all_gather(recv, part, group=group),
+                 "reduce_scatter": lambda: _reduce_scatter(part, full, group=group),
                  "all_to_all": lambda: dist.all_to_all_single(recv, full, group=group)}
         call = calls[op]
         times, cpus = [], []
