@@ -69,6 +69,55 @@ def _ring_vs_backend(sizes):
     return out
 
 
+def _ring_posting_order(numel: int) -> dict:
+    """The order of this rank's irecv / isend calls in one ring_all_reduce, and its p2p log."""
+    import parallel_mini.comm as comm_module
+
+    n = dist.get_world_size()
+    comm, calls = _comm(n), []
+
+    class Watching:  # comm.py's torch.distributed, noting the point-to-point calls
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def irecv(self, *args, **kwargs):
+            calls.append("irecv")
+            return dist.irecv(*args, **kwargs)
+
+        def isend(self, *args, **kwargs):
+            calls.append("isend")
+            return dist.isend(*args, **kwargs)
+
+    comm_module.dist = Watching()
+    try:
+        x = collectives.probe_input(numel, dist.get_rank(), n)
+        ring_all_reduce(x, comm)
+    finally:
+        comm_module.dist = dist
+    expected = collectives.probe_input(numel, dist.get_rank(), n)
+    dist.all_reduce(expected)
+    recvs = [r for r in comm.records if r["op"] == "recv"]
+    return {"calls": calls, "exact": bool(torch.equal(x, expected)),
+            "log": [{k: e[k] for k in ("seq", "start", "end")} for e in comm.p2p_log],
+            "recv_ends": [r["end"] for r in recvs]}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_ring_posts_every_receive_before_its_first_send(n):
+    """ring_all_reduce posts its 2(N-1) receives before its first send (gloo sends a message only
+    once the receiver's receive is posted; posted ahead, no message waits for that), and each
+    step's p2p log entry runs from its send's start to the arrival of that step's receive."""
+    for got in (res.value for res in run_ranks(_ring_posting_order, n, 4 * n + 1)):
+        steps = 2 * (n - 1)
+        assert got["exact"]
+        assert got["calls"] == ["irecv"] * steps + ["isend"] * steps, got["calls"]
+        assert [e["seq"] for e in got["log"]] == list(range(steps))
+        assert [e["end"] for e in got["log"]] == got["recv_ends"]
+        assert all(e["start"] <= e["end"] for e in got["log"])
+        # a step starts after the previous step's receive arrived (the chain of the ring)
+        assert all(a["end"] <= b["start"] for a, b in zip(got["log"], got["log"][1:]))
+
+
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_ring_all_reduce_equals_backend(n):
     sizes = SIZES(n)
