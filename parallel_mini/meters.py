@@ -311,13 +311,20 @@ class WireMeter:
         delta, self.last = now - self.last, now
         if not self.inflight:
             return  # written while no op ran (a print, a file): not communication
+        # Kept to O(ops in flight) per reading: a pipeline stage's sends stay in flight until the
+        # step ends (24 a step at pp 2 interleaved), and every send reads the counter; recomputing
+        # the sum per op and each record's set of groups made a reading with 24 in flight cost
+        # 23-24 us, now 10-11 (docs/bench-2cpu-2026-12-07, section 8).
         weights = [max(r["wire_bytes_model"], 1) for r in self.inflight]
-        groups = sorted({r["group"] for r in self.inflight})
+        total, shared = sum(weights), len(self.inflight) > 1
+        groups = sorted({r["group"] for r in self.inflight}) if shared else None
         for r, w in zip(self.inflight, weights):
-            r["wire_bytes_measured"] += delta * w / sum(weights)
-            if len(self.inflight) > 1:
+            r["wire_bytes_measured"] += delta * w / total
+            if shared:
                 r["wire_shared"] = True
-                r["wire_shared_with"] = sorted(set(r.get("wire_shared_with", [])) | set(groups))
+                seen = r.get("wire_shared_with")
+                if seen != groups:  # mostly the groups it already has: nothing to merge
+                    r["wire_shared_with"] = sorted(set(seen or ()) | set(groups))
 
     def begin(self, rec: dict) -> None:
         if self.fd is None:

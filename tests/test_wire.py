@@ -84,3 +84,28 @@ def test_the_ring_reads_its_socket_bytes_once_at_each_end():
         assert got["sum_right"] and got["sends"] == 6 and got["reads"] == 2
         assert got["shared"]
         assert got["written_over_model"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_ops_in_flight_share_each_reading_by_model_bytes_and_note_the_groups():
+    """Between two readings the bytes written belong to the ops in flight, split by their model
+    bytes; an op that overlapped others is marked wire_shared, with every group it overlapped."""
+    meter = WireMeter(backend="gloo")
+    if meter.fd is None:
+        pytest.skip("/proc/self/io unreadable here")
+    counter = iter(range(0, 10_000, 100))  # each reading: 100 bytes more than the last
+    meter._read = lambda: next(counter)
+    meter.last = meter._read()
+    a = {"wire_bytes_model": 300, "group": "pp"}
+    b = {"wire_bytes_model": 100, "group": "dp"}
+    meter.begin(a)                 # reading 1: 100 bytes, nothing in flight (not communication)
+    meter.begin(b)                 # reading 2: 100 bytes, a alone
+    meter.end(a)                   # reading 3: 100 bytes, a and b: 75 / 25
+    meter.end(b)                   # reading 4: 100 bytes, b alone
+    assert a["wire_bytes_measured"] == pytest.approx(175)
+    assert b["wire_bytes_measured"] == pytest.approx(125)
+    assert a["wire_shared"] and b["wire_shared"]
+    assert a["wire_shared_with"] == b["wire_shared_with"] == ["dp", "pp"]
+    alone = {"wire_bytes_model": 50, "group": "tp"}
+    meter.begin(alone)
+    meter.end(alone)
+    assert alone["wire_bytes_measured"] == 100 and "wire_shared" not in alone
