@@ -25,7 +25,6 @@ import statistics
 import time
 
 from .. import theory
-from ..comm import _all_gather, _reduce_scatter  # torch 2.13 renamed them (comm.py)
 
 OPS = ("p2p", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MiB = 2 ** 20
@@ -98,6 +97,9 @@ def _links_rank(op: str, sizes: list[int], repeats: int, group_size: int = 0) ->
     group calling the op at once among its own ranks (as a layout's tp or cp groups do)."""
     import torch
     import torch.distributed as dist
+
+    from ..comm import _all_gather, _reduce_scatter  # torch 2.13 renamed them; imported here, not
+    # at the top: importing this module must not import torch (the CLI refuses bad input without it)
 
     torch.set_num_threads(1)
     world, me = dist.get_world_size(), dist.get_rank()
