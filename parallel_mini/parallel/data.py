@@ -95,10 +95,10 @@ class Bucket:
         self.ready: set = set()
         self.handle = None
 
-    # Why one torch._foreach_copy_ per bucket, not one copy_ per gradient: each copy_ from Python
-    # pays ~5 us of dispatch, which DDP's C++ reducer does not; with the toy's 53 gradients that was
-    # ~0.3-0.5 ms of a 17-20 ms step at dp 2, a few percent of its speed against DDP
-    # (docs/bench-2cpu-2026-12-07, section 7). The bytes copied are the same.
+    # Why one torch._foreach_copy_ per bucket, not one copy_ per gradient: every copy_ called from
+    # Python pays its own dispatch, which DDP's C++ reducer does not; the toy's 53 gradients made
+    # 53 calls a step each way. One call a bucket saved 0.2-0.3 ms of an 18-19 ms step at dp 2 on
+    # a bare Comm, in two runs (docs/bench-2cpu-2026-12-07, section 7). The bytes copied are the same.
     def pack(self) -> None:
         """Every gradient of the bucket into its place in `flat` (all of them are ready)."""
         torch._foreach_copy_(self._view_list, [grad_of(p) for p in self.params])
