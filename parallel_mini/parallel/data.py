@@ -39,7 +39,7 @@ from ..comm import Comm
 from ..interfaces import GradientStrategy, Held, Piece
 from ..optim import MasterWeights, make_optimizer
 from .offload_disk import DiskMethods, DiskOptimizer
-from ..placement import regions
+from ..placement import flat_layout, regions
 
 
 def broadcast_parameters(model: torch.nn.Module, comm: Comm, axis: str = "dp") -> None:
@@ -83,15 +83,12 @@ class Bucket:
         numel = sum(p.numel() for p in params)
         dtype = torch.float32 if hasattr(params[0], "main_grad") else params[0].dtype
         self.flat = torch.zeros(numel, dtype=dtype, device=params[0].device)  # [numel]
-        # p -> its place in flat, shaped like p. Made once: slicing and reshaping at every gradient
-        # cost more than the copies themselves (unpacking the toy's 4 buckets: 0.27 ms a step sliced
-        # each time, 0.10 ms with these; docs/bench-2cpu-2026-12-07, scripts/bucket_views.py)
-        self.views: dict = {}
-        off = 0
-        for p in params:
-            self.views[p] = self.flat[off:off + p.numel()].view_as(p)
-            off += p.numel()
-        self._view_list = [self.views[p] for p in params]
+        # each parameter's place in flat, shaped like it, in params' order (placement.flat_layout:
+        # the arithmetic ZeRO and checkpoints use). Made once: slicing and reshaping at every
+        # gradient cost more than the copies themselves (unpacking the toy's 4 buckets: 0.27 ms a
+        # step sliced each time, 0.10 ms with these; docs/bench-2cpu-2026-12-07, bucket_views.py)
+        offsets, _ = flat_layout([p.numel() for p in params], 1)
+        self.views = [self.flat[a:b].view_as(p) for p, (a, b) in zip(params, offsets)]
         self.ready: set = set()
         self.handle = None
 
@@ -101,11 +98,11 @@ class Bucket:
     # a bare Comm, in two runs (docs/bench-2cpu-2026-12-07, section 7). The bytes copied are the same.
     def pack(self) -> None:
         """Every gradient of the bucket into its place in `flat` (all of them are ready)."""
-        torch._foreach_copy_(self._view_list, [grad_of(p) for p in self.params])
+        torch._foreach_copy_(self.views, [grad_of(p) for p in self.params])
 
     def unpack(self) -> None:
         """`flat` (averaged) back into every gradient of the bucket."""
-        torch._foreach_copy_([grad_of(p) for p in self.params], self._view_list)
+        torch._foreach_copy_([grad_of(p) for p in self.params], self.views)
 
 
 def make_buckets(params: list[torch.nn.Parameter], bucket_bytes: int,

@@ -34,8 +34,8 @@ def unpack_sliced():
 def unpack_views():
     for b in buckets:
         b.flat /= 2
-        for p in b.params:
-            p.grad.copy_(b.views[p])
+        for p, view in zip(b.params, b.views):
+            p.grad.copy_(view)
 
 
 def pack_sliced():
@@ -47,8 +47,8 @@ def pack_sliced():
 
 def pack_views():
     for b in buckets:
-        for p in b.params:
-            b.views[p].copy_(p.grad)
+        for p, view in zip(b.params, b.views):
+            view.copy_(p.grad)
 
 
 for f in (unpack_sliced, unpack_views, pack_sliced, pack_views):

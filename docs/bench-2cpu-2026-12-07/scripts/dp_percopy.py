@@ -11,7 +11,9 @@ class PerCopy(DataParallel):
         if not self._syncing:
             return
         bucket = self._bucket_of[p]
-        bucket.views[p].copy_(grad_of(p))
+        if not hasattr(bucket, "view_of"):  # p -> its view, as Bucket kept them then
+            bucket.view_of = dict(zip(bucket.params, bucket.views))
+        bucket.view_of[p].copy_(grad_of(p))
         bucket.ready.add(p)
         self._ready_count += 1
         self._launch_ready_buckets()
@@ -20,8 +22,8 @@ class PerCopy(DataParallel):
         for b in self.buckets:
             b.handle.wait()
             b.flat /= self.n
-            for p in b.params:
-                grad_of(p).copy_(b.views[p])
+            for p, view in zip(b.params, b.views):
+                grad_of(p).copy_(view)
             b.ready.clear()
             b.handle = None
         self._next_bucket = 0
