@@ -491,7 +491,8 @@ class CommMeter:
 
     def sent(self, rec: dict, tensor: torch.Tensor, src: int, dst: int, **log) -> dict:
         """A ring step's send (Comm.sendrecv, Comm.exchange), in the p2p log with its first element
-        (see comm.probe_input); the entry's "end" is the record's unless `log` gives one."""
+        (see comm.probe_input); its "end" is the record's (None while the send is in flight:
+        Comm.exchange sets it when the step's receive arrives)."""
         entry = {"seq": len(self.p2p_log), "src": src, "dst": dst, "numel": tensor.numel(),
                  "bytes": rec["payload_bytes"], "start": rec["start"], "end": rec.get("end"),
                  "peek": _peek(tensor), **log}

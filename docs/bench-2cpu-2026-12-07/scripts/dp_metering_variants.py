@@ -6,7 +6,10 @@ thread's CPU. Runners: ddp (torch's DistributedDataParallel), ours (DataParallel
 Comm, as the bench runs it), and ours on the Comm variants of comm_variants.py (nowire, noread,
 nofuture, nometer, bare). A name ending in `_percopy` (ours_percopy, bare_percopy) runs that
 runner with the DataParallel of before section 7 (dp_percopy.py: one copy_ per gradient).
+NOGC=1 in the environment: the garbage collector off in every rank (section 7).
 python docs/bench-2cpu-2026-12-07/scripts/dp_metering_variants.py ddp ours nometer bare"""
+import gc
+import os
 import statistics
 import sys
 import time
@@ -26,6 +29,8 @@ def rank(cfgd, names, warm, steps):
 
     from parallel_mini.parallel.data import DataParallel
 
+    if os.environ.get("NOGC"):
+        gc.disable()
     cfg = RunConfig.from_dict(cfgd)
     n, r = dist.get_world_size(), dist.get_rank()
     mesh = B.build_mesh(cfg)
