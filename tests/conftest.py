@@ -9,6 +9,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "notebooks: executes the lesson notebooks (nbval)")
     config.addinivalue_line("markers", "slow: the whole composition matrix; run with -m slow")
     config.addinivalue_line("markers", "gpu: a lent GPU machine's checks (make test-gpu, -m gpu)")
+    config.addinivalue_line("markers", "alone: a wall-time bound on a real server; make test runs "
+                            "it after its workers, with the machine to itself")
 
 
 def pytest_collection_modifyitems(config, items):

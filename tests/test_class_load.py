@@ -152,6 +152,7 @@ async def _class(url: str, values: list[dict | None]) -> list[tuple[Session, flo
     return list(zip(sessions, pressed))
 
 
+@pytest.mark.alone  # a bound on wall time: not beside the suite's other worker (Makefile)
 def test_twenty_sessions_at_the_default_controls_all_see_the_chart_within_10_s(server):
     line = asyncio.run(_warmed(server))
     assert re.search(r"measured at \d\d:\d\d:\d\d in \d+\.\d s", line), line
